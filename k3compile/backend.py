@@ -1,0 +1,69 @@
+"""The `k3` torch.compile backend.
+
+    torch.compile(model, backend="k3")                      # registered by entry point
+    torch.compile(model, backend=k3compile.backend(strict=True, skip=["overlap_shared_expert"]))
+    torch.compile(model, backend="k3", options={"mode": "eager"})
+
+mode="inductor" (default): Inductor with the K3 passes in its post-grad custom pass slot.
+mode="eager": AOT-trace with Inductor's decompositions, run the passes, then run the
+rewritten graph op by op (no codegen; for tests and debugging, like `aot_eager`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .options import K3Options
+from .passes.manager import PassManager
+
+_COUNTER = [0]
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mode: str | None = None):
+    _COUNTER[0] += 1
+    mgr = PassManager(opts, name=f"graph{_COUNTER[0]}")
+    if opts.mode == "eager":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        def fw(g: torch.fx.GraphModule, _inputs):
+            mgr(g.graph)
+            g.recompile()
+            return make_boxed_func(g.forward)
+
+        return aot_autograd(fw_compiler=fw, decompositions=select_decomp_table())(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"post_grad_custom_post_pass": mgr}
+    if torch_mode in ("reduce-overhead", "max-autotune"):
+        patches["triton.cudagraphs"] = True
+    if torch_mode in ("max-autotune", "max-autotune-no-cudagraphs"):
+        patches["max_autotune"] = True
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def k3_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """Entry point for `torch.compile(..., backend="k3", mode=..., options={...})`."""
+    return _compile(gm, example_inputs, K3Options.make(**(options or {})), torch_mode=mode)
+
+
+def backend(**options):
+    """A configured k3 backend: `torch.compile(model, backend=k3compile.backend(**options))`.
+
+    Options (see `K3Options`): passes, skip, strict, mode ("inductor"|"eager"), dtypes, tp_sizes,
+    m_ranges, prefetch, verbose. Unknown names raise ValueError at once."""
+    opts = K3Options.make(**options)
+
+    def k3(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+        o = K3Options.make(**{**_as_kwargs(opts), **(options or {})}) if options else opts
+        return _compile(gm, example_inputs, o, torch_mode=mode)
+
+    k3.options = opts
+    return k3
+
+
+def _as_kwargs(opts: K3Options) -> dict:
+    import dataclasses
+    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}

@@ -1,0 +1,5 @@
+"""`k3::` fused ops: reference implementations, fake implementations, kernel dispatch."""
+from . import fused  # noqa: F401  (registers torch.ops.k3.*)
+from .fused import OPS
+
+__all__ = ["OPS"]

@@ -1,0 +1,53 @@
+"""Where GPU kernels plug into the `k3::` ops.
+
+A kernel registers itself for (op name, device type) with a predicate on the call (e.g. an M
+range or a dtype); `pick` returns the first kernel whose predicate accepts the call, else None,
+and the op runs its PyTorch reference. Kernels live in `k3compile.kernels` and are imported
+lazily the first time an op runs on that device type, so CPU use never imports Triton.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+_KERNELS: dict[tuple[str, str], list["Kernel"]] = {}
+_LOADED: set[str] = set()
+
+
+@dataclass
+class Kernel:
+    name: str
+    fn: Callable
+    accepts: Callable[..., bool]
+
+
+def register(op: str, device: str, name: str, accepts: Callable[..., bool] | None = None):
+    def deco(fn):
+        _KERNELS.setdefault((op, device), []).append(Kernel(name, fn, accepts or (lambda *a, **k: True)))
+        return fn
+    return deco
+
+
+def _load(device: str) -> None:
+    if device in _LOADED:
+        return
+    _LOADED.add(device)
+    if device == "cuda" and os.environ.get("K3_KERNELS", "1") != "0":
+        try:
+            importlib.import_module("k3compile.kernels")
+        except ImportError:  # no Triton: every op runs its reference
+            pass
+
+
+def pick(op: str, device: str, *args, **kwargs) -> Kernel | None:
+    _load(device)
+    for k in _KERNELS.get((op, device), ()):
+        if k.accepts(*args, **kwargs):
+            return k
+    return None
+
+
+def registered(op: str | None = None) -> dict[tuple[str, str], list[str]]:
+    return {key: [k.name for k in ks] for key, ks in _KERNELS.items() if op is None or key[0] == op}

@@ -1,0 +1,110 @@
+"""The `k3::` custom ops that the passes emit.
+
+Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
+tracing, and a dispatch point (`dispatch.pick`) where the GPU kernels of `k3compile.kernels`
+plug in. The ops are functional (no input is mutated, no output aliases an input), so
+Inductor treats them as ordinary extern kernels.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import dispatch, reference as ref
+
+
+def _run(op: str, reference_fn, *args):
+    dev = next((a.device.type for a in args if isinstance(a, Tensor)), "cpu")
+    k = dispatch.pick(op, dev, *args)
+    return (k.fn if k is not None else reference_fn)(*args)
+
+
+# ----------------------------------------------------------------- 1. o-proj + all-reduce + residual (+ norm)
+@torch.library.custom_op("k3::oproj_allreduce_residual", mutates_args=())
+def oproj_allreduce_residual(x: Tensor, w: Tensor, residual: Tensor, blocks: list[Tensor],
+                             w_norm: Optional[Tensor], w_qk: Optional[Tensor], g: Optional[Tensor],
+                             eps: float, group: Optional[str], prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(updated, normed): updated = residual + all_reduce(x @ w.T); normed = AttnRes post-norm of
+    updated over `blocks` (plain RMSNorm(g) when there are none), or an empty tensor when g is None.
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
+    return _run("oproj_allreduce_residual", lambda *a: ref.oproj_allreduce_residual(*a[:9]),
+                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+
+
+@oproj_allreduce_residual.register_fake
+def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    return torch.empty_like(residual), (torch.empty_like(residual) if g is not None else residual.new_empty(0))
+
+
+# ----------------------------------------------------------------- 2. MoE finalize folded into the latent tail
+@torch.library.custom_op("k3::moe_latent_tail", mutates_args=())
+def moe_latent_tail(y: Tensor, topk_w: Tensor, shared_partial: Tensor, g_latent: Tensor, w_up: Tensor,
+                    eps: float, rank: int, group: Optional[str], prefetch: list[Tensor]) -> Tensor:
+    """final_partial = shared_partial (+ at this rank's columns) up_proj(RMSNorm(all_reduce(sum_k w_k y_k)))."""
+    return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8]),
+                y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
+
+
+@moe_latent_tail.register_fake
+def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+    return torch.empty_like(shared_partial)
+
+
+# ----------------------------------------------------------------- 3. sharded router + latent projection
+@torch.library.custom_op("k3::router_latent_sharded", mutates_args=())
+def router_latent_sharded(x: Tensor, w_router: Tensor, w_down: Tensor, rank: int, tp: int,
+                          group: Optional[str]) -> tuple[Tensor, Tensor]:
+    """(x @ W_r.T, x @ W_down.T), each rank computing 1/tp of the rows of [W_r; W_down], all-gathered."""
+    return _run("router_latent_sharded", ref.router_latent_sharded, x, w_router, w_down, rank, tp, group)
+
+
+@router_latent_sharded.register_fake
+def _(x, w_router, w_down, rank, tp, group):
+    return x.new_empty(x.shape[0], w_router.shape[0]), x.new_empty(x.shape[0], w_down.shape[0])
+
+
+# ----------------------------------------------------------------- 4. side stream + prefetch
+@torch.library.custom_op("k3::shared_expert_async", mutates_args=())
+def shared_expert_async(x: Tensor, w_gate_up: Tensor, w_down: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """The SiTU shared expert's TP-partial output, launched on the side stream (GPU); the result
+    may only be read after `k3::stream_join`."""
+    return _run("shared_expert_async", ref.shared_expert, x, w_gate_up, w_down, beta, linear_beta)
+
+
+@shared_expert_async.register_fake
+def _(x, w_gate_up, w_down, beta, linear_beta):
+    return x.new_empty(x.shape[0], w_down.shape[0])
+
+
+@torch.library.custom_op("k3::stream_join", mutates_args=())
+def stream_join(x: Tensor) -> Tensor:
+    """Makes the current stream wait for the side stream that produced `x`; returns x's value."""
+    return _run("stream_join", lambda t: t.clone(), x)
+
+
+@stream_join.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("k3::all_reduce_prefetch", mutates_args=())
+def all_reduce_prefetch(x: Tensor, group: str, prefetch: list[Tensor]) -> Tensor:
+    """all_reduce(x) (sum over `group`), pulling `prefetch` weights into L2 while it is in flight (GPU)."""
+    return _run("all_reduce_prefetch", lambda t, grp, _p: ref.all_reduce(t, grp).clone(), x, group, prefetch)
+
+
+@all_reduce_prefetch.register_fake
+def _(x, group, prefetch):
+    return torch.empty_like(x)
+
+
+OPS = {
+    "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
+    "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
+    "router_latent_sharded": torch.ops.k3.router_latent_sharded.default,
+    "shared_expert_async": torch.ops.k3.shared_expert_async.default,
+    "stream_join": torch.ops.k3.stream_join.default,
+    "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
+}

@@ -1,0 +1,72 @@
+"""Plain PyTorch reference implementations of the fused `k3::` ops (run on CPU and GPU).
+
+Each computes exactly what the unfused K3 subgraph computes, with the same dtype roundings,
+so a rewritten graph run on references equals the original graph up to kernel rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3compile.model.functional import attnres_mix, rms_norm, situ
+
+
+def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
+    if not group:
+        return x
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def all_gather(x: torch.Tensor, group: str | None, tp: int) -> torch.Tensor:
+    """[M, n] on each rank -> [tp, M, n] (rank-major)."""
+    if not group:
+        return x.unsqueeze(0)
+    out = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp, group)
+    return torch.ops._c10d_functional.wait_tensor(out).view(tp, *x.shape)
+
+
+def oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group):
+    """updated = residual + all_reduce(x @ w.T); normed = AttnRes/RMSNorm(updated) (or empty)."""
+    y = all_reduce(F.linear(x, w), group)
+    if g is None:
+        updated = residual + y
+        return updated, updated.new_empty(0)
+    normed, updated = attnres_mix(residual, y, list(blocks), w_norm, w_qk, g, eps)
+    return updated, normed
+
+
+def moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group):
+    """Finalize (weighted top-k sum) + latent all-reduce + RMSNorm + up-projection shard + add
+    into this rank's column slice of the shared-expert partial."""
+    routed = (y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype)
+    routed = all_reduce(routed, group)
+    tail = F.linear(rms_norm(routed, g_latent, eps), w_up)
+    n = tail.shape[-1]
+    if n == shared_partial.shape[-1]:
+        return shared_partial + tail
+    out = shared_partial.clone()
+    out[:, rank * n:(rank + 1) * n] += tail
+    return out
+
+
+def router_latent_sharded(x, w_router, w_down, rank, tp, group):
+    """Rows [rank*s, (rank+1)*s) of [W_r; W_down] times x on each rank, all-gathered.
+
+    Returns (router logits in x.dtype [M, E], latent [M, L]) equal to the replicated GEMMs."""
+    E, n = w_router.shape[0], w_router.shape[0] + w_down.shape[0]
+    s = n // tp
+    a, b = rank * s, (rank + 1) * s
+    pieces = []
+    if a < E:  # this rank's rows of W_r
+        pieces.append(F.linear(x, w_router[a:min(b, E)]))
+    if b > E:  # this rank's rows of W_down
+        pieces.append(F.linear(x, w_down[max(a, E) - E:b - E]))
+    part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+    full = all_gather(part, group, tp)  # [tp, M, s]
+    full = full.permute(1, 0, 2).reshape(x.shape[0], n)
+    return full[:, :E].contiguous(), full[:, E:].contiguous()
+
+
+def shared_expert(x, w_gate_up, w_down, beta, linear_beta):
+    return F.linear(situ(F.linear(x, w_gate_up), beta, linear_beta), w_down)

@@ -1,0 +1,70 @@
+"""Backend options: one place for every switch (like AutoDeploy's transform config).
+
+Options come from `k3compile.backend(**options)` / `torch.compile(..., options={...})`, then the
+environment: K3_PASSES=a,b (only these), K3_SKIP=a,b, K3_STRICT=1, K3_MODE=inductor|eager.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+PASS_ORDER = (
+    "shard_router_latent",
+    "fold_moe_finalize",
+    "fuse_oproj_allreduce",
+    "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
+)
+# Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive. The GPU lowering
+# fills this from benchmarks; until then every pass applies at every M. Outside the range a pass
+# is skipped (static M) or its op runs the unfused reference path (dynamic M).
+DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
+
+
+@dataclass(frozen=True)
+class K3Options:
+    passes: tuple[str, ...] = PASS_ORDER
+    strict: bool = False
+    mode: str = "inductor"  # "inductor": Inductor codegen; "eager": run the rewritten graph op by op
+    dtypes: tuple[str, ...] = ("bfloat16",)  # model dtypes the fused ops accept
+    tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
+    prefetch: bool = True
+    prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
+    verbose: bool = False  # print the match report after each compile
+
+    @classmethod
+    def make(cls, **kw) -> "K3Options":
+        env = os.environ
+        if "passes" not in kw and env.get("K3_PASSES"):
+            kw["passes"] = tuple(p for p in env["K3_PASSES"].split(",") if p)
+        skip = kw.pop("skip", None) or tuple(p for p in env.get("K3_SKIP", "").split(",") if p)
+        if "strict" not in kw and env.get("K3_STRICT"):
+            kw["strict"] = env["K3_STRICT"] not in ("0", "")
+        if "mode" not in kw and env.get("K3_MODE"):
+            kw["mode"] = env["K3_MODE"]
+        unknown = set(kw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown k3 backend option(s) {sorted(unknown)}; valid: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))} and 'skip'")
+        passes = tuple(kw.get("passes", PASS_ORDER))
+        bad = [p for p in (*passes, *skip) if p not in PASS_ORDER]
+        if bad:
+            raise ValueError(f"unknown pass(es) {bad}; valid passes: {list(PASS_ORDER)}")
+        kw["passes"] = tuple(p for p in PASS_ORDER if p in passes and p not in skip)
+        if "dtypes" in kw:
+            kw["dtypes"] = tuple(str(d).replace("torch.", "") for d in kw["dtypes"])
+        if kw.get("mode", "inductor") not in ("inductor", "eager"):
+            raise ValueError(f"mode must be 'inductor' or 'eager', got {kw['mode']!r}")
+        m_ranges = dict(DEFAULT_M_RANGES)
+        m_ranges.update(kw.get("m_ranges", {}))
+        kw["m_ranges"] = m_ranges
+        return cls(**kw)
+
+    def key(self) -> str:
+        """Stable text of everything that changes what the passes emit (for the FX graph cache)."""
+        d = dataclasses.asdict(self)
+        d.pop("verbose")
+        d["m_ranges"] = {k: list(v) for k, v in sorted(self.m_ranges.items())}
+        return json.dumps(d, sort_keys=True)

@@ -1,0 +1,38 @@
+"""The contract every K3 pass follows.
+
+A pass is one file in this package holding one `K3Pass` subclass; its module docstring says
+what it matches, what it emits and when it is skipped. `run` first collects every site without
+touching the graph (so a near-miss costs nothing), then rewrites the matched sites.
+"""
+from __future__ import annotations
+
+from torch.fx import Graph
+
+from ..options import K3Options
+from ..patterns.structure import GraphInfo
+from ..report import PassReport
+
+
+class K3Pass:
+    name: str = ""
+    description: str = ""
+
+    def expected(self, info: GraphInfo) -> int:
+        """How many sites the graph's layer structure says should match."""
+        raise NotImplementedError
+
+    def skip_reason(self, info: GraphInfo, opts: K3Options) -> str | None:
+        """Why the whole pass does not apply to this graph (None: it applies)."""
+        dt = str(info.dtype).replace("torch.", "") if info.dtype else None
+        if dt is not None and dt not in opts.dtypes:
+            return f"model dtype {dt} is not supported by the fused ops (supported: {', '.join(opts.dtypes)})"
+        if info.tp not in opts.tp_sizes:
+            return f"TP={info.tp} is not supported by the fused ops (supported: {list(opts.tp_sizes)})"
+        lo, hi = opts.m_ranges.get(self.name, (1, 1 << 30))
+        m = info.m_static
+        if m is not None and not lo <= m <= hi:
+            return f"M={m} is outside this pass's batch range [{lo}, {hi}]"
+        return None
+
+    def run(self, graph: Graph, info: GraphInfo, opts: K3Options, report: PassReport) -> None:
+        raise NotImplementedError

@@ -1,0 +1,92 @@
+"""Graph-editing helpers the passes share."""
+from __future__ import annotations
+
+import torch
+from torch.fx import Graph, Node
+
+from ..patterns.graph import aten, dtype, prims, shape, val
+
+
+def emit(graph: Graph, after: Node, op, args: tuple) -> Node:
+    """Insert `op(*args)` right after `after`; meta['val'] comes from running the op's fake
+    implementation on the arguments' fake values."""
+    from contextlib import nullcontext
+
+    from torch._guards import detect_fake_mode
+
+    with graph.inserting_after(after):
+        n = graph.call_function(op, args)
+    fv = lambda a: val(a) if isinstance(a, Node) else ([fv(x) for x in a] if isinstance(a, (list, tuple)) else a)  # noqa: E731
+    fargs = [fv(a) for a in args]
+    flat = [t for a in fargs for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
+    with (detect_fake_mode(flat) or nullcontext()):
+        n.meta["val"] = op(*fargs)
+    return n
+
+
+def getitem(graph: Graph, n: Node, i: int) -> Node:
+    import operator
+    with graph.inserting_after(n):
+        g = graph.call_function(operator.getitem, (n, i))
+    g.meta["val"] = n.meta["val"][i]
+    return g
+
+
+def like(graph: Graph, new: Node, old: Node) -> Node:
+    """`new` viewed/cast to `old`'s shape and dtype (inserted right after `new`)."""
+    out = new
+    if shape(old) is not None and shape(new) != shape(old):
+        with graph.inserting_after(out):
+            out = graph.call_function(aten.view.default, (out, list(val(old).shape)))
+        out.meta["val"] = val(old)
+    if dtype(old) is not None and dtype(out) != dtype(old):
+        with graph.inserting_after(out):
+            out = graph.call_function(prims.convert_element_type.default, (out, dtype(old)))
+        out.meta["val"] = val(old)
+    return out
+
+
+def replace(graph: Graph, old: Node, new: Node) -> None:
+    old.replace_all_uses_with(like(graph, new, old))
+
+
+def last_of(graph: Graph, nodes) -> Node:
+    """The latest of `nodes` in graph order."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return max((n for n in nodes if isinstance(n, Node)), key=lambda n: order[n])
+
+
+def forward_gemm(start: Node, limit: int = 500) -> Node | None:
+    """The first mm/addmm reached from `start` following users (breadth first)."""
+    seen, frontier = {start}, [start]
+    while frontier and len(seen) < limit:
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen:
+                    continue
+                if u.op == "call_function" and u.target in (aten.mm.default, aten.addmm.default):
+                    return u
+                seen.add(u)
+                nxt.append(u)
+        frontier = nxt
+    return None
+
+
+def users_through_views(n: Node) -> list[Node]:
+    from ..patterns.graph import VIEW_OPS
+    out = []
+    for u in n.users:
+        if u.op == "call_function" and u.target in VIEW_OPS:
+            out.extend(users_through_views(u))
+        else:
+            out.append(u)
+    return out
+
+
+def fake_mode_of(*nodes):
+    for n in nodes:
+        v = val(n)
+        if isinstance(v, torch.Tensor):
+            return v
+    return None

@@ -1,0 +1,110 @@
+"""fuse_oproj_allreduce: attention o-proj GEMM + all-reduce + residual add (+ post-norm) -> one op.
+
+Matches, once per attention layer (anchored on each attention core op):
+    y = all_reduce(o @ W_o.T)            # mm / addmm / matmul forms; no all-reduce at TP=1
+    updated = prefix + y                 # or Inductor's addmm(prefix, o, W_o.T) at TP=1
+    normed = RMSNorm(updated) * g        # or the AttnRes mixer over [blocks..., updated] (optional)
+Emits:
+    updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
+Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
+pass's batch range. A site whose GEMM is not followed by exactly this chain is a near-miss,
+reported with the node where matching stopped.
+"""
+from __future__ import annotations
+
+from ..ops import OPS
+from ..patterns.attnres import match_attnres_from_norm
+from ..patterns.graph import (Fail, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
+                              is_weight_like, strip, weight_out_in, describe)
+from .base import K3Pass
+from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
+
+
+class FuseOprojAllreduce(K3Pass):
+    name = "fuse_oproj_allreduce"
+    description = "o-proj GEMM + all-reduce + residual add (+ RMSNorm/AttnRes post-norm) -> k3::oproj_allreduce_residual"
+
+    def expected(self, info):
+        return len(info.attention)
+
+    def run(self, graph, info, opts, report):
+        norms = rms_norms_by_input(graph)
+        post_norm = {}  # updated node -> AttnResSite
+        for sites in norms.values():
+            for s in sites:
+                if s.weight is None:
+                    continue
+                a = match_attnres_from_norm(s)
+                if a:
+                    post_norm.setdefault(a.updated, a)
+        sites = []
+        for core in info.attention:
+            m = self.match(core, info, post_norm)
+            if isinstance(m, Fail):
+                report.miss(core, m.node, m.reason)
+            else:
+                sites.append(m)
+        for s in sites:
+            self.rewrite(graph, s, info)
+            report.matched += 1
+
+    def match(self, core, info, post_norm):
+        gemm = forward_gemm(core)
+        if gemm is None:
+            return Fail(core, "no GEMM after the attention core")
+        lin = match_linear(gemm)
+        if isinstance(lin, Fail):
+            return lin
+        if not is_weight_like(lin.w):
+            return Fail(gemm, f"o-proj weight is computed ({describe(strip(lin.w))}), not a parameter")
+        if lin.bias is not None:
+            return Fail(gemm, "o-proj has a bias (K3 has none)")
+        group = None
+        if lin.residual is not None:  # Inductor folded `prefix + o @ W.T` into addmm (TP=1 only)
+            if info.tp > 1:
+                return Fail(gemm, "residual added before the all-reduce")
+            updated, residual = gemm, lin.residual
+        else:
+            y = gemm
+            users = users_through_views(gemm)
+            if info.tp > 1:
+                ar = [u for u in users if is_call(u, torch_c10d_all_reduce())]
+                if len(users) != 1 or not ar:
+                    return Fail(gemm, f"o-proj output does not go straight into an all-reduce "
+                                      f"(users: {', '.join(describe(u) for u in users)})")
+                w = list(ar[0].users)
+                arm = match_all_reduce(w[0]) if len(w) == 1 else Fail(ar[0], "all_reduce without a single wait")
+                if isinstance(arm, Fail):
+                    return arm
+                y, group = arm.out, arm.group
+                users = users_through_views(y)
+            adds = [u for u in users if is_call(u, aten.add.Tensor)]
+            if len(adds) != 1 or len(users) != 1:
+                return Fail(y, f"o-proj result is not added to the residual exactly once "
+                               f"(users: {', '.join(describe(u) for u in users)})")
+            updated = adds[0]
+            a, b = updated.args
+            residual = b if strip(a) is y or a is y else a
+        mix = post_norm.get(updated)
+        return dict(lin=lin, updated=updated, residual=residual, group=group, mix=mix)
+
+    def rewrite(self, graph, s, info):
+        lin, updated, mix = s["lin"], s["updated"], s["mix"]
+        w = weight_out_in(graph, lin, updated)
+        if mix is not None:
+            args = (lin.x, w, s["residual"], list(mix.blocks), mix.w_norm, mix.w_qk, mix.norm.weight,
+                    mix.norm.eps, s["group"], [])
+        else:
+            args = (lin.x, w, s["residual"], [], None, None, None, 1e-6, s["group"], [])
+        anchor = last_of(graph, [updated, w] + list(mix.blocks if mix else []))
+        fused = emit(graph, anchor, OPS["oproj_allreduce_residual"], args)
+        normed = getitem(graph, fused, 1) if mix is not None else None
+        new_updated = getitem(graph, fused, 0)
+        if normed is not None:
+            replace(graph, mix.norm.out, normed)
+        replace(graph, updated, new_updated)
+
+
+def torch_c10d_all_reduce():
+    import torch
+    return torch.ops._c10d_functional.all_reduce.default

@@ -1,0 +1,151 @@
+"""Runs the K3 passes in a fixed order over a post-grad graph and writes the match report.
+
+Used as Inductor's `post_grad_custom_post_pass` (a `CustomGraphPass`, so the FX graph cache
+keys on `uuid()`), or directly on a graph in the backend's "eager" mode and in the CLI.
+A pass that raises leaves the graph exactly as it was (it is restored from a copy) and warns;
+`strict=True` turns that, and any expected site that did not match, into an error.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+import time
+import warnings
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx import Graph
+
+from ..options import K3Options
+from ..patterns.structure import analyze
+from ..report import CompileReport, PassReport, record
+from . import fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
+
+log = logging.getLogger("k3compile")
+
+PASSES = {
+    p.name: p for p in (
+        shard_router_latent.ShardRouterLatent(),
+        fold_moe_finalize.FoldMoeFinalize(),
+        fuse_oproj_allreduce.FuseOprojAllreduce(),
+        overlap_shared_expert.OverlapSharedExpert(),
+    )
+}
+
+
+class K3StrictError(RuntimeError):
+    pass
+
+
+def _snapshot(graph: Graph) -> Graph:
+    g = Graph()
+    out = g.graph_copy(graph, {})
+    g.output(out)
+    return g
+
+
+def _restore(graph: Graph, snap: Graph) -> None:
+    for n in reversed(list(graph.nodes)):
+        graph.erase_node(n)
+    out = graph.graph_copy(snap, {})
+    graph.output(out)
+
+
+def _source_hash() -> str:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for sub in ("passes", "patterns", "ops"):
+        for f in sorted((root / sub).glob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph"):
+        self.opts = opts or K3Options.make()
+        self.passes = passes if passes is not None else PASSES
+        self.name = name
+        self.last: CompileReport | None = None
+        self.graphs: list[tuple[str, str]] = []  # (stage, readable graph) when dumping
+
+    def uuid(self):
+        import torch.distributed as dist
+        rank = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        # the rewrite bakes in this rank's shard offsets, so the rank is part of the key
+        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}"
+
+    def __call__(self, graph: Graph) -> None:
+        t0 = time.perf_counter()
+        info = analyze(graph)
+        report = CompileReport(graph=self.name, structure=info.summary())
+        dump = bool(self.graphs is not None and getattr(self, "dump", False))
+        for name, p in self.passes.items():
+            pr = PassReport(name)
+            report.passes.append(pr)
+            pr.expected = p.expected(info) if report.is_k3 else 0
+            if name not in self.opts.passes:
+                pr.skipped = "disabled by options"
+                continue
+            if not report.is_k3:
+                pr.skipped = "no K3 structure in this graph"
+                continue
+            reason = p.skip_reason(info, self.opts)
+            if reason:
+                pr.skipped = reason
+                continue
+            pr.nodes_before = len(graph.nodes)
+            info = analyze(graph)  # fresh: earlier passes (or a rollback) replaced nodes
+            snap = _snapshot(graph)
+            t = time.perf_counter()
+            try:
+                p.run(graph, info, self.opts, pr)
+                stable_topological_sort(graph)
+                graph.eliminate_dead_code()
+                graph.lint()
+            except Exception as e:  # roll back: the graph stays as it was before this pass
+                _restore(graph, snap)
+                pr.error = f"{type(e).__name__}: {e}"
+                pr.matched = 0
+                if self.opts.strict:
+                    raise K3StrictError(f"k3 pass {name} failed: {pr.error}") from e
+                warnings.warn(f"k3 pass {name} failed and was rolled back: {pr.error}", stacklevel=2)
+            pr.seconds = time.perf_counter() - t
+            pr.nodes_after = len(graph.nodes)
+            if dump:
+                self.graphs.append((name, _readable(graph)))
+        report.seconds = time.perf_counter() - t0
+        self.last = report
+        record(report)
+        text = report.render()
+        (print if self.opts.verbose else log.info)(text)
+        _trace(report, graph)
+        missing = [p for p in report.passes if p.name in self.opts.passes and not p.skipped and not p.error
+                   and p.matched < p.expected]
+        if missing:
+            msg = "; ".join(f"{p.name}: {p.matched}/{p.expected} sites" + (f" (first near-miss {p.near_misses[0]})"
+                                                                          if p.near_misses else "")
+                            for p in missing)
+            if self.opts.strict:
+                raise K3StrictError(f"k3: expected sites did not match: {msg}")
+            warnings.warn(f"k3: expected sites did not match: {msg}", stacklevel=2)
+
+
+def _readable(graph: Graph) -> str:
+    gm = graph.owning_module
+    if gm is not None:
+        return gm.print_readable(print_output=False)
+    return str(graph)
+
+
+def _trace(report: CompileReport, graph: Graph) -> None:
+    """Structured-trace artifacts (TORCH_TRACE=dir, then tlparse)."""
+    try:
+        from torch._logging import trace_structured
+        trace_structured("artifact", metadata_fn=lambda: {"name": "k3_match_report", "encoding": "string"},
+                         payload_fn=lambda: report.render())
+        trace_structured("artifact", metadata_fn=lambda: {"name": "k3_graph_after_passes", "encoding": "string"},
+                         payload_fn=lambda: _readable(graph))
+    except Exception:  # tracing is best-effort
+        pass

@@ -1,0 +1,289 @@
+"""Small recognisers over post-grad ATen FX graphs, shared by all K3 patterns.
+
+Each `match_*` returns a dataclass describing the site, or a `Fail(node, reason)` saying at
+which node matching stopped and why; the passes turn Fails into near-miss report lines.
+They accept the forms the same math takes however a model was written: `F.linear` vs
+`matmul`/`mm`/`addmm` with transposes, hand-written vs `F.rms_norm`, views around everything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+VIEW_OPS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.alias.default,
+    aten.clone.default, aten.contiguous.default,
+}
+CONVERT_OPS = {prims.convert_element_type.default, aten._to_copy.default}
+
+
+@dataclass
+class Fail:
+    node: Any
+    reason: str
+
+    def __bool__(self) -> bool:  # a Fail is falsy, so `if not m:` reads naturally
+        return False
+
+
+def is_call(n: Any, *targets) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and (not targets or n.target in targets)
+
+
+def val(n: Any):
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+def shape(n: Any) -> tuple | None:
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype(n: Any) -> torch.dtype | None:
+    v = val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def strip(n: Any, views: bool = True, converts: bool = False) -> Any:
+    """Walk up through view-like (and optionally dtype-convert) nodes."""
+    ops = (VIEW_OPS if views else set()) | (CONVERT_OPS if converts else set())
+    while is_call(n) and n.target in ops:
+        n = n.args[0]
+    return n
+
+
+def strip_converts(n: Any) -> Any:
+    return strip(n, views=False, converts=True)
+
+
+def is_weight_like(n: Any) -> bool:
+    """A graph input (parameter/buffer lifted as placeholder) or a get_attr, through views/converts."""
+    n = strip(n, converts=True)
+    return isinstance(n, Node) and n.op in ("placeholder", "get_attr")
+
+
+def scalar(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+# ------------------------------------------------------------------------------------------ linear
+@dataclass
+class LinearSite:
+    out: Node            # the node whose value is x @ W.T (+ residual/bias)
+    x: Node              # activation [N, in]
+    w: Node              # weight node as stored
+    w_layout: str        # "out_in" (F.linear layout: W) or "in_out" (matmul layout: W.T stored)
+    residual: Node | None = None  # addmm's 2-D additive input (Inductor folds `+ residual` into addmm)
+    bias: Node | None = None      # addmm's 1-D bias
+    nodes: list = field(default_factory=list)
+
+
+def _weight_of(b: Node):
+    """b is the right operand of mm: permute(W, [1, 0]) / t(W) -> (W, out_in), else (b, in_out)."""
+    bs = strip(b, views=False, converts=False)
+    if is_call(bs, aten.permute.default) and list(bs.args[1]) in ([1, 0], [-1, -2], [-1, 0], [1, -2]):
+        return bs.args[0], "out_in"
+    if is_call(bs, aten.t.default) or (is_call(bs, aten.transpose.int) and sorted(bs.args[1:3]) in ([0, 1], [-2, -1])):
+        return bs.args[0], "out_in"
+    return bs, "in_out"
+
+
+def match_linear(n: Any) -> LinearSite | Fail:
+    """n (after views) is mm(x, W^T) / addmm(c, x, W^T) / bmm-free 2-D matmul."""
+    m = strip(n)
+    if is_call(m, aten.mm.default):
+        x, b = m.args
+        w, layout = _weight_of(b)
+        return LinearSite(out=n, x=x, w=w, w_layout=layout, nodes=[m])
+    if is_call(m, aten.addmm.default):
+        c, x, b = m.args[:3]
+        if m.kwargs.get("beta", 1) != 1 or m.kwargs.get("alpha", 1) != 1:
+            return Fail(m, "addmm with alpha/beta != 1")
+        w, layout = _weight_of(b)
+        cs = shape(c)
+        site = LinearSite(out=n, x=x, w=w, w_layout=layout, nodes=[m])
+        if cs is not None and len(cs) == 1:
+            site.bias = c
+        else:
+            site.residual = c
+        return site
+    return Fail(m, f"not a GEMM (found {_name(m)})")
+
+
+def weight_out_in(graph, site: LinearSite, before: Node) -> Node:
+    """A node holding W in F.linear [out, in] layout (inserting a transpose view if needed)."""
+    if site.w_layout == "out_in":
+        return site.w
+    with graph.inserting_before(before):
+        t = graph.call_function(aten.permute.default, (site.w, [1, 0]))
+    v = val(site.w)
+    if v is not None:
+        t.meta["val"] = v.permute(1, 0)
+    return t
+
+
+# ------------------------------------------------------------------------------------------ collectives
+@dataclass
+class AllReduceSite:
+    out: Node
+    inp: Node
+    group: str
+    nodes: list
+
+
+def match_all_reduce(n: Any) -> AllReduceSite | Fail:
+    """n (after views) is wait_tensor(all_reduce(x, 'sum', group))."""
+    w = strip(n)
+    if not is_call(w, c10d.wait_tensor.default):
+        return Fail(w, f"not an all-reduce (found {_name(w)})")
+    ar = w.args[0]
+    if not is_call(ar, c10d.all_reduce.default):
+        return Fail(ar, f"wait_tensor of {_name(ar)}, not of all_reduce")
+    if ar.args[1] != "sum":
+        return Fail(ar, f"all_reduce op is {ar.args[1]!r}, not 'sum'")
+    return AllReduceSite(out=n, inp=ar.args[0], group=ar.args[2], nodes=[w, ar])
+
+
+def find_all_reduces(graph) -> list[AllReduceSite]:
+    out = []
+    for n in graph.nodes:
+        if is_call(n, c10d.wait_tensor.default):
+            m = match_all_reduce(n)
+            if m:
+                out.append(m)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+@dataclass
+class RmsNormSite:
+    out: Node            # the final node (after the cast back, if any)
+    x: Node              # the input, before the fp32 cast
+    weight: Node | None
+    eps: float
+    nodes: list
+
+
+def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
+    """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps."""
+    r = strip(r, views=False)
+    if is_call(r, aten.rsqrt.default):
+        a = r.args[0]
+    elif is_call(r, aten.reciprocal.default) and is_call(r.args[0], aten.sqrt.default):
+        a = r.args[0].args[0]
+    else:
+        return Fail(r, f"expected rsqrt(mean(x^2) + eps), found {_name(r)}")
+    if not is_call(a, aten.add.Tensor, aten.add.Scalar) or scalar(a.args[1]) is None:
+        return Fail(a, "expected `mean(x^2) + eps` with a constant eps")
+    eps = scalar(a.args[1])
+    mean = a.args[0]
+    if is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [len(shape(xf) or [0]) - 1]):
+        sq = mean.args[0]
+    else:
+        return Fail(mean, f"expected mean over the last dim, found {_name(mean)}")
+    if is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2:
+        base = sq.args[0]
+    elif is_call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1]:
+        base = sq.args[0]
+    else:
+        return Fail(sq, f"expected x^2, found {_name(sq)}")
+    if strip_converts(base) is not strip_converts(xf):
+        return Fail(sq, "the squared tensor is not the normalised one")
+    return eps
+
+
+def match_rms_norm(n: Any) -> RmsNormSite | Fail:
+    """n is RMSNorm(x) [* weight], possibly wrapped in dtype casts."""
+    out = n
+    m = strip_converts(n)
+    nodes = [n]
+    weight = None
+    if not is_call(m, aten.mul.Tensor, aten.div.Tensor):
+        return Fail(m, f"not an RMSNorm (found {_name(m)})")
+    # y * weight: one operand is a 1-D weight-like tensor
+    if is_call(m, aten.mul.Tensor):
+        for i in (0, 1):
+            o = m.args[i]
+            s = shape(o)
+            if isinstance(o, Node) and s is not None and len(s) == 1 and (is_weight_like(o) or s == shape(m)[-1:]):
+                other = m.args[1 - i]
+                if is_call(strip_converts(other), aten.mul.Tensor, aten.div.Tensor):
+                    weight, m = strip_converts(o), strip_converts(other)
+                    nodes.append(m)
+                break
+    # x * rsqrt(...) or x / sqrt(...)
+    if is_call(m, aten.mul.Tensor):
+        a, b = m.args
+        for xf, r in ((a, b), (b, a)):
+            if isinstance(r, Node) and (shape(r) or (None,))[-1] == 1:
+                eps = _match_inv_rms(r, xf)
+                if isinstance(eps, Fail):
+                    return eps
+                return RmsNormSite(out, strip_converts(xf), weight, eps, nodes)
+        return Fail(m, "mul is not x * rsqrt(mean(x^2) + eps)")
+    if is_call(m, aten.div.Tensor) and is_call(m.args[1], aten.sqrt.default):
+        xf, sq = m.args
+        eps = _match_inv_rms_div(sq, xf)
+        if isinstance(eps, Fail):
+            return eps
+        return RmsNormSite(out, strip_converts(xf), weight, eps, nodes)
+    return Fail(m, f"not an RMSNorm (found {_name(m)})")
+
+
+def _match_inv_rms_div(sq: Node, xf: Node) -> float | Fail:
+    fake_r = sq  # sqrt(mean + eps): reuse the rsqrt matcher on its argument
+    a = fake_r.args[0]
+    if not is_call(a, aten.add.Tensor, aten.add.Scalar) or scalar(a.args[1]) is None:
+        return Fail(a, "expected `mean(x^2) + eps` with a constant eps")
+    mean = a.args[0]
+    if not is_call(mean, aten.mean.dim):
+        return Fail(mean, f"expected mean over the last dim, found {_name(mean)}")
+    return scalar(a.args[1])
+
+
+def rms_norms_by_input(graph) -> dict[Node, list[RmsNormSite]]:
+    """Every RMSNorm in the graph, keyed by its input node (outermost cast node kept as `out`)."""
+    found: dict[Node, list[RmsNormSite]] = {}
+    seen: set = set()
+    for n in reversed(list(graph.nodes)):
+        if n in seen or not is_call(n):
+            continue
+        site = match_rms_norm(n)
+        if site:
+            found.setdefault(site.x, []).append(site)
+            seen.update(site.nodes)
+            # the inner nodes of this norm are not separate norms
+            inner = strip_converts(n)
+            seen.add(inner)
+    return found
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _name(n: Any) -> str:
+    if is_call(n):
+        t = n.target
+        return f"{getattr(t, '__name__', str(t))} ({n.name})"
+    if isinstance(n, Node):
+        return f"{n.op} {n.name}"
+    return repr(n)
+
+
+def describe(n: Any) -> str:
+    return _name(n)
+
+
+def replace_uses(old: Node, new: Node) -> None:
+    old.replace_all_uses_with(new)
+
+
+def set_val(n: Node, v) -> Node:
+    n.meta["val"] = v
+    return n

@@ -1,0 +1,113 @@
+"""Match reports: per pass, sites matched vs expected and why each near-miss failed."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class NearMiss:
+    site: str        # the anchor node matching started from
+    stopped_at: str  # the node where matching stopped
+    reason: str
+
+    def __str__(self) -> str:
+        return f"at {self.site}: stopped at {self.stopped_at}: {self.reason}"
+
+
+@dataclass
+class PassReport:
+    name: str
+    expected: int = 0
+    matched: int = 0
+    near_misses: list[NearMiss] = field(default_factory=list)
+    skipped: str | None = None   # the whole pass did not run, and why
+    error: str | None = None     # the pass raised; the graph was rolled back
+    fallback: list[str] = field(default_factory=list)  # sites rewritten but gated to the reference path at run time
+    seconds: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+
+    def miss(self, site, stopped_at, reason: str) -> None:
+        name = lambda n: getattr(n, "name", str(n))  # noqa: E731
+        self.near_misses.append(NearMiss(name(site), name(stopped_at), reason))
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.skipped is None and self.matched == self.expected
+
+    def status(self) -> str:
+        if self.error:
+            return f"ERROR, rolled back: {self.error}"
+        if self.skipped:
+            return f"skipped: {self.skipped}"
+        s = f"{self.matched}/{self.expected} sites"
+        if self.matched < self.expected:
+            s += f" ({self.expected - self.matched} missed)"
+        return s
+
+    def line(self) -> str:
+        return f"{self.name:<24} {self.status()}  [{self.seconds * 1e3:.1f} ms]"
+
+
+@dataclass
+class CompileReport:
+    graph: str = ""
+    structure: dict = field(default_factory=dict)
+    passes: list[PassReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def is_k3(self) -> bool:
+        return bool(self.structure.get("attention_layers") or self.structure.get("moe_layers"))
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok or (p.skipped and not p.expected) for p in self.passes)
+
+    def render(self, near_misses: bool = True) -> str:
+        if not self.is_k3:
+            return (f"k3: {self.graph}: nothing matched: no K3 structure found "
+                    f"(no attention cores or MoE experts); compiled without K3 passes")
+        st = self.structure
+        head = (f"k3: {self.graph}: {st.get('attention_layers', 0)} attention layers, "
+                f"{st.get('moe_layers', 0)} MoE layers, TP={st.get('tp')}, M={st.get('m')}, "
+                f"dtype={st.get('dtype')}")
+        lines = [head] + ["  " + p.line() for p in self.passes]
+        if near_misses:
+            for p in self.passes:
+                for nm in p.near_misses[:10]:
+                    lines.append(f"    {p.name} near-miss {nm}")
+                if len(p.near_misses) > 10:
+                    lines.append(f"    {p.name}: {len(p.near_misses) - 10} more near-misses")
+                for fb in p.fallback[:3]:
+                    lines.append(f"    {p.name} runtime fallback: {fb}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def get(self, name: str) -> PassReport:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no report for pass {name!r}; passes run: {[p.name for p in self.passes]}")
+
+
+_REPORTS: list[CompileReport] = []
+
+
+def record(r: CompileReport) -> None:
+    _REPORTS.append(r)
+
+
+def reports() -> list[CompileReport]:
+    """Every compile's report in this process, oldest first."""
+    return list(_REPORTS)
+
+
+def last_report() -> CompileReport | None:
+    return _REPORTS[-1] if _REPORTS else None
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
