@@ -23,6 +23,7 @@ class PassReport:
     skipped: str | None = None   # the whole pass did not run, and why
     error: str | None = None     # the pass raised; the graph was rolled back
     fallback: list[str] = field(default_factory=list)  # sites rewritten but gated to the reference path at run time
+    notes: list[str] = field(default_factory=list)     # extra facts (e.g. prefetches placed)
     seconds: float = 0.0
     nodes_before: int = 0
     nodes_after: int = 0
@@ -79,6 +80,8 @@ class CompileReport:
                     lines.append(f"    {p.name} near-miss {nm}")
                 if len(p.near_misses) > 10:
                     lines.append(f"    {p.name}: {len(p.near_misses) - 10} more near-misses")
+                for note in p.notes:
+                    lines.append(f"    {p.name}: {note}")
                 for fb in p.fallback[:3]:
                     lines.append(f"    {p.name} runtime fallback: {fb}")
         return "\n".join(lines)

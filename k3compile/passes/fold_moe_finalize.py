@@ -1,11 +1,127 @@
+"""fold_moe_finalize: MXFP4 top-k finalize + latent tail -> one op.
+
+Matches, once per MoE layer (anchored on each routed-expert op, whose output is the
+unfinalised [N, top_k, latent] expert results):
+    routed_partial = sum_k(y * w[..., None])            # finalize (fp32, cast back)
+    routed = all_reduce(routed_partial)                 # absent at TP=1
+    tail = RMSNorm(routed) * g_latent @ W_up[r].T
+    final_partial = shared_partial + tail               # TP=1 (or Inductor's addmm form)
+    final_partial = slice_scatter(clone(shared_partial), slice(...) + tail, 1, r*n, (r+1)*n)   # TP>1
+Emits:
+    final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
+Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
+pass's batch range.
+"""
+from __future__ import annotations
+
+from ..ops import OPS
+from ..patterns.graph import (Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
+                              rms_norms_by_input, shape, strip, strip_converts, weight_out_in)
 from .base import K3Pass
+from .common import emit, last_of, replace, users_through_views
+
+
+def _only_user(n, what):
+    us = [u for u in users_through_views(n)]
+    if len(us) != 1:
+        return Fail(n, f"{what} has {len(us)} users ({', '.join(describe(u) for u in us)}), expected 1")
+    return us[0]
 
 
 class FoldMoeFinalize(K3Pass):
     name = "fold_moe_finalize"
+    description = "top-k finalize + latent all-reduce + RMSNorm + up-proj shard + add -> k3::moe_latent_tail"
 
     def expected(self, info):
         return len(info.experts)
 
     def run(self, graph, info, opts, report):
-        raise NotImplementedError("fold_moe_finalize: not written yet")
+        norms = rms_norms_by_input(graph)
+        sites = []
+        for e in info.experts:
+            m = self.match(e, info, norms)
+            if isinstance(m, Fail):
+                report.miss(e, m.node, m.reason)
+            else:
+                sites.append(m)
+        for s in sites:
+            w_up = weight_out_in(graph, s["lin"], s["final"])
+            args = (s["y"], s["w"], s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
+                    s["group"], [])
+            fused = emit(graph, last_of(graph, [s["final"], w_up]), OPS["moe_latent_tail"], args)
+            replace(graph, s["final"], fused)
+            report.matched += 1
+
+    def match(self, e, info, norms):
+        y = e
+        # finalize: sum over k of y * w[..., None], in fp32 or the model dtype
+        mul = _only_user(y if not is_call(_only_user(y, "expert output"), *_CONV) else _only_user(y, "x"), "expert output")
+        if isinstance(mul, Fail):
+            return mul
+        if not is_call(mul, aten.mul.Tensor):
+            return Fail(mul, f"expert output is not multiplied by the top-k weights (found {describe(mul)})")
+        other = mul.args[1] if strip_converts(mul.args[0]) is y else mul.args[0]
+        w = strip(other)
+        if shape(w) is None or len(shape(w)) != 2:
+            return Fail(mul, "top-k weights are not an [N, k] tensor")
+        red = _only_user(mul, "weighted expert output")
+        if isinstance(red, Fail):
+            return red
+        if not (is_call(red, aten.sum.dim_IntList) and list(red.args[1]) in ([1], [-2])):
+            return Fail(red, f"finalize is not a sum over top-k (found {describe(red)})")
+        routed_partial = red
+        nxt = _only_user(red, "finalize")
+        if isinstance(nxt, Fail):
+            return nxt
+        if is_call(nxt, *_CONV):
+            routed_partial = nxt
+        group = None
+        routed = routed_partial
+        if info.tp > 1:
+            ar = _only_user(routed_partial, "finalized output")
+            if isinstance(ar, Fail):
+                return ar
+            wait = next(iter(ar.users), None) if is_call(ar) else None
+            arm = match_all_reduce(wait) if wait is not None else Fail(ar, "no all-reduce after the finalize")
+            if isinstance(arm, Fail):
+                return Fail(ar, f"finalized output is not all-reduced ({arm.reason})")
+            routed, group = arm.out, arm.group
+        cand = [s for s in {id(s): s for k in {routed, strip_converts(routed)} for s in norms.get(k, [])}.values()
+                if s.weight is not None]
+        if len(cand) != 1:
+            return Fail(routed, "routed output is not followed by one weighted RMSNorm")
+        norm = cand[0]
+        up = _only_user(norm.out, "latent norm")
+        if isinstance(up, Fail):
+            return up
+        lin = match_linear(up)
+        if isinstance(lin, Fail):
+            return lin
+        if not is_weight_like(lin.w):
+            return Fail(up, "up-projection weight is computed, not a parameter")
+        if lin.residual is not None:  # Inductor's addmm(shared, ln, W_up.T) at TP=1
+            if info.tp > 1:
+                return Fail(up, "tail is added to a full-width partial at TP>1")
+            return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=lin.residual, final=up)
+        add = _only_user(up, "up-projection")
+        if isinstance(add, Fail):
+            return add
+        if not is_call(add, aten.add.Tensor):
+            return Fail(add, f"tail is not added to the shared partial (found {describe(add)})")
+        other = add.args[0] if add.args[1] is up else add.args[1]
+        if info.tp == 1 or shape(up) == shape(add):
+            return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=other, final=add)
+        # TP>1: shared[:, r*n:(r+1)*n] += tail  ->  slice_scatter(clone(shared), slice + tail, 1, a, b)
+        if not is_call(other, aten.slice.Tensor):
+            return Fail(other, "tail is added to something other than a column slice of the shared partial")
+        base, dim, a, b = other.args[0], other.args[1], other.args[2], other.args[3]
+        n = shape(up)[-1]
+        if dim not in (1, -1) or a != info.rank * n or b != (info.rank + 1) * n:
+            return Fail(other, f"tail added at columns [{a}, {b}), expected this rank's [{info.rank * n}, {(info.rank + 1) * n})")
+        sc = [u for u in add.users if is_call(u, aten.slice_scatter.default)]
+        if len(sc) != 1 or sc[0].args[0] is not base:
+            return Fail(add, "the column update is not scattered back into the shared partial")
+        return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=strip(base), final=sc[0])
+
+
+_CONV = (__import__("torch").ops.prims.convert_element_type.default,)

@@ -1,11 +1,169 @@
+"""overlap_shared_expert: shared expert on a side stream; L2 prefetch during communication.
+
+Matches, once per MoE layer (anchored on each routed-expert op):
+    s = SiTU(x @ W_gate_up.T) @ W_down.T      # x: the MoE input (the routed experts' router input)
+Emits:
+    h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
+    s = k3::stream_join(h)                                                  # right before s's first user
+Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
+reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
+plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
+flow, not a side-effect op, so no scheduler can drop or reorder it away from its all-reduce.
+On CPU both are ordering no-ops (the reference runs the shared expert in line).
+Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside
+the pass's batch range.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ops import OPS
+from ..patterns.graph import (Fail, aten, c10d, describe, is_call, is_weight_like, match_all_reduce, match_linear,
+                              scalar, shape, strip, val, weight_out_in)
 from .base import K3Pass
+from .common import emit, forward_gemm, last_of, replace
+
+_ELEMENTWISE = {
+    aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, operator.getitem, aten.div.Tensor,
+    aten.mul.Tensor, aten.tanh.default, aten.sigmoid.default, torch.ops.prims.convert_element_type.default,
+    aten.view.default, aten.reshape.default,
+}
 
 
 class OverlapSharedExpert(K3Pass):
     name = "overlap_shared_expert"
+    description = "shared expert -> side stream (k3::shared_expert_async + k3::stream_join); L2 prefetch during all-reduces"
 
     def expected(self, info):
         return len(info.experts)
 
     def run(self, graph, info, opts, report):
-        raise NotImplementedError("overlap_shared_expert: not written yet")
+        sites = []
+        for e in info.experts:
+            m = self.match(e)
+            if isinstance(m, Fail):
+                report.miss(e, m.node, m.reason)
+            else:
+                sites.append(m)
+        for s in sites:
+            gu = weight_out_in(graph, s["up"], s["up"].out)
+            dn = weight_out_in(graph, s["down"], s["up"].out)
+            anchor = last_of(graph, [s["x"], gu, dn])
+            h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
+            first_user = min(s["down"].out.users, key=lambda u: _order(graph)[u])
+            j = emit(graph, first_user.prev, OPS["stream_join"], (h,))
+            replace(graph, s["down"].out, j)
+            report.matched += 1
+        if info.tp > 1 and opts.prefetch:
+            n = self.place_prefetch(graph, opts.prefetch_bytes)
+            report.notes.append(f"L2 prefetch attached to {n} communication ops")
+
+    def match(self, e):
+        lat = e.args[0]
+        src = lat
+        if is_call(src, operator.getitem) and is_call(src.args[0], OPS["router_latent_sharded"]):
+            x = src.args[0].args[0]
+        else:
+            lin = match_linear(lat)
+            if isinstance(lin, Fail):
+                return Fail(lat, f"cannot find the MoE input ({lin.reason})")
+            x = lin.x
+        for u in list(x.users):
+            if not is_call(u, aten.mm.default) or u is lat:
+                continue
+            up = match_linear(u)
+            if isinstance(up, Fail) or not is_weight_like(up.w):
+                continue
+            d = forward_gemm(u, limit=40)
+            if d is None:
+                continue
+            down = match_linear(d)
+            if isinstance(down, Fail) or down.residual is not None or not is_weight_like(down.w):
+                continue
+            act = self.situ_between(u, down.x)
+            if isinstance(act, Fail):
+                continue
+            if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
+                continue
+            return dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1])
+        return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input")
+
+    def situ_between(self, start, end):
+        """(beta, linear_beta) if `end` is computed from `start` by SiTU's elementwise ops only."""
+        region, stack = set(), [end]
+        while stack:
+            n = stack.pop()
+            if n is start or n in region:
+                continue
+            if not is_call(n) or n.target not in _ELEMENTWISE:
+                return Fail(n, f"shared expert activation contains {describe(n)}")
+            region.add(n)
+            stack.extend(a for a in n.args if hasattr(a, "op"))
+            if len(region) > 40:
+                return Fail(n, "shared expert activation is too large to be SiTU")
+        consts = {}
+        for n in region:
+            if is_call(n, aten.tanh.default):
+                d = n.args[0]
+                if is_call(d, aten.div.Tensor) and scalar(d.args[1]) is not None:
+                    gi = strip(d.args[0], views=True, converts=True)
+                    idx = gi.args[1] if is_call(gi, operator.getitem) else None
+                    consts[idx] = scalar(d.args[1])
+        if set(consts) != {0, 1}:
+            return Fail(end, "shared expert activation is not SiTU (two tanh(x / c) on the gate and up halves)")
+        return consts[0], consts[1]
+
+    def place_prefetch(self, graph, budget: int) -> int:
+        nodes = list(graph.nodes)
+        count = 0
+        for i, n in enumerate(nodes):
+            comm = None
+            if is_call(n, OPS["oproj_allreduce_residual"], OPS["moe_latent_tail"]) and n.args[-2]:
+                comm = n
+            elif is_call(n, c10d.wait_tensor.default) and match_all_reduce(n):
+                comm = n
+            if comm is None:
+                continue
+            own = {strip(a, converts=True) for a in _flat(comm.args)}
+            weights, total = [], 0
+            for m in nodes[i + 1:]:
+                if total >= budget or is_call(m, c10d.all_reduce.default, OPS["oproj_allreduce_residual"],
+                                              OPS["moe_latent_tail"]):
+                    break
+                if not is_call(m):
+                    continue
+                for a in _flat(m.args):
+                    w = strip(a, converts=True)
+                    v = val(w)
+                    if (getattr(w, "op", None) == "placeholder" and isinstance(v, torch.Tensor) and v.dim() >= 2
+                            and w not in own and w not in weights and isinstance(v.numel(), int)):
+                        nbytes = v.numel() * v.element_size()
+                        if total + nbytes > budget:
+                            continue
+                        weights.append(w)
+                        total += nbytes
+            if not weights:
+                continue
+            if comm.target in (OPS["oproj_allreduce_residual"], OPS["moe_latent_tail"]):
+                comm.args = (*comm.args[:-1], weights)
+            else:
+                ar = match_all_reduce(comm)
+                new = emit(graph, comm, OPS["all_reduce_prefetch"], (ar.inp, ar.group, weights))
+                comm.replace_all_uses_with(new)
+                new.args = (ar.inp, ar.group, weights)
+            count += 1
+        return count
+
+
+def _flat(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _order(graph):
+    return {n: i for i, n in enumerate(graph.nodes)}

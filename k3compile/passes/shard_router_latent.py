@@ -1,11 +1,75 @@
+"""shard_router_latent: replicated router + latent projection -> one TP-sharded GEMM + all-gather.
+
+Matches, once per MoE layer (anchored on each routed-expert op), at TP > 1:
+    logits = x @ W_r.T      # [N, E], replicated weight (E = number of experts)
+    lat    = x @ W_down.T   # [N, L], replicated weight, the expert op's input
+Emits:
+    logits, lat = k3::router_latent_sharded(x, W_r, W_down, rank, tp, group)
+(rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, one all-gather.)
+Skipped: TP = 1 (nothing is replicated across ranks), model dtype not in options.dtypes, TP
+size not in options.tp_sizes, static M outside the pass's batch range. Near-miss: (E + L) not
+divisible by TP, router and latent weights of different dtypes, no router GEMM on the same input.
+"""
+from __future__ import annotations
+
+from ..ops import OPS
+from ..patterns.graph import Fail, aten, describe, dtype, is_call, is_weight_like, match_linear, shape, weight_out_in
 from .base import K3Pass
+from .common import emit, getitem, last_of, replace
 
 
 class ShardRouterLatent(K3Pass):
     name = "shard_router_latent"
+    description = "replicated router + latent down-projection -> k3::router_latent_sharded (GEMM on 1/TP rows + all-gather)"
 
     def expected(self, info):
-        return len(info.experts)
+        return len(info.experts) if info.tp > 1 else 0
+
+    def skip_reason(self, info, opts):
+        if info.tp == 1:
+            return "TP=1: the router and latent weights are not replicated across ranks"
+        return super().skip_reason(info, opts)
 
     def run(self, graph, info, opts, report):
-        raise NotImplementedError("shard_router_latent: not written yet")
+        sites = []
+        for e in info.experts:
+            m = self.match(e, info)
+            if isinstance(m, Fail):
+                report.miss(e, m.node, m.reason)
+            else:
+                sites.append(m)
+        for router, latent in sites:
+            wr = weight_out_in(graph, router, last_of(graph, [router.out, latent.out]))
+            wd = weight_out_in(graph, latent, last_of(graph, [router.out, latent.out]))
+            anchor = last_of(graph, [router.x, wr, wd])
+            op = emit(graph, anchor, OPS["router_latent_sharded"], (router.x, wr, wd, info.rank, info.tp, info.group))
+            lat = getitem(graph, op, 1)
+            logits = getitem(graph, op, 0)
+            replace(graph, router.out, logits)
+            replace(graph, latent.out, lat)
+            report.matched += 1
+
+    def match(self, e, info):
+        lat = e.args[0]
+        latent = match_linear(lat)
+        if isinstance(latent, Fail):
+            return Fail(lat, f"expert input is not a latent projection ({latent.reason})")
+        if latent.residual is not None or latent.bias is not None or not is_weight_like(latent.w):
+            return Fail(lat, "latent projection has a bias/residual or a computed weight")
+        n_exp = shape(e.args[2])[0] if shape(e.args[2]) else None
+        x = latent.x
+        routers = [u for u in x.users if u is not latent.out and is_call(u, aten.mm.default)
+                   and shape(u) is not None and shape(u)[-1] == n_exp]
+        if len(routers) != 1:
+            return Fail(x, f"expected one router GEMM ({n_exp} outputs) on the expert layer's input, "
+                           f"found {len(routers)}")
+        router = match_linear(routers[0])
+        if isinstance(router, Fail) or not is_weight_like(router.w):
+            return Fail(routers[0], "router GEMM has a computed weight")
+        if dtype(router.w) != dtype(latent.w):
+            return Fail(routers[0], f"router weight dtype {dtype(router.w)} != latent weight dtype {dtype(latent.w)}: "
+                                    "one GEMM needs one dtype")
+        total = n_exp + shape(lat)[-1]
+        if total % info.tp:
+            return Fail(lat, f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
+        return router, latent
