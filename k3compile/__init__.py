@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 
 def backend(**options):
-    from .backend import backend as _b
+    from .compiler import backend as _b
     return _b(**options)
 
 

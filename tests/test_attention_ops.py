@@ -421,8 +421,9 @@ def test_fla_chunk_kda_matches_reference(dtype, K, V, T):
     # the check above is sharp: each plausible convention mistake moves the result far beyond tol
     wrong = {
         "default scale K^-0.5 applied again": (q * K ** -0.5, k, v, g, beta, state),
-        "q/k L2-normalised in kernel": (F.normalize(q.float(), dim=-1).to(dtype), F.normalize(k.float(), dim=-1).to(dtype),
-                                        v, g, beta, state),
+        "q/k L2-normalised in kernel": (
+            F.normalize(q.float(), dim=-1).to(dtype), F.normalize(k.float(), dim=-1).to(dtype), v, g, beta, state
+        ),
         "gate read as log2": (q, k, v, g * 1.4426950408889634, beta, state),
         "beta sigmoided again": (q, k, v, g, torch.sigmoid(beta.float()).to(dtype), state),
     }
@@ -440,8 +441,9 @@ def test_fla_chunk_kda_matches_reference(dtype, K, V, T):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ops_on_cuda_match_cpu(dtype):
     tol = _tol(dtype) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
-    kd = kda_inputs(M=2, H=4, K=16, V=8, dtype=dtype, seed=12)
-    kp = kda_inputs(M=2, T=70, H=4, K=16, V=8, dtype=dtype, seed=13)
+    # same M, H, K, V as the fla test above so fla's autotuning (about a minute per new shape) is reused
+    kd = kda_inputs(M=2, H=4, K=64, V=32, dtype=dtype, seed=12)
+    kp = kda_inputs(M=2, T=70, H=4, K=64, V=32, dtype=dtype, seed=13)
     for op, args in ((KDA_DECODE, kd), (KDA_PREFILL, kp)):
         st_c, st_g = args[5].clone(), args[5].cuda()
         o_c = op(*args[:5], st_c)

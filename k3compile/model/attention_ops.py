@@ -88,7 +88,9 @@ def _check_same_device(named: dict[str, torch.Tensor]) -> None:
     ref_name, ref = items[0]
     for name, t in items[1:]:
         if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; all inputs must share a device")
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} is on {ref.device}; all inputs must share a device"
+            )
 
 
 try:  # FakeTensor is private API; only used to skip data checks, never required.
@@ -126,7 +128,9 @@ def _validate_kda(q, k, v, g, beta, state, *, prefill: bool) -> None:
     _check_shape("k", k, _shape(q), qk_lay)
     _check_dim("v", v, nd, v_lay)
     if _shape(v)[:-1] != _shape(q)[:-1]:
-        raise ValueError(f"v must have shape {v_lay} matching q's leading dims {list(q.shape[:-1])}, got {list(v.shape)}")
+        raise ValueError(
+            f"v must have shape {v_lay} matching q's leading dims {list(q.shape[:-1])}, got {list(v.shape)}"
+        )
     _check_shape("g", g, _shape(q), qk_lay)
     _check_shape("beta", beta, _shape(q)[:-1], b_lay)
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -258,7 +262,9 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
             f"{None if final_state is None else list(final_state.shape)}, expected {list(state.shape)}"
         )
     if _shape(o) != (*q.shape[:-1], v.shape[-1]):
-        raise RuntimeError(f"fla chunk_kda returned o of shape {list(o.shape)}, expected {[*q.shape[:-1], v.shape[-1]]}")
+        raise RuntimeError(
+            f"fla chunk_kda returned o of shape {list(o.shape)}, expected {[*q.shape[:-1], v.shape[-1]]}"
+        )
     state.copy_(final_state)
     return o.to(v.dtype)
 
@@ -325,7 +331,9 @@ def _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, *, prefill: 
     _check_shape("kv_new", kv_new, (*lead, L + R), kv_lay)
     _check_dim("kv_cache", kv_cache, 3, "[M, S_max, L+R]")
     if kv_cache.shape[0] != M or kv_cache.shape[2] != L + R:
-        raise ValueError(f"kv_cache must have shape [M, S_max, L+R] = [{M}, S_max, {L + R}], got {list(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must have shape [M, S_max, L+R] = [{M}, S_max, {L + R}], got {list(kv_cache.shape)}"
+        )
     if prefill and kv_cache.shape[1] < lead[1]:
         raise ValueError(f"kv_cache has S_max={kv_cache.shape[1]} slots, fewer than T={lead[1]} new tokens")
     _check_shape("seq_lens", seq_lens, (M,), "[M]")

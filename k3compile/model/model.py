@@ -78,7 +78,8 @@ class K3Model(nn.Module):
         if token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token_ids must be int64 or int32, got {token_ids.dtype}")
         M, T = token_ids.shape
-        cache.check(self.cfg, self.tp, M, T)
+        if not torch.compiler.is_compiling():  # traced code guards on the cache instead
+            cache.check(self.cfg, self.tp, M, T)
         prefix = F.embedding(token_ids.reshape(-1), self.embed)
         delta, blocks = None, []
         for layer in self.layers.values():
@@ -89,6 +90,7 @@ class K3Model(nn.Module):
         return F.linear(x, self.lm_head).float()
 
     def _check_ids(self, token_ids: torch.Tensor, cache: K3Cache) -> None:
+        cache.check(self.cfg, self.tp, token_ids.shape[0], token_ids.shape[-1] if token_ids.dim() == 2 else 1)
         if token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token_ids must be int64 or int32, got {token_ids.dtype}")
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.cfg.vocab):

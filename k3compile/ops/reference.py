@@ -65,7 +65,7 @@ def router_latent_sharded(x, w_router, w_down, rank, tp, group):
     part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
     full = all_gather(part, group, tp)  # [tp, M, s]
     full = full.permute(1, 0, 2).reshape(x.shape[0], n)
-    return full[:, :E].contiguous(), full[:, E:].contiguous()
+    return full[:, :E].clone(), full[:, E:].clone()  # fresh tensors: outputs may not alias
 
 
 def shared_expert(x, w_gate_up, w_down, beta, linear_beta):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from ..ops import OPS
 from ..patterns.graph import (Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
-                              rms_norms_by_input, shape, strip, strip_converts, weight_out_in)
+                              rms_norms_by_input, shape, strip, strip_converts, weight_out_in,
+                              why_not_rms_norm)
 from .base import K3Pass
 from .common import emit, last_of, replace, users_through_views
 
@@ -89,7 +90,8 @@ class FoldMoeFinalize(K3Pass):
         cand = [s for s in {id(s): s for k in {routed, strip_converts(routed)} for s in norms.get(k, [])}.values()
                 if s.weight is not None]
         if len(cand) != 1:
-            return Fail(routed, "routed output is not followed by one weighted RMSNorm")
+            why = why_not_rms_norm(routed) or why_not_rms_norm(strip_converts(routed))
+            return Fail(routed, "routed output is not followed by one weighted RMSNorm" + (f" ({why})" if why else ""))
         norm = cand[0]
         up = _only_user(norm.out, "latent norm")
         if isinstance(up, Fail):

@@ -16,6 +16,7 @@ from ..ops import OPS
 from ..patterns.attnres import match_attnres_from_norm
 from ..patterns.graph import (Fail, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
                               is_weight_like, strip, weight_out_in, describe)
+from ..patterns.graph import why_not_rms_norm
 from .base import K3Pass
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
 
@@ -45,6 +46,10 @@ class FuseOprojAllreduce(K3Pass):
             else:
                 sites.append(m)
         for s in sites:
+            if s["mix"] is None:
+                why = why_not_rms_norm(s["updated"])
+                if why:
+                    report.notes.append(f"{s['updated'].name}: fused without its post-norm ({why})")
             self.rewrite(graph, s, info)
             report.matched += 1
 
@@ -108,3 +113,4 @@ class FuseOprojAllreduce(K3Pass):
 def torch_c10d_all_reduce():
     import torch
     return torch.ops._c10d_functional.all_reduce.default
+

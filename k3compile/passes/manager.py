@@ -21,6 +21,7 @@ from torch.fx import Graph
 from ..options import K3Options
 from ..patterns.structure import analyze
 from ..report import CompileReport, PassReport, record
+from .canonicalize import canonicalize
 from . import fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
 
 log = logging.getLogger("k3compile")
@@ -77,8 +78,20 @@ class PassManager(CustomGraphPass):
         return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}"
 
     def __call__(self, graph: Graph) -> None:
+        try:
+            self._run(graph)
+        except K3StrictError:
+            raise
+        except Exception as e:  # never let the compiler's own bookkeeping break a user's compile
+            if self.opts.strict:
+                raise K3StrictError(f"k3 pass manager failed: {type(e).__name__}: {e}") from e
+            warnings.warn(f"k3: pass manager failed ({type(e).__name__}: {e}); graph left unoptimised", stacklevel=2)
+
+    def _run(self, graph: Graph) -> None:
         t0 = time.perf_counter()
         info = analyze(graph)
+        if info.attention or info.experts:
+            canonicalize(graph)
         report = CompileReport(graph=self.name, structure=info.summary())
         dump = bool(self.graphs is not None and getattr(self, "dump", False))
         for name, p in self.passes.items():

@@ -181,6 +181,11 @@ def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
         a = r.args[0].args[0]
     else:
         return Fail(r, f"expected rsqrt(mean(x^2) + eps), found {_name(r)}")
+    if is_call(a, aten.add.Tensor) and isinstance(a.args[1], Node) and is_weight_like(a.args[1]) \
+            and len(shape(a.args[1]) or ()) == 0:
+        return Fail(a, "RMSNorm eps is a traced graph input, not a constant: dynamo made the float dynamic "
+                       "(dynamic=True); compile with dynamic=None (automatic dynamic shapes) or set "
+                       "torch._dynamo.config.specialize_float=True")
     if not is_call(a, aten.add.Tensor, aten.add.Scalar) or scalar(a.args[1]) is None:
         return Fail(a, "expected `mean(x^2) + eps` with a constant eps")
     eps = scalar(a.args[1])
@@ -247,6 +252,21 @@ def _match_inv_rms_div(sq: Node, xf: Node) -> float | Fail:
     if not is_call(mean, aten.mean.dim):
         return Fail(mean, f"expected mean over the last dim, found {_name(mean)}")
     return scalar(a.args[1])
+
+
+def why_not_rms_norm(x: Node) -> str | None:
+    """If `x` feeds something that starts like an RMSNorm but does not match, say why."""
+    for p in x.users:
+        q = p if is_call(p, aten.pow.Tensor_Scalar) else next((u for u in p.users if is_call(u, aten.pow.Tensor_Scalar)), None)
+        if q is None or strip_converts(q.args[0]) is not x:
+            continue
+        for mean in q.users:
+            for add in mean.users:
+                for r in add.users:
+                    res = _match_inv_rms(r, q.args[0])
+                    if isinstance(res, Fail):
+                        return res.reason
+    return None
 
 
 def rms_norms_by_input(graph) -> dict[Node, list[RmsNormSite]]:

@@ -90,7 +90,7 @@ def analyze(graph) -> GraphInfo:
             if dt is not None:
                 dtypes[dt] += 1
             if s:
-                ms[s[0]] += 1
+                ms[s[0] if isinstance(s[0], int) else "dynamic"] += 1
     if info.groups:
         # the TP group is the one the most collectives use
         info.group = next(iter(info.groups))
@@ -98,5 +98,6 @@ def analyze(graph) -> GraphInfo:
     if dtypes:
         info.dtype = dtypes.most_common(1)[0][0]
     if ms:
-        info.m = ms.most_common(1)[0][0]
+        m = ms.most_common(1)[0][0]
+        info.m = m if isinstance(m, int) else torch.SymInt  # symbolic: the batch is dynamic
     return info

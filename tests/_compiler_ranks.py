@@ -1,0 +1,42 @@
+"""Rank functions for the multi-rank compiler tests (importable by spawned processes)."""
+from __future__ import annotations
+
+import torch
+
+PASS_SETS = {
+    "none": (),
+    "shard_router_latent": ("shard_router_latent",),
+    "fold_moe_finalize": ("fold_moe_finalize",),
+    "fuse_oproj_allreduce": ("fuse_oproj_allreduce",),
+    "overlap_shared_expert": ("overlap_shared_expert",),
+    "all": ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert"),
+}
+
+
+def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None):
+    """For each pass set: compile once, decode 2 steps per batch size, return max |diff| and reports."""
+    import k3compile
+    from k3compile.model import K3Config, K3Model, TPInfo
+    if style:
+        import styles
+        styles.apply(style)
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=num_layers)
+    model = K3Model(cfg, TPInfo.current())
+    out = {}
+    for name in pass_sets:
+        torch._dynamo.reset()
+        k3compile.clear_reports()
+        f = torch.compile(model, backend=k3compile.backend(mode="eager", passes=PASS_SETS[name]), fullgraph=True)
+        worst = 0.0
+        for M in batches:
+            ce, cc = model.new_cache(M), model.new_cache(M)
+            g = torch.Generator().manual_seed(M)
+            for _ in range(2):
+                ids = torch.randint(0, cfg.vocab, (M, 1), generator=g)
+                ref = model(ids, ce)
+                got = f(ids, cc)
+                worst = max(worst, (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6))
+        reps = k3compile.reports()
+        out[name] = dict(err=worst, compiles=len(reps),
+                         passes={p.name: (p.matched, p.expected, p.skipped, p.error) for p in reps[-1].passes})
+    return out
