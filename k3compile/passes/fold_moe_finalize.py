@@ -101,10 +101,10 @@ class FoldMoeFinalize(K3Pass):
             return lin
         if not is_weight_like(lin.w):
             return Fail(up, "up-projection weight is computed, not a parameter")
-        if lin.residual is not None:  # Inductor's addmm(shared, ln, W_up.T) at TP=1
-            if info.tp > 1:
-                return Fail(up, "tail is added to a full-width partial at TP>1")
-            return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=lin.residual, final=up)
+        if lin.residual is not None:  # Inductor folded the add into addmm(c, ln, W_up.T)
+            if info.tp == 1:
+                return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=lin.residual, final=up)
+            return self._slice_form(lin.residual, up, info, y, w, group, norm, lin)
         add = _only_user(up, "up-projection")
         if isinstance(add, Fail):
             return add
@@ -113,7 +113,11 @@ class FoldMoeFinalize(K3Pass):
         other = add.args[0] if add.args[1] is up else add.args[1]
         if info.tp == 1 or shape(up) == shape(add):
             return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=other, final=add)
-        # TP>1: shared[:, r*n:(r+1)*n] += tail  ->  slice_scatter(clone(shared), slice + tail, 1, a, b)
+        return self._slice_form(other, add, info, y, w, group, norm, lin)
+
+    def _slice_form(self, other, add, info, y, w, group, norm, lin):
+        """TP>1: shared[:, r*n:(r+1)*n] += tail -> slice_scatter(clone(shared), slice + tail, 1, a, b)."""
+        up = lin.out
         if not is_call(other, aten.slice.Tensor):
             return Fail(other, "tail is added to something other than a column slice of the shared partial")
         base, dim, a, b = other.args[0], other.args[1], other.args[2], other.args[3]
