@@ -10,7 +10,6 @@ rewritten graph op by op (no codegen; for tests and debugging, like `aot_eager`)
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 

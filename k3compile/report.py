@@ -22,7 +22,6 @@ class PassReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     skipped: str | None = None   # the whole pass did not run, and why
     error: str | None = None     # the pass raised; the graph was rolled back
-    fallback: list[str] = field(default_factory=list)  # sites rewritten but gated to the reference path at run time
     notes: list[str] = field(default_factory=list)     # extra facts (e.g. prefetches placed)
     seconds: float = 0.0
     nodes_before: int = 0
@@ -82,8 +81,6 @@ class CompileReport:
                     lines.append(f"    {p.name}: {len(p.near_misses) - 10} more near-misses")
                 for note in p.notes:
                     lines.append(f"    {p.name}: {note}")
-                for fb in p.fallback[:3]:
-                    lines.append(f"    {p.name} runtime fallback: {fb}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

@@ -36,3 +36,16 @@ class K3Pass:
 
     def run(self, graph: Graph, info: GraphInfo, opts: K3Options, report: PassReport) -> None:
         raise NotImplementedError
+
+    @staticmethod
+    def collect(anchors, match, report: PassReport) -> list:
+        """match(anchor) for every anchor; Fails become near-misses, the rest are returned."""
+        from ..patterns.graph import Fail
+        sites = []
+        for a in anchors:
+            m = match(a)
+            if isinstance(m, Fail):
+                report.miss(a, m.node, m.reason)
+            else:
+                sites.append(m)
+        return sites

@@ -83,10 +83,3 @@ def users_through_views(n: Node) -> list[Node]:
             out.append(u)
     return out
 
-
-def fake_mode_of(*nodes):
-    for n in nodes:
-        v = val(n)
-        if isinstance(v, torch.Tensor):
-            return v
-    return None

@@ -15,7 +15,7 @@ pass's batch range.
 from __future__ import annotations
 
 from ..ops import OPS
-from ..patterns.graph import (Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
+from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
                               rms_norms_by_input, shape, strip, strip_converts, weight_out_in,
                               why_not_rms_norm)
 from .base import K3Pass
@@ -38,14 +38,7 @@ class FoldMoeFinalize(K3Pass):
 
     def run(self, graph, info, opts, report):
         norms = rms_norms_by_input(graph)
-        sites = []
-        for e in info.experts:
-            m = self.match(e, info, norms)
-            if isinstance(m, Fail):
-                report.miss(e, m.node, m.reason)
-            else:
-                sites.append(m)
-        for s in sites:
+        for s in self.collect(info.experts, lambda e: self.match(e, info, norms), report):
             w_up = weight_out_in(graph, s["lin"], s["final"])
             args = (s["y"], s["w"], s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
                     s["group"], [])
@@ -56,7 +49,9 @@ class FoldMoeFinalize(K3Pass):
     def match(self, e, info, norms):
         y = e
         # finalize: sum over k of y * w[..., None], in fp32 or the model dtype
-        mul = _only_user(y if not is_call(_only_user(y, "expert output"), *_CONV) else _only_user(y, "x"), "expert output")
+        mul = _only_user(y, "expert output")
+        if is_call(mul, *CONVERT_OPS):
+            mul = _only_user(mul, "expert output cast")
         if isinstance(mul, Fail):
             return mul
         if not is_call(mul, aten.mul.Tensor):
@@ -74,7 +69,7 @@ class FoldMoeFinalize(K3Pass):
         nxt = _only_user(red, "finalize")
         if isinstance(nxt, Fail):
             return nxt
-        if is_call(nxt, *_CONV):
+        if is_call(nxt, *CONVERT_OPS):
             routed_partial = nxt
         group = None
         routed = routed_partial
@@ -129,5 +124,3 @@ class FoldMoeFinalize(K3Pass):
             return Fail(add, "the column update is not scattered back into the shared partial")
         return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=strip(base), final=sc[0])
 
-
-_CONV = (__import__("torch").ops.prims.convert_element_type.default,)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..ops import OPS
 from ..patterns.attnres import match_attnres_from_norm
-from ..patterns.graph import (Fail, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
+from ..patterns.graph import (Fail, c10d, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
                               is_weight_like, strip, weight_out_in, describe)
 from ..patterns.graph import why_not_rms_norm
 from .base import K3Pass
@@ -38,14 +38,7 @@ class FuseOprojAllreduce(K3Pass):
                 a = match_attnres_from_norm(s)
                 if a:
                     post_norm.setdefault(a.updated, a)
-        sites = []
-        for core in info.attention:
-            m = self.match(core, info, post_norm)
-            if isinstance(m, Fail):
-                report.miss(core, m.node, m.reason)
-            else:
-                sites.append(m)
-        for s in sites:
+        for s in self.collect(info.attention, lambda core: self.match(core, info, post_norm), report):
             if s["mix"] is None:
                 why = why_not_rms_norm(s["updated"])
                 if why:
@@ -73,7 +66,7 @@ class FuseOprojAllreduce(K3Pass):
             y = gemm
             users = users_through_views(gemm)
             if info.tp > 1:
-                ar = [u for u in users if is_call(u, torch_c10d_all_reduce())]
+                ar = [u for u in users if is_call(u, c10d.all_reduce.default)]
                 if len(users) != 1 or not ar:
                     return Fail(gemm, f"o-proj output does not go straight into an all-reduce "
                                       f"(users: {', '.join(describe(u) for u in users)})")
@@ -109,8 +102,4 @@ class FuseOprojAllreduce(K3Pass):
             replace(graph, mix.norm.out, normed)
         replace(graph, updated, new_updated)
 
-
-def torch_c10d_all_reduce():
-    import torch
-    return torch.ops._c10d_functional.all_reduce.default
 

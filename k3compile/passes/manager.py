@@ -64,12 +64,14 @@ def _source_hash() -> str:
 
 
 class PassManager(CustomGraphPass):
-    def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph"):
+    def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
+                 dump: bool = False):
         self.opts = opts or K3Options.make()
         self.passes = passes if passes is not None else PASSES
         self.name = name
+        self.dump = dump
         self.last: CompileReport | None = None
-        self.graphs: list[tuple[str, str]] = []  # (stage, readable graph) when dumping
+        self.graphs: list[tuple[str, str]] = []  # (after pass, readable graph) when dump=True
 
     def uuid(self):
         import torch.distributed as dist
@@ -93,7 +95,6 @@ class PassManager(CustomGraphPass):
         if info.attention or info.experts:
             canonicalize(graph)
         report = CompileReport(graph=self.name, structure=info.summary())
-        dump = bool(self.graphs is not None and getattr(self, "dump", False))
         for name, p in self.passes.items():
             pr = PassReport(name)
             report.passes.append(pr)
@@ -126,7 +127,7 @@ class PassManager(CustomGraphPass):
                 warnings.warn(f"k3 pass {name} failed and was rolled back: {pr.error}", stacklevel=2)
             pr.seconds = time.perf_counter() - t
             pr.nodes_after = len(graph.nodes)
-            if dump:
+            if self.dump:
                 self.graphs.append((name, _readable(graph)))
         report.seconds = time.perf_counter() - t0
         self.last = report

@@ -40,14 +40,7 @@ class OverlapSharedExpert(K3Pass):
         return len(info.experts)
 
     def run(self, graph, info, opts, report):
-        sites = []
-        for e in info.experts:
-            m = self.match(e)
-            if isinstance(m, Fail):
-                report.miss(e, m.node, m.reason)
-            else:
-                sites.append(m)
-        for s in sites:
+        for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
             anchor = last_of(graph, [s["x"], gu, dn])
@@ -150,9 +143,7 @@ class OverlapSharedExpert(K3Pass):
                 comm.args = (*comm.args[:-1], weights)
             else:
                 ar = match_all_reduce(comm)
-                new = emit(graph, comm, OPS["all_reduce_prefetch"], (ar.inp, ar.group, weights))
-                comm.replace_all_uses_with(new)
-                new.args = (ar.inp, ar.group, weights)
+                comm.replace_all_uses_with(emit(graph, comm, OPS["all_reduce_prefetch"], (ar.inp, ar.group, weights)))
             count += 1
         return count
 

@@ -13,7 +13,7 @@ divisible by TP, router and latent weights of different dtypes, no router GEMM o
 from __future__ import annotations
 
 from ..ops import OPS
-from ..patterns.graph import Fail, aten, describe, dtype, is_call, is_weight_like, match_linear, shape, weight_out_in
+from ..patterns.graph import Fail, aten, dtype, is_call, is_weight_like, match_linear, shape, weight_out_in
 from .base import K3Pass
 from .common import emit, getitem, last_of, replace
 
@@ -31,14 +31,7 @@ class ShardRouterLatent(K3Pass):
         return super().skip_reason(info, opts)
 
     def run(self, graph, info, opts, report):
-        sites = []
-        for e in info.experts:
-            m = self.match(e, info)
-            if isinstance(m, Fail):
-                report.miss(e, m.node, m.reason)
-            else:
-                sites.append(m)
-        for router, latent in sites:
+        for router, latent in self.collect(info.experts, lambda e: self.match(e, info), report):
             wr = weight_out_in(graph, router, last_of(graph, [router.out, latent.out]))
             wd = weight_out_in(graph, latent, last_of(graph, [router.out, latent.out]))
             anchor = last_of(graph, [router.x, wr, wd])

@@ -172,15 +172,8 @@ class RmsNormSite:
     nodes: list
 
 
-def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
-    """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps."""
-    r = strip(r, views=False)
-    if is_call(r, aten.rsqrt.default):
-        a = r.args[0]
-    elif is_call(r, aten.reciprocal.default) and is_call(r.args[0], aten.sqrt.default):
-        a = r.args[0].args[0]
-    else:
-        return Fail(r, f"expected rsqrt(mean(x^2) + eps), found {_name(r)}")
+def _match_mean_sq_eps(a: Any, xf: Node) -> float | Fail:
+    """a == mean(xf^2, -1, keepdim) + eps with a constant eps; returns eps."""
     if is_call(a, aten.add.Tensor) and isinstance(a.args[1], Node) and is_weight_like(a.args[1]) \
             and len(shape(a.args[1]) or ()) == 0:
         return Fail(a, "RMSNorm eps is a traced graph input, not a constant: dynamo made the float dynamic "
@@ -188,12 +181,10 @@ def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
                        "torch._dynamo.config.specialize_float=True")
     if not is_call(a, aten.add.Tensor, aten.add.Scalar) or scalar(a.args[1]) is None:
         return Fail(a, "expected `mean(x^2) + eps` with a constant eps")
-    eps = scalar(a.args[1])
     mean = a.args[0]
-    if is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [len(shape(xf) or [0]) - 1]):
-        sq = mean.args[0]
-    else:
+    if not (is_call(mean, aten.mean.dim) and list(mean.args[1]) in ([-1], [len(shape(xf) or [0]) - 1])):
         return Fail(mean, f"expected mean over the last dim, found {_name(mean)}")
+    sq = mean.args[0]
     if is_call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2:
         base = sq.args[0]
     elif is_call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1]:
@@ -202,7 +193,17 @@ def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
         return Fail(sq, f"expected x^2, found {_name(sq)}")
     if strip_converts(base) is not strip_converts(xf):
         return Fail(sq, "the squared tensor is not the normalised one")
-    return eps
+    return scalar(a.args[1])
+
+
+def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
+    """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps."""
+    r = strip(r, views=False)
+    if is_call(r, aten.rsqrt.default):
+        return _match_mean_sq_eps(r.args[0], xf)
+    if is_call(r, aten.reciprocal.default) and is_call(r.args[0], aten.sqrt.default):
+        return _match_mean_sq_eps(r.args[0].args[0], xf)
+    return Fail(r, f"expected rsqrt(mean(x^2) + eps), found {_name(r)}")
 
 
 def match_rms_norm(n: Any) -> RmsNormSite | Fail:
@@ -236,22 +237,11 @@ def match_rms_norm(n: Any) -> RmsNormSite | Fail:
         return Fail(m, "mul is not x * rsqrt(mean(x^2) + eps)")
     if is_call(m, aten.div.Tensor) and is_call(m.args[1], aten.sqrt.default):
         xf, sq = m.args
-        eps = _match_inv_rms_div(sq, xf)
+        eps = _match_mean_sq_eps(sq.args[0], xf)
         if isinstance(eps, Fail):
             return eps
         return RmsNormSite(out, strip_converts(xf), weight, eps, nodes)
     return Fail(m, f"not an RMSNorm (found {_name(m)})")
-
-
-def _match_inv_rms_div(sq: Node, xf: Node) -> float | Fail:
-    fake_r = sq  # sqrt(mean + eps): reuse the rsqrt matcher on its argument
-    a = fake_r.args[0]
-    if not is_call(a, aten.add.Tensor, aten.add.Scalar) or scalar(a.args[1]) is None:
-        return Fail(a, "expected `mean(x^2) + eps` with a constant eps")
-    mean = a.args[0]
-    if not is_call(mean, aten.mean.dim):
-        return Fail(mean, f"expected mean over the last dim, found {_name(mean)}")
-    return scalar(a.args[1])
 
 
 def why_not_rms_norm(x: Node) -> str | None:
@@ -299,11 +289,3 @@ def _name(n: Any) -> str:
 def describe(n: Any) -> str:
     return _name(n)
 
-
-def replace_uses(old: Node, new: Node) -> None:
-    old.replace_all_uses_with(new)
-
-
-def set_val(n: Node, v) -> Node:
-    n.meta["val"] = v
-    return n

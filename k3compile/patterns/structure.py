@@ -46,7 +46,7 @@ class GraphInfo:
     tp: int = 1
     rank: int = 0
     group: str | None = None
-    m: object = None                                # tokens per step (int or SymInt)
+    m: int | str | None = None                      # tokens per step: an int, or "dynamic"
     dtype: torch.dtype | None = None
 
     @property
@@ -56,7 +56,7 @@ class GraphInfo:
     def summary(self) -> dict:
         return {
             "attention_layers": len(self.attention), "moe_layers": len(self.experts),
-            "tp": self.tp, "m": self.m if isinstance(self.m, int) else ("dynamic" if self.m is not None else None),
+            "tp": self.tp, "m": self.m,
             "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None,
         }
 
@@ -98,6 +98,5 @@ def analyze(graph) -> GraphInfo:
     if dtypes:
         info.dtype = dtypes.most_common(1)[0][0]
     if ms:
-        m = ms.most_common(1)[0][0]
-        info.m = m if isinstance(m, int) else torch.SymInt  # symbolic: the batch is dynamic
+        info.m = ms.most_common(1)[0][0]
     return info
