@@ -30,9 +30,11 @@ def run(rank, world):
         "k3_eager_mode": lambda: torch.compile(model, backend=k3compile.backend(mode="eager"), fullgraph=True),
         "k3": lambda: torch.compile(model, backend="k3", mode="reduce-overhead", fullgraph=True),
     }
-    res = {}
+    from torch._dynamo.utils import counters
+    res, skips = {}, {}
     for name, mk in variants.items():
         torch._dynamo.reset()
+        counters.clear()
         f = mk()
         res[name] = {}
         for M in (1, 4, 8):
@@ -47,8 +49,9 @@ def run(rank, world):
                 worst = max(worst, e)
             torch.cuda.synchronize()
             res[name][M] = dict(first_step=first, worst=worst)
+        skips[name] = dict(counters["inductor"].get("cudagraph_skips", {}) or {}) or int(counters["inductor"]["cudagraph_skips"])
     rep = k3compile.last_report()
-    return dict(err=res, report=rep.render(), passes={p.name: [p.matched, p.expected, p.skipped] for p in rep.passes},
+    return dict(err=res, cudagraph_skips=skips, report=rep.render(), passes={p.name: [p.matched, p.expected, p.skipped] for p in rep.passes},
                 compiles=len(k3compile.reports()), torch=torch.__version__, gpu=torch.cuda.get_device_name())
 
 
@@ -63,7 +66,8 @@ if __name__ == "__main__":
         t = time.time()
         r = run_ranks(run, world)
         out[f"tp{world}"] = dict(ranks=r, seconds=time.time() - t)
-        print(f"TP={world}: {r[0]['report']}\nmax rel err per M: {r[0]['err']}  compiles: {r[0]['compiles']}", flush=True)
+        print(f"TP={world}: {r[0]['report']}\nmax rel err per M: {r[0]['err']}  compiles: {r[0]['compiles']} "
+              f"cudagraph skips: {r[0]['cudagraph_skips']}", flush=True)
     d = os.environ.get("OUT", ".")
     with open(os.path.join(d, "gpu_compile_check.json"), "w") as fh:
         json.dump(out, fh, indent=1)

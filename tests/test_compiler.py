@@ -8,6 +8,7 @@ Inductor fuses pointwise ops in fp32 and is checked at 2e-2 relative (bf16).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import k3compile
+from torch._inductor.utils import run_and_get_code
 from k3compile.distributed import run_ranks
 from k3compile.model import K3Config, K3Model
 from k3compile.options import PASS_ORDER
@@ -230,24 +232,33 @@ def test_backend_registered_by_entry_point_without_import():
     assert "k3compile.compiler" in out
 
 
-@pytest.mark.xfail(reason="open: on CPU the Inductor path's first-step logits differed from eager by 38% "
-                          "relative in CI (plain Inductor's own drift on the GPU was 1-3%); not yet bisected",
-                   strict=False)
+def _check_stream_order(code: str, n_moe: int) -> None:
+    """In Inductor's generated code, per MoE layer: side-stream start, routed experts, join."""
+    calls = re.findall(r"torch\.ops\.(k3\.shared_expert_async|k3model\.mxfp4_experts|k3\.stream_join)\.default\(", code)
+    assert calls == ["k3.shared_expert_async", "k3model.mxfp4_experts", "k3.stream_join"] * n_moe, calls
+
+
 def test_inductor_end_to_end_dynamic_batch():
-    """The real path: Inductor codegen with the passes in its post-grad slot."""
-    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4)
+    """The real path: Inductor codegen with the passes in its post-grad slot.
+
+    Checked in fp32 (enabled through the `dtypes` option): in bf16 plain Inductor itself moves
+    the logits of this random-weight model by 2-21% (near-tied top-k experts flip), which
+    would hide a wrong rewrite; fp32 keeps both paths within 1e-3."""
+    cfg = K3Config.tiny(dtype="float32", num_layers=4)
     m = K3Model(cfg)
-    torch._dynamo.reset()
-    k3compile.clear_reports()
-    f = torch.compile(m, backend="k3", fullgraph=True)
+    f = torch.compile(m, backend=k3compile.backend(dtypes=("float32",)), fullgraph=True)
     for M in (1, 3, 5):
-        ids = torch.randint(0, cfg.vocab, (M, 1))
+        ids = torch.randint(0, cfg.vocab, (M, 1), generator=torch.Generator().manual_seed(M))
         ref = m(ids, m.new_cache(M))
-        out = f(ids, m.new_cache(M))
-        assert (out - ref).abs().max() <= 2e-2 * ref.abs().max(), M
+        if M == 1:
+            out, code = run_and_get_code(f, ids, m.new_cache(M))
+            _check_stream_order("\n".join(code), n_moe=3)
+        else:
+            out = f(ids, m.new_cache(M))
+        assert (out - ref).abs().max() <= 1e-3 * ref.abs().max(), M
     reps = k3compile.reports()
     assert len(reps) == 2  # M=1, then one dynamic-M graph for 3 and 5
     for rep in reps:
-        assert rep.get("fuse_oproj_allreduce").matched == 4
-        assert rep.get("fold_moe_finalize").matched == 3
-        assert rep.get("overlap_shared_expert").matched == 3
+        assert rep.get("fuse_oproj_allreduce").matched == 4, rep.render()
+        assert rep.get("fold_moe_finalize").matched == 3, rep.render()
+        assert rep.get("overlap_shared_expert").matched == 3, rep.render()

@@ -27,6 +27,12 @@ def situ(gate_up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) ->
     return (g * u).to(gate_up.dtype)
 
 
+def situ_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+             beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """SiTU MLP over F.linear weights: down(SiTU(x @ [gate; up].T))."""
+    return torch.nn.functional.linear(situ(torch.nn.functional.linear(x, w_gate_up), beta, linear_beta), w_down)
+
+
 def attnres_mix(prefix, delta, blocks, w_norm, w_qk, g_out, eps):
     """AttnRes mixer (spec section 2). Returns (normalised output, updated residual)."""
     updated = prefix if delta is None else prefix + delta

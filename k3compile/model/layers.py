@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import attention_ops  # noqa: F401  (registers torch.ops.k3model.kda_* / mla_*)
 from . import moe_ops  # noqa: F401  (registers torch.ops.k3model.mxfp4_experts)
 from .config import K3Config
-from .functional import attnres_mix, rms_norm, situ
+from .functional import attnres_mix, rms_norm, situ_mlp
 from .mxfp4 import quantize
 from .tp import TPInfo, all_reduce
 
@@ -171,7 +171,7 @@ class DenseMLP(nn.Module):
         self.down = wf.linear(f"{name}.down", c.hidden, inter, split="in")
 
     def partial(self, x):
-        return F.linear(situ(F.linear(x, self.gate_up), self.beta, self.lbeta), self.down)
+        return situ_mlp(x, self.gate_up, self.down, self.beta, self.lbeta)
 
     def forward(self, x):
         return all_reduce(self.partial(x), self.tp)

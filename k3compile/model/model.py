@@ -38,6 +38,13 @@ class K3Cache:
                 self.state[i] = torch.zeros(batch, Hr, cfg.kda_head_dim, cfg.kda_head_dim,
                                             dtype=torch.float32, device=device)
         self.seq_lens = torch.zeros(batch, dtype=torch.int64, device=device)
+        # The cache is written in place every step. Marking its tensors static lets CUDA graphs
+        # (torch.compile mode="reduce-overhead") capture those writes instead of refusing to graph.
+        for t in self.tensors():
+            torch._dynamo.mark_static_address(t, guard=False)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.conv.values(), *self.state.values(), *self.kv.values(), self.seq_lens]
 
     def check(self, cfg: K3Config, tp: TPInfo, batch: int, T: int) -> None:
         if self.cfg != cfg:

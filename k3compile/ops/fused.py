@@ -1,8 +1,7 @@
 """The `k3::` custom ops that the passes emit.
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
-tracing, and a dispatch point (`dispatch.pick`) where the GPU kernels of `k3compile.kernels`
-plug in. The ops are functional (no input is mutated, no output aliases an input), so
+tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
 Inductor treats them as ordinary extern kernels.
 """
 from __future__ import annotations
@@ -12,7 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import dispatch, reference as ref
+from ..kernels import registry as dispatch
+from . import reference as ref
 
 
 def _run(op: str, reference_fn, *args):
@@ -79,13 +79,15 @@ def _(x, w_gate_up, w_down, beta, linear_beta):
 
 
 @torch.library.custom_op("k3::stream_join", mutates_args=())
-def stream_join(x: Tensor) -> Tensor:
-    """Makes the current stream wait for the side stream that produced `x`; returns x's value."""
-    return _run("stream_join", lambda t: t.clone(), x)
+def stream_join(x: Tensor, after: Tensor) -> Tensor:
+    """Makes the current stream wait for the side stream that produced `x`; returns x's value.
+    `after` is not read: it is the routed work the side stream overlaps with, a data dependency
+    that keeps any scheduler from hoisting the join above that work."""
+    return _run("stream_join", lambda t, _a: t.clone(), x, after)
 
 
 @stream_join.register_fake
-def _(x):
+def _(x, after):
     return torch.empty_like(x)
 
 

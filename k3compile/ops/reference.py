@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.model.functional import attnres_mix, rms_norm, situ
+from k3compile.model.functional import attnres_mix, rms_norm, situ_mlp as shared_expert  # noqa: F401
 
 
 def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
@@ -68,5 +68,3 @@ def router_latent_sharded(x, w_router, w_down, rank, tp, group):
     return full[:, :E].clone(), full[:, E:].clone()  # fresh tensors: outputs may not alias
 
 
-def shared_expert(x, w_gate_up, w_down, beta, linear_beta):
-    return F.linear(situ(F.linear(x, w_gate_up), beta, linear_beta), w_down)

@@ -66,11 +66,8 @@ class FoldMoeFinalize(K3Pass):
         if not (is_call(red, aten.sum.dim_IntList) and list(red.args[1]) in ([1], [-2])):
             return Fail(red, f"finalize is not a sum over top-k (found {describe(red)})")
         routed_partial = red
-        nxt = _only_user(red, "finalize")
-        if isinstance(nxt, Fail):
-            return nxt
-        if is_call(nxt, *CONVERT_OPS):
-            routed_partial = nxt
+        if len(red.users) == 1 and is_call(next(iter(red.users)), *CONVERT_OPS):
+            routed_partial = next(iter(red.users))  # the cast back to the model dtype
         group = None
         routed = routed_partial
         if info.tp > 1:

@@ -4,7 +4,7 @@ Matches, once per MoE layer (anchored on each routed-expert op):
     s = SiTU(x @ W_gate_up.T) @ W_down.T      # x: the MoE input (the routed experts' router input)
 Emits:
     h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
-    s = k3::stream_join(h)                                                  # right before s's first user
+    s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
@@ -45,8 +45,12 @@ class OverlapSharedExpert(K3Pass):
             dn = weight_out_in(graph, s["down"], s["up"].out)
             anchor = last_of(graph, [s["x"], gu, dn])
             h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
-            first_user = min(s["down"].out.users, key=lambda u: _order(graph)[u])
-            j = emit(graph, first_user.prev, OPS["stream_join"], (h,))
+            order = _order(graph)
+            first_user = min(s["down"].out.users, key=lambda u: order[u])
+            after = s["expert"]
+            if order[after] > order[first_user]:
+                raise RuntimeError(f"{first_user.name} reads the shared expert before the routed experts run")
+            j = emit(graph, first_user.prev, OPS["stream_join"], (h, after))
             replace(graph, s["down"].out, j)
             report.matched += 1
         if info.tp > 1 and opts.prefetch:
@@ -80,7 +84,7 @@ class OverlapSharedExpert(K3Pass):
                 continue
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
                 continue
-            return dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1])
+            return dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1], expert=e)
         return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input")
 
     def situ_between(self, start, end):

@@ -2,8 +2,8 @@
 
 A kernel registers itself for (op name, device type) with a predicate on the call (e.g. an M
 range or a dtype); `pick` returns the first kernel whose predicate accepts the call, else None,
-and the op runs its PyTorch reference. Kernels live in `k3compile.kernels` and are imported
-lazily the first time an op runs on that device type, so CPU use never imports Triton.
+and the op runs its PyTorch reference. The device's kernel module (`k3compile.kernels.cuda`) is
+imported lazily the first time an op runs on that device type, so CPU use never imports Triton.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _load(device: str) -> None:
     _LOADED.add(device)
     if device == "cuda" and os.environ.get("K3_KERNELS", "1") != "0":
         try:
-            importlib.import_module("k3compile.kernels")
+            importlib.import_module("k3compile.kernels.cuda")
         except ImportError:  # no Triton: every op runs its reference
             pass
 
