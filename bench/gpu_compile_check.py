@@ -49,7 +49,7 @@ def run(rank, world):
                 worst = max(worst, e)
             torch.cuda.synchronize()
             res[name][M] = dict(first_step=first, worst=worst)
-        skips[name] = dict(counters["inductor"].get("cudagraph_skips", {}) or {}) or int(counters["inductor"]["cudagraph_skips"])
+        skips[name] = counters["inductor"]["cudagraph_skips"]
     rep = k3compile.last_report()
     return dict(err=res, cudagraph_skips=skips, report=rep.render(), passes={p.name: [p.matched, p.expected, p.skipped] for p in rep.passes},
                 compiles=len(k3compile.reports()), torch=torch.__version__, gpu=torch.cuda.get_device_name())
