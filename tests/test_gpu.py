@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import k3compile
+import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3compile.model import K3Config, K3Model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -55,17 +56,19 @@ def test_reduce_overhead_uses_cuda_graphs_and_matches_eager_mode():
 
 
 def test_shared_expert_overlaps_routed_experts_on_two_streams():
+    """Under CUDA graphs (reduce-overhead) the replay launches both streams at once."""
     from torch.profiler import ProfilerActivity, profile
-    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4, hidden=512, shared_inter=4096, latent=256,
-                        expert_inter=512, num_experts=16, top_k=4)
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4, hidden=1024, shared_inter=8192, latent=512,
+                        expert_inter=1024, num_experts=16, top_k=4)
     m = K3Model(cfg, device="cuda")
-    f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
+    f = torch.compile(m, backend="k3", mode="reduce-overhead", fullgraph=True)
     ids = torch.zeros(64, 1, dtype=torch.long, device="cuda")
-    for _ in range(3):
-        f(ids, m.new_cache(64))
+    cache = m.new_cache(64)
+    for _ in range(4):
+        f(ids, cache)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        f(ids, m.new_cache(64))
+        f(ids, cache)
         torch.cuda.synchronize()
     import json
     import tempfile

@@ -300,11 +300,22 @@ def dequantize(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat
     return out.movedim(-1, d) if moved else out
 
 
+_TABLES: dict = {}
+
+
+def _e2m1_table(device: torch.device) -> Tensor:
+    """The 16 code values on `device`, made once per device (no host copy inside CUDA-graph capture)."""
+    if device.type == "meta":
+        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return _TABLES[device]
+
+
 def _dequantize(packed: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """Unchecked dequantisation along the last dim."""
     codes = _unpack_fp4(packed)
     K = codes.shape[-1]
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    vals = table[codes.to(torch.int64)].reshape(*codes.shape[:-1], K // BLOCK, BLOCK)
+    vals = _e2m1_table(packed.device)[codes.to(torch.int64)].reshape(*codes.shape[:-1], K // BLOCK, BLOCK)
     vals = vals * _e8m0_to_float32(scales).unsqueeze(-1)
     return vals.reshape(*codes.shape[:-1], K).to(dtype)
