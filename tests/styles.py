@@ -4,7 +4,10 @@
 - "matmul":  `x @ w.t()` instead of F.linear, and `torch.nn.functional.rms_norm` instead of the
   hand-written RMSNorm;
 - "inplace": in-place `dist.all_reduce` instead of functional collectives, and RMSNorm written
-  as `x / sqrt(mean(x*x) + eps)`.
+  as `x / sqrt(mean(x*x) + eps)`;
+- "vllm": vLLM's op forms, `torch.ops.vllm.all_reduce(x, group_name)` and
+  `torch.ops.vllm_ir.rms_norm(x, weight, epsilon)` (look-alike ops with vLLM's schemas, registered
+  here when vLLM is not installed).
 """
 from __future__ import annotations
 
@@ -49,6 +52,31 @@ class _FProxy:
         return self._linear if name == "linear" else getattr(F, name)
 
 
+def _register_vllm_lookalikes() -> None:
+    if not hasattr(torch.ops, "vllm") or not hasattr(torch.ops.vllm, "all_reduce"):
+        @torch.library.custom_op("vllm::all_reduce", mutates_args=())
+        def all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+            out = torch.ops._c10d_functional.all_reduce(tensor.contiguous(), "sum", group_name)
+            return torch.ops._c10d_functional.wait_tensor(out)
+
+        all_reduce.register_fake(lambda tensor, group_name: torch.empty_like(tensor))
+    if not hasattr(torch.ops, "vllm_ir") or not hasattr(torch.ops.vllm_ir, "rms_norm"):
+        @torch.library.custom_op("vllm_ir::rms_norm", mutates_args=())
+        def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+                     variance_size: int | None = None) -> torch.Tensor:
+            return _rms_norm_torch(x, weight, epsilon)
+
+        rms_norm.register_fake(lambda x, weight, epsilon, variance_size=None: torch.empty_like(x))
+
+
+def _all_reduce_vllm(x, tp):
+    return x if tp.size == 1 else torch.ops.vllm.all_reduce(x, tp.group_name)
+
+
+def _rms_norm_vllm(x, weight, eps):
+    return torch.ops.vllm_ir.rms_norm(x, weight, eps)
+
+
 def apply(style: str) -> None:
     from k3compile.model import functional, layers
     if style == "matmul":
@@ -59,5 +87,10 @@ def apply(style: str) -> None:
         layers.all_reduce = _all_reduce_inplace
         layers.rms_norm = _rms_norm_div
         functional.__dict__["rms_norm"] = _rms_norm_div
+    elif style == "vllm":
+        _register_vllm_lookalikes()
+        layers.all_reduce = _all_reduce_vllm
+        layers.rms_norm = _rms_norm_vllm
+        functional.__dict__["rms_norm"] = _rms_norm_vllm
     elif style != "reference":
         raise ValueError(style)

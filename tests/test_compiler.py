@@ -63,7 +63,7 @@ def test_tp2_each_pass_and_all():
         assert rank_res["all"]["passes"]["shard_router_latent"][:2] == (7, 7)
 
 
-@pytest.mark.parametrize("style", ["matmul", "inplace"])
+@pytest.mark.parametrize("style", ["matmul", "inplace", "vllm"])
 def test_differently_written_layers_fully_match(style):
     res = run_ranks(compiled_vs_eager, 2, [2], ["all"], 4, style)
     for rank_res in res:

@@ -92,8 +92,8 @@ class PassManager(CustomGraphPass):
     def _run(self, graph: Graph) -> None:
         t0 = time.perf_counter()
         info = analyze(graph)
-        if info.attention or info.experts:
-            canonicalize(graph)
+        if (info.attention or info.experts) and canonicalize(graph):
+            info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
         report = CompileReport(graph=self.name, structure=info.summary())
         for name, p in self.passes.items():
             pr = PassReport(name)
