@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
