@@ -7,6 +7,7 @@ A pass that raises leaves the graph exactly as it was (it is restored from a cop
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import pathlib
@@ -54,6 +55,7 @@ def _restore(graph: Graph, snap: Graph) -> None:
     graph.output(out)
 
 
+@functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
     root = pathlib.Path(__file__).resolve().parent.parent
     h = hashlib.sha256()

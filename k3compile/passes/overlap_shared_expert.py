@@ -59,14 +59,14 @@ class OverlapSharedExpert(K3Pass):
 
     def match(self, e):
         lat = e.args[0]
-        src = lat
-        if is_call(src, operator.getitem) and is_call(src.args[0], OPS["router_latent_sharded"]):
-            x = src.args[0].args[0]
+        if is_call(lat, operator.getitem) and is_call(lat.args[0], OPS["router_latent_sharded"]):
+            x = lat.args[0].args[0]
         else:
             lin = match_linear(lat)
             if isinstance(lin, Fail):
                 return Fail(lat, f"cannot find the MoE input ({lin.reason})")
             x = lin.x
+        why = []  # why each candidate GEMM on x was not the shared expert
         for u in list(x.users):
             if not is_call(u, aten.mm.default) or u is lat:
                 continue
@@ -74,18 +74,20 @@ class OverlapSharedExpert(K3Pass):
             if isinstance(up, Fail) or not is_weight_like(up.w):
                 continue
             d = forward_gemm(u, limit=40)
-            if d is None:
-                continue
-            down = match_linear(d)
+            down = match_linear(d) if d is not None else Fail(u, "no down-projection after it")
             if isinstance(down, Fail) or down.residual is not None or not is_weight_like(down.w):
+                why.append(f"{u.name}: no plain down-projection GEMM follows")
                 continue
             act = self.situ_between(u, down.x)
             if isinstance(act, Fail):
+                why.append(f"{u.name}: {act.reason}")
                 continue
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
+                why.append(f"{u.name}: down-projection does not return to the hidden size")
                 continue
             return dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1], expert=e)
-        return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input")
+        return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input"
+                       + (f" ({'; '.join(why)})" if why else ""))
 
     def situ_between(self, start, end):
         """(beta, linear_beta) if `end` is computed from `start` by SiTU's elementwise ops only."""
