@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from .options import K3Options
-from .passes.manager import PassManager
+from .passes.manager import PassManager, log
+from .report import CompileReport, record
 
 _COUNTER = [0]
 
@@ -40,7 +41,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mo
         patches["triton.cudagraphs"] = True
     if torch_mode in ("max-autotune", "max-autotune-no-cudagraphs"):
         patches["max_autotune"] = True
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if mgr.last is None:  # Inductor's cache hit: the passes ran when the entry was made, not now
+        rep = CompileReport(graph=mgr.name, cache_hit=True)
+        record(rep)
+        (print if opts.verbose else log.info)(rep.render())
+    return compiled
 
 
 def k3_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):

@@ -55,6 +55,7 @@ class CompileReport:
     structure: dict = field(default_factory=dict)
     passes: list[PassReport] = field(default_factory=list)
     seconds: float = 0.0
+    cache_hit: bool = False  # Inductor loaded the compiled graph from its cache: no pass ran now
 
     @property
     def is_k3(self) -> bool:
@@ -65,6 +66,9 @@ class CompileReport:
         return all(p.ok or (p.skipped and not p.expected) for p in self.passes)
 
     def render(self, near_misses: bool = True) -> str:
+        if self.cache_hit:
+            return (f"k3: {self.graph}: loaded from Inductor's cache, compiled earlier with the same K3 passes "
+                    f"and options; no match report now (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 recompiles)")
         if not self.is_k3:
             return (f"k3: {self.graph}: nothing matched: no K3 structure found "
                     f"(no attention cores or MoE experts); compiled without K3 passes")
