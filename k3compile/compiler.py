@@ -20,9 +20,11 @@ from .report import CompileReport, record
 _COUNTER = [0]
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mode: str | None = None):
+def _compile(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mode: str | None = None,
+             manager: PassManager | None = None):
+    """manager: a PassManager to use instead of a fresh one (the CLI passes one that records graphs)."""
     _COUNTER[0] += 1
-    mgr = PassManager(opts, name=f"graph{_COUNTER[0]}")
+    mgr = manager or PassManager(opts, name=f"graph{_COUNTER[0]}")
     if opts.mode == "eager":
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd

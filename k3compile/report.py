@@ -9,9 +9,49 @@ class NearMiss:
     site: str        # the anchor node matching started from
     stopped_at: str  # the node where matching stopped
     reason: str
+    node: str = ""   # the stopping node as code: `add_5 = aten.add.Tensor(mm_3, arg12_1)`
+    source: str = ""  # the model source line it came from (`file:line: code`), when the graph has it
 
     def __str__(self) -> str:
         return f"at {self.site}: stopped at {self.stopped_at}: {self.reason}"
+
+
+def node_code(n) -> str:
+    """`name = target(args)` for an FX node (plain text; '' for a non-node)."""
+    if not hasattr(n, "op"):
+        return ""
+    if n.op == "placeholder":
+        return f"{n.name} = <graph input>"
+    if n.op == "get_attr":
+        return f"{n.name} = self.{n.target}"
+    if n.op == "output":
+        return "return (graph output)"
+    t = n.target
+    name = str(t) if hasattr(t, "_schema") else getattr(t, "__name__", str(t))  # aten.mm.default, getitem
+    fmt = lambda a: a.name if hasattr(a, "op") else (  # noqa: E731
+        "[" + ", ".join(fmt(x) for x in a) + "]" if isinstance(a, (list, tuple)) else repr(a))
+    args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items()]
+    text = f"{n.name} = {name}({', '.join(args)})"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def node_source(n) -> str:
+    """The innermost frame of the node's `stack_trace` meta as `file:line: code` ('' if none)."""
+    st = getattr(n, "meta", {}).get("stack_trace") if hasattr(n, "meta") else None
+    if not st:
+        return ""
+    lines = [ln for ln in st.rstrip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i].strip()
+        if ln.startswith("File "):
+            try:
+                path, rest = ln[len('File "'):].split('", line ', 1)
+                lineno = rest.split(",")[0]
+            except ValueError:
+                return ln
+            code = next((c.strip() for c in lines[i + 1:] if not set(c.strip()) <= set("^~ ")), "")
+            return f"{path}:{lineno}: {code}"
+    return ""
 
 
 @dataclass
@@ -29,7 +69,8 @@ class PassReport:
 
     def miss(self, site, stopped_at, reason: str) -> None:
         name = lambda n: getattr(n, "name", str(n))  # noqa: E731
-        self.near_misses.append(NearMiss(name(site), name(stopped_at), reason))
+        self.near_misses.append(NearMiss(name(site), name(stopped_at), reason, node_code(stopped_at),
+                                         node_source(stopped_at) or node_source(site)))
 
     @property
     def ok(self) -> bool:
@@ -89,6 +130,17 @@ class CompileReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompileReport":
+        """Inverse of `to_dict` (e.g. a report read back from the CLI's summary.json)."""
+        d = dict(d)
+        passes = []
+        for p in d.pop("passes", []):
+            p = dict(p)
+            nms = [NearMiss(**nm) for nm in p.pop("near_misses", [])]
+            passes.append(PassReport(**p, near_misses=nms))
+        return cls(**d, passes=passes)
 
     def get(self, name: str) -> PassReport:
         for p in self.passes:

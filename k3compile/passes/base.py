@@ -15,7 +15,9 @@ from ..report import PassReport
 
 class K3Pass:
     name: str = ""
-    description: str = ""
+    description: str = ""  # one line: what it replaces with what
+    pattern: str = ""      # one line: the op chain it matches, per site
+    emits: str = ""        # the k3:: op(s) it emits
 
     def expected(self, info: GraphInfo) -> int:
         """How many sites the graph's layer structure says should match."""

@@ -7,6 +7,18 @@ from torch.fx import Graph, Node
 from ..patterns.graph import aten, dtype, prims, shape, val
 
 
+_PROVENANCE = ("nn_module_stack", "stack_trace")
+
+
+def inherit(new: Node, src: Node) -> Node:
+    """Give a new node the module path and source line of the node it sits at (for reports,
+    the CLI's per-layer pictures and tlparse), as Inductor's pattern replacements do."""
+    for k in _PROVENANCE:
+        if k in src.meta and k not in new.meta:
+            new.meta[k] = src.meta[k]
+    return new
+
+
 def emit(graph: Graph, after: Node, op, args: tuple) -> Node:
     """Insert `op(*args)` right after `after`; meta['val'] comes from running the op's fake
     implementation on the arguments' fake values."""
@@ -16,6 +28,7 @@ def emit(graph: Graph, after: Node, op, args: tuple) -> Node:
 
     with graph.inserting_after(after):
         n = graph.call_function(op, args)
+    inherit(n, after)
     fv = lambda a: val(a) if isinstance(a, Node) else ([fv(x) for x in a] if isinstance(a, (list, tuple)) else a)  # noqa: E731
     fargs = [fv(a) for a in args]
     flat = [t for a in fargs for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
@@ -29,7 +42,7 @@ def getitem(graph: Graph, n: Node, i: int) -> Node:
     with graph.inserting_after(n):
         g = graph.call_function(operator.getitem, (n, i))
     g.meta["val"] = n.meta["val"][i]
-    return g
+    return inherit(g, n)
 
 
 def like(graph: Graph, new: Node, old: Node) -> Node:
@@ -37,11 +50,11 @@ def like(graph: Graph, new: Node, old: Node) -> Node:
     out = new
     if shape(old) is not None and shape(new) != shape(old):
         with graph.inserting_after(out):
-            out = graph.call_function(aten.view.default, (out, list(val(old).shape)))
+            out = inherit(graph.call_function(aten.view.default, (out, list(val(old).shape))), new)
         out.meta["val"] = val(old)
     if dtype(old) is not None and dtype(out) != dtype(old):
         with graph.inserting_after(out):
-            out = graph.call_function(prims.convert_element_type.default, (out, dtype(old)))
+            out = inherit(graph.call_function(prims.convert_element_type.default, (out, dtype(old))), new)
         out.meta["val"] = val(old)
     return out
 

@@ -32,6 +32,8 @@ def _only_user(n, what):
 class FoldMoeFinalize(K3Pass):
     name = "fold_moe_finalize"
     description = "top-k finalize + latent all-reduce + RMSNorm + up-proj shard + add -> k3::moe_latent_tail"
+    pattern = "sum_k(experts(...) * w) -> [all_reduce] -> RMSNorm -> mm(W_up[r].T) -> add(shared) (per MoE layer)"
+    emits = "k3::moe_latent_tail"
 
     def expected(self, info):
         return len(info.experts)

@@ -24,6 +24,8 @@ from .common import emit, forward_gemm, getitem, last_of, replace, users_through
 class FuseOprojAllreduce(K3Pass):
     name = "fuse_oproj_allreduce"
     description = "o-proj GEMM + all-reduce + residual add (+ RMSNorm/AttnRes post-norm) -> k3::oproj_allreduce_residual"
+    pattern = "mm(o, W_o.T) -> [all_reduce] -> add(residual) [-> RMSNorm | AttnRes mix] (per attention layer)"
+    emits = "k3::oproj_allreduce_residual"
 
     def expected(self, info):
         return len(info.attention)

@@ -67,13 +67,18 @@ def _source_hash() -> str:
 
 class PassManager(CustomGraphPass):
     def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
-                 dump: bool = False):
+                 dump: bool = False, observer=None):
+        """dump=True records (pass, readable graph before it, readable graph after it) in `graphs`
+        for every pass that runs. `observer(stage, pass_name, graph)` is called with stage "input"
+        (the graph as received, pass_name None), then "before" and "after" around every pass that
+        runs (the CLI snapshots graphs there)."""
         self.opts = opts or K3Options.make()
         self.passes = passes if passes is not None else PASSES
         self.name = name
         self.dump = dump
+        self.observer = observer
         self.last: CompileReport | None = None
-        self.graphs: list[tuple[str, str]] = []  # (after pass, readable graph) when dump=True
+        self.graphs: list[tuple[str, str, str]] = []  # (pass, readable graph before, after) when dump=True
 
     def uuid(self):
         import torch.distributed as dist
@@ -91,8 +96,13 @@ class PassManager(CustomGraphPass):
                 raise K3StrictError(f"k3 pass manager failed: {type(e).__name__}: {e}") from e
             warnings.warn(f"k3: pass manager failed ({type(e).__name__}: {e}); graph left unoptimised", stacklevel=2)
 
+    def _observe(self, stage: str, name: str | None, graph: Graph) -> None:
+        if self.observer is not None:
+            self.observer(stage, name, graph)
+
     def _run(self, graph: Graph) -> None:
         t0 = time.perf_counter()
+        self._observe("input", None, graph)
         info = analyze(graph)
         if (info.attention or info.experts) and canonicalize(graph):
             info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
@@ -114,6 +124,9 @@ class PassManager(CustomGraphPass):
             pr.nodes_before = len(graph.nodes)
             info = analyze(graph)  # fresh: earlier passes (or a rollback) replaced nodes
             snap = _snapshot(graph)
+            before = _readable(graph) if self.dump else None
+            _trace_graph(f"k3_{name}_before", graph)
+            self._observe("before", name, graph)
             t = time.perf_counter()
             try:
                 p.run(graph, info, self.opts, pr)
@@ -129,8 +142,10 @@ class PassManager(CustomGraphPass):
                 warnings.warn(f"k3 pass {name} failed and was rolled back: {pr.error}", stacklevel=2)
             pr.seconds = time.perf_counter() - t
             pr.nodes_after = len(graph.nodes)
+            _trace_graph(f"k3_{name}_after", graph)
+            self._observe("after", name, graph)
             if self.dump:
-                self.graphs.append((name, _readable(graph)))
+                self.graphs.append((name, before, _readable(graph)))
         report.seconds = time.perf_counter() - t0
         self.last = report
         record(report)
@@ -153,6 +168,16 @@ def _readable(graph: Graph) -> str:
     if gm is not None:
         return gm.print_readable(print_output=False)
     return str(graph)
+
+
+def _trace_graph(name: str, graph: Graph) -> None:
+    """One graph as a structured-trace artifact (free unless TORCH_TRACE is set: the payload is lazy)."""
+    try:
+        from torch._logging import trace_structured
+        trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                         payload_fn=lambda: _readable(graph))
+    except Exception:  # tracing is best-effort
+        pass
 
 
 def _trace(report: CompileReport, graph: Graph) -> None:

@@ -35,6 +35,8 @@ _ELEMENTWISE = {
 class OverlapSharedExpert(K3Pass):
     name = "overlap_shared_expert"
     description = "shared expert -> side stream (k3::shared_expert_async + k3::stream_join); L2 prefetch during all-reduces"
+    pattern = "mm(x, W_gu.T) -> SiTU -> mm(W_down.T) on the MoE input (per MoE layer); every all-reduce at TP > 1"
+    emits = "k3::shared_expert_async, k3::stream_join, k3::all_reduce_prefetch"
 
     def expected(self, info):
         return len(info.experts)

@@ -21,6 +21,8 @@ from .common import emit, getitem, last_of, replace
 class ShardRouterLatent(K3Pass):
     name = "shard_router_latent"
     description = "replicated router + latent down-projection -> k3::router_latent_sharded (GEMM on 1/TP rows + all-gather)"
+    pattern = "mm(x, W_r.T) and mm(x, W_down.T) on the same x, replicated weights, TP > 1 (per MoE layer)"
+    emits = "k3::router_latent_sharded"
 
     def expected(self, info):
         return len(info.experts) if info.tp > 1 else 0
