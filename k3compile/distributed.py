@@ -1,6 +1,6 @@
 """Launch a function on N local ranks (gloo on CPU, NCCL on GPU) with torch.multiprocessing.
 
-Used by the tests, the CLI and the demos: `run_ranks(fn, world, *args)` returns each rank's
+Used by the tests and the CLI (`k3c run --tp N`): `run_ranks(fn, world, *args)` returns each rank's
 return value (rank order). The function must be importable (module-level).
 """
 from __future__ import annotations

@@ -11,6 +11,7 @@ class NearMiss:
     reason: str
     node: str = ""   # the stopping node as code: `add_5 = aten.add.Tensor(mm_3, arg12_1)`
     source: str = ""  # the model source line it came from (`file:line: code`), when the graph has it
+    module: str = ""  # the module the site belongs to (`layers.3.attn`), when the graph has it
 
     def __str__(self) -> str:
         return f"at {self.site}: stopped at {self.stopped_at}: {self.reason}"
@@ -18,7 +19,8 @@ class NearMiss:
 
 def node_code(n) -> str:
     """`name = target(args)` for an FX node (plain text; '' for a non-node)."""
-    if not hasattr(n, "op"):
+    from torch.fx import Node
+    if not isinstance(n, Node):
         return ""
     if n.op == "placeholder":
         return f"{n.name} = <graph input>"
@@ -28,16 +30,33 @@ def node_code(n) -> str:
         return "return (graph output)"
     t = n.target
     name = str(t) if hasattr(t, "_schema") else getattr(t, "__name__", str(t))  # aten.mm.default, getitem
-    fmt = lambda a: a.name if hasattr(a, "op") else (  # noqa: E731
+    fmt = lambda a: a.name if isinstance(a, Node) else (  # noqa: E731
         "[" + ", ".join(fmt(x) for x in a) + "]" if isinstance(a, (list, tuple)) else repr(a))
     args = [fmt(a) for a in n.args] + [f"{k}={fmt(v)}" for k, v in n.kwargs.items()]
     text = f"{n.name} = {name}({', '.join(args)})"
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def clean_path(path: str) -> str:
+    """Dynamo's `L['self'].layers.3.attn` / `L['self']._modules['layers']._modules['3']` -> `layers.3.attn`."""
+    import re
+    path = re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", str(path))
+    return re.sub(r"^L\['self'\]\.?|^L\['([^']+)'\]", r"\1", path)
+
+
+def node_module(n) -> str:
+    """The innermost module an FX node was traced in (`layers.3.attn`), '' if unknown."""
+    meta = getattr(n, "meta", None)
+    st = meta.get("nn_module_stack") if isinstance(meta, dict) else None
+    if not st:
+        return ""
+    return clean_path(list(st.values())[-1][0])
+
+
 def node_source(n) -> str:
     """The innermost frame of the node's `stack_trace` meta as `file:line: code` ('' if none)."""
-    st = getattr(n, "meta", {}).get("stack_trace") if hasattr(n, "meta") else None
+    meta = getattr(n, "meta", None)
+    st = meta.get("stack_trace") if isinstance(meta, dict) else None
     if not st:
         return ""
     lines = [ln for ln in st.rstrip().splitlines() if ln.strip()]
@@ -70,7 +89,8 @@ class PassReport:
     def miss(self, site, stopped_at, reason: str) -> None:
         name = lambda n: getattr(n, "name", str(n))  # noqa: E731
         self.near_misses.append(NearMiss(name(site), name(stopped_at), reason, node_code(stopped_at),
-                                         node_source(stopped_at) or node_source(site)))
+                                         node_source(stopped_at) or node_source(site),
+                                         node_module(site) or node_module(stopped_at)))
 
     @property
     def ok(self) -> bool:

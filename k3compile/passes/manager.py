@@ -41,7 +41,8 @@ class K3StrictError(RuntimeError):
     pass
 
 
-def _snapshot(graph: Graph) -> Graph:
+def snapshot(graph: Graph) -> Graph:
+    """A copy of `graph`: same node names; each node's meta dict is copied, its values shared."""
     g = Graph()
     out = g.graph_copy(graph, {})
     g.output(out)
@@ -123,7 +124,7 @@ class PassManager(CustomGraphPass):
                 continue
             pr.nodes_before = len(graph.nodes)
             info = analyze(graph)  # fresh: earlier passes (or a rollback) replaced nodes
-            snap = _snapshot(graph)
+            snap = snapshot(graph)
             before = _readable(graph) if self.dump else None
             _trace_graph(f"k3_{name}_before", graph)
             self._observe("before", name, graph)

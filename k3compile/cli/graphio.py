@@ -1,0 +1,517 @@
+"""Save and load FX graphs for `k3c run --graph FILE`.
+
+Formats, chosen by file suffix:
+- `.json` (written by `k3c run --dump`): the graph as data: every node's op, target (an op name),
+  arguments, the shape/stride/dtype/device of its value, its module path and source line. Loading
+  resolves op names in `torch.ops` and a fixed set of Python operators; nothing from the file is
+  executed. The graph's real inputs (weights, cache, token ids), when saved, sit next to it in
+  `<stem>.inputs.pt` (tensors only, read with `torch.load(weights_only=True)`).
+- `.pt2`: a `torch.export` program. It is decomposed with Inductor's decomposition table (the
+  ATen forms the passes see after AOTAutograd); its weights and saved example inputs are used to
+  check numerics.
+- `.py`: a readable graph: `GraphModule.print_readable` output (ours, TORCH_COMPILE_DEBUG's
+  fx_graph_readable.py / fx_graph_transformed.py, vLLM's debug dumps) or TORCH_COMPILE_DEBUG's
+  fx_graph_runnable.py. It is Python that must be executed to load, so it loads only with
+  `trust_code=True` (`--trust-code`). Input shapes come from the `forward` annotations
+  (`"bf16[2, 64]"`) or the file's `load_args`; symbolic sizes take the values given in `sym`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+import pathlib
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+FORMAT = "k3c-graph"
+VERSION = 1
+DEFAULT_SYM = 8  # value given to a symbolic size in a .py graph when --sym does not name it
+
+
+class GraphFileError(Exception):
+    """The file cannot be read as a graph (the message is one line for the user)."""
+
+
+class UntrustedCodeError(GraphFileError):
+    pass
+
+
+@dataclass
+class LoadedGraph:
+    gm: GraphModule
+    kind: str                                   # "k3c json", "torch.export", "python"
+    inputs: list | None = None                  # real tensors for the placeholders, in order
+    user_outputs: list[int] | None = None       # which graph outputs are the model's outputs
+    groups: dict = field(default_factory=dict)  # process-group name -> [rank, size] when known
+    meta: dict = field(default_factory=dict)    # what the writer recorded (model, batch, ...)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def group_names(self) -> list[str]:
+        return collective_groups(self.gm.graph)
+
+
+def collective_groups(graph: Graph) -> list[str]:
+    """Names of the process groups the graph's functional collectives use, in first-use order."""
+    out: list[str] = []
+    for n in graph.nodes:
+        if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "_c10d_functional":
+            g = n.args[-1] if n.args else None
+            if isinstance(g, str) and g not in out:
+                out.append(g)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- ops
+def op_qualname(op) -> str:
+    return f"{op._schema.name}.{op._overloadname}"  # aten::mm.default
+
+
+def resolve_op(q: str):
+    """`ns::name.overload` -> the OpOverload, or a one-line error naming what to load."""
+    try:
+        ns, rest = q.split("::", 1)
+        name, overload = rest.rsplit(".", 1)
+    except ValueError:
+        raise GraphFileError(f"malformed op name {q!r}") from None
+    if ns == "k3model":
+        import k3compile.model  # noqa: F401  (registers torch.ops.k3model.*)
+    elif ns == "k3":
+        import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError):
+        hint = " (vLLM's ops: install and import vllm)" if ns in ("vllm", "_C", "vllm_ir", "_moe_C") else ""
+        raise GraphFileError(f"the graph calls {ns}::{name}.{overload}, which is not registered in this "
+                             f"process{hint}") from None
+
+
+# Python callables a .json graph may name: FX's operators on values; nothing that reaches code.
+_PY_FUNCS = {f"_operator.{n}": getattr(operator, n) for n in (
+    "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs",
+    "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "not_")}
+_PY_FUNCS.update({f"math.{n}": getattr(math, n) for n in ("ceil", "floor", "sqrt", "trunc")})
+_PY_FUNCS.update({f"torch.{n}": getattr(torch, n) for n in (
+    "sym_max", "sym_min", "sym_float", "sym_int", "sym_not", "sym_ite", "sym_sum") if hasattr(torch, n)})
+_PY_NAMES = {id(f): k for k, f in _PY_FUNCS.items()}
+
+
+def _enc_target(t) -> Any:
+    if isinstance(t, torch._ops.OpOverload):
+        return {"op": op_qualname(t)}
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return {"hop": t.name()}
+    if id(t) in _PY_NAMES:
+        return {"py": _PY_NAMES[id(t)]}
+    raise GraphFileError(f"cannot save a graph that calls {getattr(t, '__qualname__', t)!r} "
+                         f"(only torch ops and Python operators)")
+
+
+def _dec_target(d):
+    if "op" in d:
+        return resolve_op(d["op"])
+    if "hop" in d:
+        try:
+            return getattr(torch.ops.higher_order, d["hop"])
+        except AttributeError:
+            raise GraphFileError(f"unknown higher-order op {d['hop']!r} in this torch version") from None
+    if "py" in d and d["py"] in _PY_FUNCS:
+        return _PY_FUNCS[d["py"]]
+    raise GraphFileError(f"the graph names a Python function that k3c does not load: {d}")
+
+
+# ---------------------------------------------------------------------------------------- values
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise GraphFileError(f"unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _enc(a) -> Any:
+    if isinstance(a, Node):
+        return {"n": a.name}
+    if a is None or isinstance(a, (bool, int, str)):
+        return a
+    if isinstance(a, float):
+        return a if math.isfinite(a) else {"float": repr(a)}
+    if isinstance(a, tuple):
+        return {"tuple": [_enc(x) for x in a]}
+    if isinstance(a, list):
+        return [_enc(x) for x in a]
+    if isinstance(a, dict):
+        return {"dict": {str(k): _enc(v) for k, v in a.items()}}
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).removeprefix("torch.")}
+    if isinstance(a, slice):
+        return {"slice": [_enc(a.start), _enc(a.stop), _enc(a.step)]}
+    if isinstance(a, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return {"target": _enc_target(a)}
+    if a is Ellipsis:
+        return {"ellipsis": True}
+    raise GraphFileError(f"cannot save an argument of type {type(a).__name__} ({a!r})")
+
+
+def _dec(a, env: dict) -> Any:
+    if isinstance(a, list):
+        return [_dec(x, env) for x in a]
+    if not isinstance(a, dict):
+        return a
+    (k, v), = a.items()
+    if k == "n":
+        if v not in env:
+            raise GraphFileError(f"node {v!r} is used before it is defined")
+        return env[v]
+    if k == "float":
+        return float(v)
+    if k == "tuple":
+        return tuple(_dec(x, env) for x in v)
+    if k == "dict":
+        return {kk: _dec(vv, env) for kk, vv in v.items()}
+    if k == "dtype":
+        return _dtype(v)
+    if k == "device":
+        return torch.device(v)
+    if k == "layout":
+        return getattr(torch, v)
+    if k == "memory_format":
+        return getattr(torch, v)
+    if k == "slice":
+        return slice(*(_dec(x, env) for x in v))
+    if k == "target":
+        return _dec_target(v)
+    if k == "ellipsis":
+        return Ellipsis
+    raise GraphFileError(f"unknown value encoding {k!r}")
+
+
+def _size(s) -> int:
+    if isinstance(s, int):
+        return s
+    hint = getattr(getattr(s, "node", None), "hint", None)
+    if hint is None:
+        raise GraphFileError(f"symbolic size {s} has no example value to save")
+    return int(hint)
+
+
+def _enc_val(v) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"t": [[_size(s) for s in v.shape], [_size(s) for s in v.stride()],
+                      str(v.dtype).removeprefix("torch."), str(v.device)]}
+    if isinstance(v, (list, tuple)):
+        return [_enc_val(x) for x in v]
+    if v is None or isinstance(v, (bool, int)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, torch.SymInt):
+        return _size(v)
+    return None
+
+
+def _dec_val(v, mode) -> Any:
+    if isinstance(v, dict) and "t" in v:
+        shape, stride, dt, dev = v["t"]
+        with mode:
+            return torch.empty_strided(shape, stride, dtype=_dtype(dt), device=torch.device(dev))
+    if isinstance(v, list):
+        return tuple(_dec_val(x, mode) for x in v)
+    return v
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# ---------------------------------------------------------------------------------------- save
+def save_json(graph: Graph, path: str | pathlib.Path, meta: dict | None = None, inputs: list | None = None,
+              constants: dict | None = None) -> list[pathlib.Path]:
+    """Write `graph` as `path` (.json) and, given `inputs`, `<stem>.inputs.pt`. Returns the files."""
+    path = pathlib.Path(path)
+    nodes = []
+    for n in graph.nodes:
+        if n.op in ("call_module", "call_method"):
+            raise GraphFileError(f"cannot save node {n.name}: {n.op} nodes are not supported (ATen graphs only)")
+        d = {"name": n.name, "op": n.op,
+             "target": n.target if n.op in ("placeholder", "get_attr", "output") else _enc_target(n.target),
+             "args": _enc(tuple(n.args)), "kwargs": _enc(dict(n.kwargs))}
+        if "val" in n.meta:
+            d["val"] = _enc_val(n.meta["val"])
+        if n.meta.get("stack_trace"):
+            d["stack_trace"] = n.meta["stack_trace"]
+        if n.meta.get("nn_module_stack"):
+            d["nn_module_stack"] = {k: [v[0], getattr(v[1], "__qualname__", str(v[1]))]
+                                    for k, v in n.meta["nn_module_stack"].items()}
+        for k in ("desc", "k3c_input"):
+            if k in n.meta:
+                d[k] = str(n.meta[k])
+        nodes.append(d)
+    doc = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, **(meta or {}), "nodes": nodes}
+    path.write_text(json.dumps(doc, indent=None, separators=(",", ":")))
+    files = [path]
+    if inputs is not None:
+        ip = inputs_path(path)
+        torch.save({"args": [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in inputs],
+                    "constants": {k: v.detach().cpu() for k, v in (constants or {}).items()}}, ip)
+        files.append(ip)
+    return files
+
+
+def inputs_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.stem + ".inputs.pt")
+
+
+# ---------------------------------------------------------------------------------------- load
+def load(path: str | pathlib.Path, trust_code: bool = False, sym: dict[str, int] | None = None) -> LoadedGraph:
+    path = pathlib.Path(path)
+    if path.is_dir():
+        cand = path / "graph.json"
+        if not cand.exists():
+            raise GraphFileError(f"{path} is a directory without graph.json (give a .json, .pt2 or .py graph file)")
+        path = cand
+    if not path.exists():
+        raise GraphFileError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return _load_json(path)
+        if suffix == ".pt2":
+            return _load_pt2(path)
+        if suffix == ".py":
+            return _load_python(path, trust_code, sym or {})
+    except GraphFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to read is one line for the user
+        raise GraphFileError(f"{path}: cannot load as a {suffix} graph: {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+    raise GraphFileError(f"{path}: unknown graph format {suffix!r} (expected .json from `k3c run --dump`, "
+                         f"a torch.export .pt2, or a readable .py graph with --trust-code)")
+
+
+def _load_json(path: pathlib.Path) -> LoadedGraph:
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GraphFileError(f"{path}: not a JSON graph ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise GraphFileError(f"{path}: not a k3c graph (no \"format\": \"{FORMAT}\")")
+    if doc.get("version") != VERSION:
+        raise GraphFileError(f"{path}: k3c graph version {doc.get('version')} (this k3c reads {VERSION})")
+    mode = _fake_mode()
+    g = Graph()
+    env: dict[str, Node] = {}
+    for d in doc["nodes"]:
+        op = d["op"]
+        target = d["target"] if op in ("placeholder", "get_attr", "output") else _dec_target(d["target"])
+        args, kwargs = _dec(d["args"], env), _dec(d["kwargs"], env)
+        if op == "output":
+            g.output(args[0])
+            continue
+        n = g.create_node(op, target, args, kwargs, name=d["name"])
+        if n.name != d["name"]:
+            raise GraphFileError(f"duplicate node name {d['name']!r}")
+        if "val" in d:
+            n.meta["val"] = _dec_val(d["val"], mode)
+        if "stack_trace" in d:
+            n.meta["stack_trace"] = d["stack_trace"]
+        if "nn_module_stack" in d:
+            n.meta["nn_module_stack"] = {k: tuple(v) for k, v in d["nn_module_stack"].items()}
+        for k in ("desc", "k3c_input"):
+            if k in d:
+                n.meta[k] = d[k]
+        env[n.name] = n
+    inputs, constants = None, {}
+    ip = inputs_path(path)
+    notes = []
+    if ip.exists():
+        try:
+            saved = torch.load(ip, weights_only=True)
+            inputs, constants = saved["args"], saved.get("constants", {})
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"{ip.name} unreadable ({type(e).__name__}): numerics not checked")
+    root = torch.nn.Module()
+    for n in g.nodes:
+        if n.op == "get_attr":
+            if n.target not in constants:
+                raise GraphFileError(f"{path}: the graph reads constant {n.target!r}, which was not saved")
+            _set_attr(root, n.target, constants[n.target])
+    gm = GraphModule(root, g)
+    meta = {k: v for k, v in doc.items() if k != "nodes"}
+    return LoadedGraph(gm, "k3c json", inputs, meta.get("user_outputs"), meta.get("groups", {}), meta, notes)
+
+
+def _set_attr(root: torch.nn.Module, target: str, value) -> None:
+    *mods, last = target.split(".")
+    m = root
+    for p in mods:
+        if not hasattr(m, p):
+            m.add_module(p, torch.nn.Module())
+        m = getattr(m, p)
+    setattr(m, last, value)
+
+
+def _load_pt2(path: pathlib.Path) -> LoadedGraph:
+    import k3compile.model  # noqa: F401  (k3model ops, in case the program calls them)
+    import k3compile.ops  # noqa: F401
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    with warnings.catch_warnings():  # torch-internal deprecation noise while unpickling
+        warnings.simplefilter("ignore", FutureWarning)
+        ep = torch.export.load(str(path))
+    ep = ep.run_decompositions(select_decomp_table())
+    sig = ep.graph_signature
+    notes = []
+    inputs: list | None = []
+    user_args = None
+    if getattr(ep, "example_inputs", None) is not None:
+        args, kwargs = ep.example_inputs
+        user_args = torch.utils._pytree.tree_leaves((args, kwargs))
+    else:
+        notes.append("the program has no saved example inputs: numerics not checked")
+    ui = 0
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            if user_args is None or ui >= len(user_args):
+                inputs = None
+                break
+            inputs.append(user_args[ui])
+            ui += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            src = ep.state_dict if spec.target in ep.state_dict else ep.constants
+            inputs.append(src[spec.target])
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            inputs.append(ep.constants[spec.target])
+        else:
+            notes.append(f"input kind {spec.kind.name} is not supported: numerics not checked")
+            inputs = None
+            break
+    g = Graph()
+    out = g.graph_copy(ep.graph_module.graph, {})
+    g.output(out)
+    # as Inductor's post-grad `remove_assert_ops` does before the custom pass runs: export's
+    # dtype/device asserts (from .to()) are no-ops that would look like extra users of values
+    for n in g.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
+        g.erase_node(n)
+    gm = GraphModule(ep.graph_module, g)
+    user_outputs = [i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+    return LoadedGraph(gm, "torch.export", inputs, user_outputs, {}, {}, notes)
+
+
+_ANNOT = re.compile(r"^(?P<dt>[a-z0-9]+)\[(?P<shape>[^\]]*)\](?:\[(?P<stride>[^\]]*)\])?(?P<dev>[a-z]+(?::\d+)?)?$")
+_ABBR = {v: k for k, v in torch.fx.graph.dtype_abbrs.items()}
+_ABBR["b8"] = torch.bool
+
+
+def _dim(s: str, sym: dict[str, int], used: dict[str, int]) -> int:
+    s = s.strip()
+    if re.fullmatch(r"-?\d+", s):
+        return int(s)
+    # an expression over symbols (s0, 2*s0, s0 + 1): evaluated over the symbols' values only
+    names = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", s))
+    env = {}
+    for name in names:
+        env[name] = sym.get(name, DEFAULT_SYM)
+        used[name] = env[name]
+    if not re.fullmatch(r"[A-Za-z_0-9\s+\-*/()]+", s):
+        raise GraphFileError(f"cannot read the size {s!r}")
+    return int(eval(s.replace("//", "/").replace("/", "//"), {"__builtins__": {}}, env))  # noqa: S307
+
+
+def _fake_from_annotation(name: str, ann, sym, used, mode, device: str):
+    if not isinstance(ann, str):
+        raise GraphFileError(f"input {name!r} has no shape annotation (like \"bf16[2, 64]\")")
+    ann = ann.strip()
+    m = re.fullmatch(r"Sym\((.+)\)", ann)
+    if m:
+        return _dim(m.group(1), sym, used)
+    m = _ANNOT.match(ann)
+    if not m or m.group("dt") not in _ABBR:
+        raise GraphFileError(f"input {name!r}: cannot read the annotation {ann!r}")
+    shape = [_dim(s, sym, used) for s in m.group("shape").split(",") if s.strip()]
+    dev = torch.device(m.group("dev") or device)
+    with mode:
+        if m.group("stride"):
+            stride = [_dim(s, sym, used) for s in m.group("stride").split(",") if s.strip()]
+            return torch.empty_strided(shape, stride, dtype=_ABBR[m.group("dt")], device=dev)
+        return torch.empty(shape, dtype=_ABBR[m.group("dt")], device=dev)
+
+
+def _load_python(path: pathlib.Path, trust_code: bool, sym: dict[str, int]) -> LoadedGraph:
+    if not trust_code:
+        raise UntrustedCodeError(f"{path} is Python: loading it executes its code. If you trust the file, "
+                                 f"pass --trust-code (the .json graphs `k3c run --dump` writes load without it)")
+    import inspect
+
+    import k3compile.model  # noqa: F401  (ops the graph may call)
+    import k3compile.ops  # noqa: F401
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ns: dict[str, Any] = {"__name__": "k3c_loaded_graph", "__file__": str(path), "torch": torch,
+                          "device": torch.device, "inf": math.inf, "nan": math.nan}
+    # TORCH_COMPILE_DEBUG's fx_graph_readable.py / fx_graph_transformed.py name the class `<lambda>`
+    src = re.sub(r"^class <[^>]*>\(", "class GraphModule(", path.read_text(), flags=re.M)
+    exec(compile(src, str(path), "exec", dont_inherit=True), ns)  # noqa: S102 - --trust-code given
+    classes = [v for v in ns.values() if isinstance(v, type) and issubclass(v, torch.nn.Module)
+               and v.__module__ == ns["__name__"]]
+    cls = ns.get("Repro") if isinstance(ns.get("Repro"), type) else None
+    cls = cls or next((c for c in classes if c.__name__ == "GraphModule"), None) or (classes[0] if classes else None)
+    if cls is None:
+        raise GraphFileError(f"{path}: no nn.Module class (GraphModule / Repro) in the file")
+    mod = cls()
+    mode = _fake_mode()
+    used: dict[str, int] = {}
+    notes = []
+    if callable(ns.get("load_args")):
+        args = _args_from_load_args(ns["load_args"], mode)
+    else:
+        params = list(inspect.signature(mod.forward).parameters.values())
+        args = [_fake_from_annotation(p.name, p.annotation, sym, used, mode, "cpu") for p in params]
+    if used:
+        notes.append("symbolic sizes set to " + ", ".join(f"{k}={v}" for k, v in sorted(used.items()))
+                     + " (change with --sym NAME=N)")
+    with mode:
+        gm = make_fx(mod, tracing_mode="real", pre_dispatch=False)(*args)
+    return LoadedGraph(gm, "python", None, None, {}, {}, notes + ["readable .py graph: numerics not checked "
+                                                                  "(no saved inputs)"])
+
+
+def _args_from_load_args(load_args, mode) -> list:
+    """TORCH_COMPILE_DEBUG's fx_graph_runnable.py: `load_args(reader)` names each input's shape."""
+    args: list = []
+
+    class Reader:
+        def storage(self, storage_hash, nbytes, *, device=None, dtype_hint=None):
+            return (nbytes, device, dtype_hint)
+
+        def tensor(self, storage, shape, stride=None, *, storage_offset=0, dtype=None, requires_grad=False,
+                   is_leaf=False, **kw):
+            _, device, hint = storage
+            dt = dtype or hint or torch.float32
+            with mode:
+                t = (torch.empty_strided(shape, stride, dtype=dt, device=device or "cpu") if stride is not None
+                     else torch.empty(shape, dtype=dt, device=device or "cpu"))
+            args.append(t)
+            return t
+
+        def symint(self, val):
+            args.append(val)
+            return val
+
+    load_args(Reader())
+    return args
