@@ -55,7 +55,7 @@ OptRank = Annotated[Optional[int], typer.Option(
 
 def _out() -> Console:
     # a pipe or a file gets 100 columns, so the tables keep their shape in logs and READMEs
-    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 100)
+    return Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 100)
 
 
 def fail(msg: str, code: int = 1):
@@ -86,6 +86,8 @@ def _spec(model, tp, batch, passes, skip, device, dtype, inductor, graph, **kw):
     from .engine import RunSpec, build_config
     if graph is not None and model is not None:
         fail("--graph and --model exclude each other: a graph file brings its own model", 2)
+    if graph is not None and inductor:
+        fail("--inductor has no effect with --graph: the passes run on the loaded graph itself", 2)
     if batch < 1:
         fail(f"--batch must be >= 1, got {batch}", 2)
     if tp is not None and tp < 1:

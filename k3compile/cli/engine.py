@@ -279,26 +279,16 @@ def run_model(rank: int, world: int, spec: RunSpec) -> dict:
     t0 = time.perf_counter()
     torch._dynamo.reset()
     opts = spec.options()
-    n_stages = 1 + len(PASSES)
-    prog = Progress(spec.progress and rank == 0, 3 + (n_stages if spec.numerics else 1))
+    steps = 3 + ((len(PASSES) + (1 if spec.inductor else 0)) if spec.numerics else 0)
+    prog = Progress(spec.progress and rank == 0, steps)
     device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
     timings = {}
     try:
         with prog.step(f"building the {spec.model} model (TP={world}, rank {rank})"):
             cfg = build_config(spec)
             model = K3Model(cfg, TPInfo.current(world), device=device, layers=MODELS[spec.model].layers)
-        M = spec.batch
         with torch.no_grad(), prog.step("eager reference: prefill a prompt, then one decode step"):
-            g = torch.Generator().manual_seed(spec.seed)
-            prompt = torch.randint(0, cfg.vocab, (M, spec.prompt_len), generator=g).to(device)
-            base = model.new_cache(M)
-            ids = model.prefill(prompt, base).argmax(-1)[:, None]
-
-            def fresh():
-                c = model.new_cache(M)
-                for dst, src in zip(c.tensors(), base.tensors()):
-                    dst.copy_(src)
-                return c
+            ids, fresh = decode_inputs(model, spec)
             ref = model(ids, fresh())
         name = f"{spec.model}-tp{world}-rank{rank}"
         if spec.inductor:
@@ -310,7 +300,7 @@ def run_model(rank: int, world: int, spec: RunSpec) -> dict:
                    timings=timings, notes=extra.pop("notes", []), alone=extra.pop("alone", None), dump=None)
         if spec.dump:
             d = pathlib.Path(spec.dump) / (f"rank{rank}" if world > 1 else "")
-            meta = dict(source="model", model=spec.model, batch=M, tp=world, rank=rank, dtype=spec.dtype,
+            meta = dict(source="model", model=spec.model, batch=spec.batch, tp=world, rank=rank, dtype=spec.dtype,
                         device=spec.device, mode=opts.mode, groups=_groups(rec.input))
             write_dump(d, rec, report, stages, meta, **extra)
             res["dump"] = str(d)
@@ -318,6 +308,24 @@ def run_model(rank: int, world: int, spec: RunSpec) -> dict:
         return res
     finally:
         prog.close()
+
+
+def decode_inputs(model, spec: RunSpec):
+    """(token ids [M, 1], fresh()): the greedy next token after a seeded random prompt, and a
+    function returning a new copy of the cache as the prompt left it (each run writes its cache)."""
+    g = torch.Generator().manual_seed(spec.seed)
+    device = model.embed.device
+    prompt = torch.randint(0, model.cfg.vocab, (spec.batch, spec.prompt_len), generator=g).to(device)
+    with torch.no_grad():
+        base = model.new_cache(spec.batch)
+        ids = model.prefill(prompt, base).argmax(-1)[:, None]
+
+    def fresh():
+        c = model.new_cache(spec.batch)
+        for dst, src in zip(c.tensors(), base.tensors()):
+            dst.copy_(src)
+        return c
+    return ids, fresh
 
 
 def _groups(graph: Graph) -> dict:
@@ -430,7 +438,10 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    prog = Progress(spec.progress, 3 + len(PASSES))
+    prog = Progress(spec.progress, 2 + len(PASSES))
+    p = pathlib.Path(path)
+    if p.is_dir() and not (p / "graph.json").exists() and (p / f"rank{rank or 0}" / "graph.json").exists():
+        path = str(p / f"rank{rank or 0}")  # a TP > 1 dump: one rank's graph
     try:
         with prog.step(f"loading {path}"):
             lg = graphio.load(path, trust_code=trust_code, sym=sym)
@@ -461,16 +472,12 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
                 notes.append(f"numerics not checked: the graph is TP={world} and its collectives need all ranks "
                              f"(matching used a stand-in process group)")
             if spec.numerics and can_check:
-                with torch.no_grad(), prog.step("running the graph without passes"):
-                    ref = _pick(_run_gm(lg.gm, lg.inputs), lg.user_outputs)
-                    stages.append(_stage(None, _pick(_run_gm(rec.module(rec.input), lg.inputs), lg.user_outputs), ref))
-                for p in report.passes:
-                    with torch.no_grad(), prog.step(f"running the graph with the passes up to {p.name}"):
-                        if ran(p):
-                            out = _pick(_run_gm(rec.module(rec.after[p.name]), lg.inputs), lg.user_outputs)
-                            stages.append(_stage(p.name, out, ref))
-                        else:
-                            stages.append(_stage(p.name, prev=stages[-1], same_as=stages[-1]["after"]))
+                try:
+                    stages = _graph_stages(lg, rec, report, prog)
+                except Exception as e:  # noqa: BLE001 - e.g. a CUDA graph on a CPU-only machine
+                    stages = []
+                    notes.append(f"numerics not checked: running the graph failed: {type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             res = dict(source="graph", rank=me, world=world, title=f"{path} ({lg.kind} graph)",
                        report=report.to_dict(), nodes=len(rec.input.nodes), stages=stages, ref_tokens=None,
                        timings=dict(passes=report.seconds), notes=notes, dump=None)
@@ -489,6 +496,21 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
                 dist.destroy_process_group()
     finally:
         prog.close()
+
+
+def _graph_stages(lg, rec: Recorder, report: CompileReport, prog: Progress) -> list[dict]:
+    """The loaded graph run on its saved inputs without passes, then after each pass."""
+    with torch.no_grad(), prog.step("running the graph without passes"):
+        ref = _pick(_run_gm(lg.gm, lg.inputs), lg.user_outputs)
+        stages = [_stage(None, _pick(_run_gm(rec.module(rec.input), lg.inputs), lg.user_outputs), ref)]
+    for p in report.passes:
+        with torch.no_grad(), prog.step(f"running the graph with the passes up to {p.name}"):
+            if ran(p):
+                stages.append(_stage(p.name, _pick(_run_gm(rec.module(rec.after[p.name]), lg.inputs), lg.user_outputs),
+                                     ref))
+            else:
+                stages.append(_stage(p.name, prev=stages[-1], same_as=stages[-1]["after"]))
+    return stages
 
 
 def _alias_groups(names: list[str]) -> None:
