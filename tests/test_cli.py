@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import shutil
 import subprocess

@@ -194,7 +194,10 @@ def render_run(con: Console, results: list[dict], tol: float, wall: float, spec)
         con.print(rep.render())
     else:
         tr = r0["timings"].get("trace")
-        con.print(f"graph: {r0['nodes']} nodes before the passes" + (f", traced in {tr:.1f} s" if tr else "")
+        canon = next((p.nodes_before for p in rep.passes if _ran(p)), r0["nodes"])
+        con.print(f"graph: {r0['nodes']} nodes before the passes"
+                  + (f" ({canon} after canonicalize)" if canon != r0["nodes"] else "")
+                  + (f", traced in {tr:.1f} s" if tr else "")
                   + f"; {_n(st.get('attention_layers'), 'attention layer')}, {_n(st.get('moe_layers'), 'MoE layer')}, "
                     f"TP={st.get('tp')}, M={st.get('m')}, {st.get('dtype')}")
     stages = _merge_stages(results) if r0["stages"] else []
@@ -251,8 +254,14 @@ def render_run(con: Console, results: list[dict], tol: float, wall: float, spec)
         if r.get("dump"):
             con.print(f"dump: {r['dump']} (k3c diff {r['dump']} PASS; svg/index.html)")
     tm = r0["timings"]
-    con.print(f"done in {wall:.1f} s" + (f" (rank 0: trace {tm['trace']:.1f} s, passes {tm['passes'] * 1e3:.0f} ms)"
-                                         if "trace" in tm else f" (passes {tm['passes'] * 1e3:.0f} ms)"))
+    mgr = f"pass manager {tm['passes'] * 1e3:.0f} ms"
+    con.print(f"done in {wall:.1f} s" + (f" (rank 0: trace {tm['trace']:.1f} s, {mgr})" if "trace" in tm else f" ({mgr})"))
+
+
+def _rel(source: str) -> str:
+    """`/abs/path/file.py:12: code` -> `path/file.py:12: code` when the file is under the current directory."""
+    cwd = os.getcwd() + os.sep
+    return source[len(cwd):] if source.startswith(cwd) else source
 
 
 def _n(k: int, what: str) -> str:
@@ -442,7 +451,7 @@ def explain(
             con.print(Text("   node:   ", style="dim") + Text(nm.node))
         con.print(Text("   why:    ", style="dim") + Text(nm.reason))
         if nm.source:
-            con.print(Text("   source: ", style="dim") + Text(nm.source))
+            con.print(Text("   source: ", style="dim") + Text(_rel(nm.source)))
     if len(reps) > 1:
         others = [r.get(pass_name) for r in reps[1:]]
         if any(len(o.near_misses) != len(p.near_misses) or o.matched != p.matched for o in others):
@@ -510,7 +519,7 @@ def bisect(
         worst = max(a["rel"] for a in alone)
         con.print(f"{culprit} alone (no other pass): max rel err {_fmt_err(worst)}"
                   + (" - wrong by itself" if worst > tol else " - within tol alone: it interacts with an earlier pass"))
-    con.print(Text(f"next: k3c diff DIR {culprit} after `k3c run --dump DIR`; ({wall:.1f} s)", style="dim"))
+    con.print(Text(f"what it changed: k3c run --dump DIR, then k3c diff DIR {culprit}  ({wall:.1f} s)", style="dim"))
     raise typer.Exit(1)
 
 

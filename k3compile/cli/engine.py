@@ -45,7 +45,6 @@ MODELS = {
     "layer-mla": ModelChoice("tiny", (3,), "one decoder layer of the tiny model: MLA attention + LatentMoE "
                                           "(it also writes an AttnRes block)"),
 }
-DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -148,8 +147,7 @@ class Recorder:
         return self.module(graph).print_readable(print_output=False)
 
     def final(self) -> Graph:
-        ran = [g for g in self.after.values()]
-        return ran[-1] if ran else self.input
+        return list(self.after.values())[-1] if self.after else self.input
 
 
 def input_names(gm: GraphModule) -> list[str]:
@@ -260,15 +258,18 @@ def _err(out, ref) -> tuple[float, float]:
     return worst_abs, worst_rel
 
 
-def _stage(after: str | None, out=None, ref=None, same_as: str | None = None, prev: dict | None = None) -> dict:
-    if out is None:
-        d = dict(prev or {}, after=after, same_as=same_as)
-        return d
+def _measured(after: str | None, out, ref) -> dict:
+    """One prefix's numbers: `after` = the last pass on (None: no pass)."""
     a, r = _err(out, ref)
     d = dict(after=after, abs=a, rel=r, same_as=None)
     if isinstance(out, torch.Tensor) and out.dim() == 2:
-        d["tokens"] = out.argmax(-1).tolist()
+        d["tokens"] = out.argmax(-1).tolist()  # the greedy next token per sequence
     return d
+
+
+def _unchanged(after: str, prev: dict) -> dict:
+    """A pass that did not run leaves the previous prefix's graph, so its numbers."""
+    return dict(prev, after=after, same_as=prev["after"])
 
 
 # ------------------------------------------------------------------------------------ model runs
@@ -348,16 +349,16 @@ def _eager_stages(model, spec, opts, name, ids, fresh, ref, prog, timings):
     timings["trace"] = time.perf_counter() - t
     report, rec = cap.report, cap.rec
     timings["passes"] = report.seconds
-    stages = [_stage(None, out0, ref)]
+    stages = [_measured(None, out0, ref)]
     for p in report.passes:
         if not spec.numerics:
             break
         with torch.no_grad(), prog.step(f"decode step with the passes up to {p.name}"):
             if ran(p):
                 cap.select(rec.after[p.name])
-                stages.append(_stage(p.name, compiled(ids, fresh()), ref))
+                stages.append(_measured(p.name, compiled(ids, fresh()), ref))
             else:
-                stages.append(_stage(p.name, prev=stages[-1], same_as=stages[-1]["after"]))
+                stages.append(_unchanged(p.name, stages[-1]))
     alone = None
     culprit = _first_past(stages, spec.tol, ref.device) if spec.tol is not None and spec.numerics else None
     if culprit:
@@ -405,25 +406,20 @@ def _inductor_stages(model, spec, opts, name, ids, fresh, ref, prog, timings):
     report = mgr.last
     timings["passes"] = report.seconds
     stages = []
-    if spec.numerics:
+    if spec.numerics:  # one Inductor compile per prefix; the last one is the compile above
         with prog.step("Inductor compile without K3 passes"):
-            stages.append(_stage(None, compile_run(spec.options(passes=()), PassManager(spec.options(passes=()))), ref))
+            none = spec.options(passes=())
+            stages.append(_measured(None, compile_run(none, PassManager(none)), ref))
         done: list[str] = []
-        last_ran = [p.name for p in report.passes if ran(p)][-1:] or [None]
+        last = next((p.name for p in reversed(report.passes) if ran(p)), None)
         for p in report.passes:
             if not ran(p):
-                stages.append(_stage(p.name, prev=stages[-1], same_as=stages[-1]["after"]))
+                stages.append(_unchanged(p.name, stages[-1]))
                 continue
             done.append(p.name)
             with prog.step(f"Inductor compile with the passes up to {p.name}"):
-                if p.name == last_ran[0]:
-                    out = out_all
-                else:
-                    o = spec.options(passes=tuple(done))
-                    out = compile_run(o, PassManager(o))
-                stages.append(_stage(p.name, out, ref))
-    else:
-        stages.append(_stage(None, out_all, ref))
+                o = spec.options(passes=tuple(done))
+                stages.append(_measured(p.name, out_all if p.name == last else compile_run(o, PassManager(o)), ref))
     return report, rec, stages, dict(inputs=None, constants={}, user_outputs=None,
                                      notes=["Inductor mode: the dumped graph is the post-grad graph; its inputs "
                                             "are not saved (numerics of `run --graph` on it are not checked)"]
@@ -433,10 +429,8 @@ def _inductor_stages(model, spec, opts, name, ids, fresh, ref, prog, timings):
 # ------------------------------------------------------------------------------------ graph runs
 def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | None = None,
               tp: int | None = None, rank: int | None = None) -> dict:
-    """Run the passes on a graph loaded from a file (one process). At TP > 1 a fake process
-    group of that size stands in for the ranks, so the passes see the TP group (matching only)."""
-    import torch.distributed as dist
-
+    """Run the passes on a graph loaded from a file (one process). At TP > 1 a stand-in process
+    group of that size lets the passes see the TP group (matching only: no real collectives)."""
     t0 = time.perf_counter()
     prog = Progress(spec.progress, 2 + len(PASSES))
     p = pathlib.Path(path)
@@ -447,69 +441,74 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
             lg = graphio.load(path, trust_code=trust_code, sym=sym)
         notes = list(lg.notes)
         names = lg.group_names
-        rec_size = max((s for _, s in lg.groups.values()), default=None) if lg.groups else None
-        rec_rank = next((r for r, _ in lg.groups.values()), None) if lg.groups else None
-        world = tp or rec_size or 1
-        me = rank if rank is not None else (rec_rank or 0)
-        if rank is not None and rank >= world:
-            raise ValueError(f"--rank {rank} is not below the TP size {world}")
-        if names and world == 1 and not rec_size:
+        saved = next(iter(lg.groups.values()), None)  # [rank, size] as the writer saw it
+        world = tp or (saved[1] if saved else 1)
+        me = rank if rank is not None else (saved[0] if saved else 0)
+        if me >= world:
+            raise ValueError(f"rank {me} is not below the TP size {world}")
+        if names and world == 1 and not saved:
             notes.append(f"the graph has collectives over group(s) {names} of unknown size: matched as TP=1 "
                          f"(give the TP size with --tp N)")
-        fake_pg = False
-        if names and world > 1:
-            if dist.is_initialized():
-                raise RuntimeError("a process group is already initialised in this process")
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-            dist.init_process_group("fake", store=FakeStore(), rank=me, world_size=world)
-            fake_pg = True
-            _alias_groups(names)
-        try:
+        with _stand_in_group(names, world, me) as stand_in:
             report, rec = run_passes(lg.gm, spec.options(), pathlib.Path(path).name)
-            stages: list[dict] = []
-            can_check = lg.inputs is not None and not fake_pg
-            if spec.numerics and lg.inputs is not None and fake_pg:
-                notes.append(f"numerics not checked: the graph is TP={world} and its collectives need all ranks "
-                             f"(matching used a stand-in process group)")
-            if spec.numerics and can_check:
-                try:
-                    stages = _graph_stages(lg, rec, report, prog)
-                except Exception as e:  # noqa: BLE001 - e.g. a CUDA graph on a CPU-only machine
-                    stages = []
-                    notes.append(f"numerics not checked: running the graph failed: {type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            res = dict(source="graph", rank=me, world=world, title=f"{path} ({lg.kind} graph)",
-                       report=report.to_dict(), nodes=len(rec.input.nodes), stages=stages, ref_tokens=None,
-                       timings=dict(passes=report.seconds), notes=notes, dump=None)
-            if spec.dump:
-                meta = dict(lg.meta, source="graph", graph=str(path), tp=world, rank=me,
-                            groups={n: [me, world] for n in names} if names and world > 1 else lg.groups)
-                meta.pop("format", None), meta.pop("version", None), meta.pop("torch", None)
-                write_dump(pathlib.Path(spec.dump), rec, report, stages, meta, inputs=lg.inputs,
-                           constants={n.target: getattr(lg.gm, n.target) for n in lg.gm.graph.nodes
-                                      if n.op == "get_attr"}, user_outputs=lg.user_outputs)
-                res["dump"] = spec.dump
-            res["timings"]["total"] = time.perf_counter() - t0
-            return res
-        finally:
-            if fake_pg:
-                dist.destroy_process_group()
+        stages: list[dict] = []
+        if spec.numerics and lg.inputs is not None and stand_in:
+            notes.append(f"numerics not checked: the graph is TP={world} and its collectives need all ranks "
+                         f"(matching used a stand-in process group)")
+        elif spec.numerics and lg.inputs is not None:
+            try:
+                stages = _graph_stages(lg, rec, report, prog)
+            except Exception as e:  # noqa: BLE001 - e.g. a CUDA graph on a CPU-only machine
+                notes.append(f"numerics not checked: running the graph failed: {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        res = dict(source="graph", rank=me, world=world, title=f"{path} ({lg.kind} graph)",
+                   report=report.to_dict(), nodes=len(rec.input.nodes), stages=stages, ref_tokens=None,
+                   timings=dict(passes=report.seconds), notes=notes, dump=None)
+        if spec.dump:
+            meta = {k: v for k, v in lg.meta.items() if k not in ("format", "version", "torch", "user_outputs")}
+            meta.update(source="graph", graph=str(path), tp=world, rank=me,
+                        groups={n: [me, world] for n in names} if stand_in else lg.groups)
+            write_dump(pathlib.Path(spec.dump), rec, report, stages, meta, inputs=lg.inputs,
+                       constants={n.target: getattr(lg.gm, n.target) for n in lg.gm.graph.nodes if n.op == "get_attr"},
+                       user_outputs=lg.user_outputs)
+            res["dump"] = spec.dump
+        res["timings"]["total"] = time.perf_counter() - t0
+        return res
     finally:
         prog.close()
 
 
+@contextlib.contextmanager
+def _stand_in_group(names: list[str], world: int, rank: int):
+    """At TP > 1: a fake process group of `world` ranks (this one `rank`) that every group name the
+    graph uses resolves to, for as long as the passes run. Yields whether it made one."""
+    if not names or world == 1:
+        yield False
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        _alias_groups(names)
+        yield True
+    finally:
+        dist.destroy_process_group()
+
+
 def _graph_stages(lg, rec: Recorder, report: CompileReport, prog: Progress) -> list[dict]:
-    """The loaded graph run on its saved inputs without passes, then after each pass."""
+    """The loaded graph after each pass, run on its saved inputs, against the graph without passes."""
     with torch.no_grad(), prog.step("running the graph without passes"):
         ref = _pick(_run_gm(lg.gm, lg.inputs), lg.user_outputs)
-        stages = [_stage(None, _pick(_run_gm(rec.module(rec.input), lg.inputs), lg.user_outputs), ref)]
+        stages = [_measured(None, ref, ref)]
     for p in report.passes:
         with torch.no_grad(), prog.step(f"running the graph with the passes up to {p.name}"):
             if ran(p):
-                stages.append(_stage(p.name, _pick(_run_gm(rec.module(rec.after[p.name]), lg.inputs), lg.user_outputs),
-                                     ref))
+                out = _pick(_run_gm(rec.module(rec.after[p.name]), lg.inputs), lg.user_outputs)
+                stages.append(_measured(p.name, out, ref))
             else:
-                stages.append(_stage(p.name, prev=stages[-1], same_as=stages[-1]["after"]))
+                stages.append(_unchanged(p.name, stages[-1]))
     return stages
 
 
