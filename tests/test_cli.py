@@ -153,10 +153,12 @@ def test_python_graph_needs_trust_code_then_matches(tiny_dump, tmp_path):
     lam = tmp_path / "fx_graph_readable.py"
     lam.write_text(py.read_text().replace("class GraphModule(", "class <lambda>(", 1))
     for f in (py, lam):
-        out = ok(k3c("run", "--graph", f, "--trust-code"))
+        out = ok(k3c("run", "--graph", f, "--trust-code", "--dump", tmp_path / f.stem))
         assert row(out, "fold_moe_finalize")[2] == f"{len(TINY.moe_layers)}/{len(TINY.moe_layers)}"
         assert row(out, "fuse_oproj_allreduce")[2] == f"{TINY.num_layers}/{TINY.num_layers}"
         assert "numerics not checked" in out
+    # no module paths in a readable graph: the pictures split it at the attention cores instead
+    assert "segment 3 (up to attention core 3)" in (tmp_path / lam.stem / "svg" / "index.html").read_text()
 
 
 def test_runnable_repro_with_load_args_loads(tmp_path):

@@ -26,15 +26,15 @@ DEFAULT_TP = 2
 
 # options shared by run, bisect and explain
 OptModel = Annotated[Optional[ModelName], typer.Option(
-    "--model", "-m", help="tiny (default) | small | layer-kda | layer-mla (one decoder layer of the tiny model)",
+    "--model", "-m", help="the tiny K3 (default), the small one, or one decoder layer of tiny: layer-kda, layer-mla",
     show_default=False)]
 OptTP = Annotated[Optional[int], typer.Option(
     "--tp", help=f"tensor-parallel size; launches that many ranks (gloo on CPU, NCCL on GPU). Default {DEFAULT_TP}; "
                  "with --graph: the graph's own", show_default=False)]
 OptBatch = Annotated[int, typer.Option("--batch", "-b", help="sequences per decode step (M)")]
-OptPasses = Annotated[Optional[str], typer.Option("--passes", help="only these passes, comma-separated",
+OptPasses = Annotated[Optional[str], typer.Option("--passes", metavar="A,B", help="only these passes",
                                                   show_default=False)]
-OptSkip = Annotated[Optional[str], typer.Option("--skip", help="skip these passes, comma-separated",
+OptSkip = Annotated[Optional[str], typer.Option("--skip", metavar="A,B", help="skip these passes",
                                                 show_default=False)]
 OptDevice = Annotated[Literal["cpu", "cuda"], typer.Option("--device", help="cpu | cuda")]
 OptDtype = Annotated[Literal["bfloat16", "float32"], typer.Option(
@@ -42,12 +42,12 @@ OptDtype = Annotated[Literal["bfloat16", "float32"], typer.Option(
 OptInductor = Annotated[bool, typer.Option(
     "--inductor", help="compile every pass prefix with Inductor codegen instead of the eager rewrite mode (slow)")]
 OptGraph = Annotated[Optional[str], typer.Option(
-    "--graph", help="run the passes on a graph file instead of a model: .json (from --dump), .pt2 (torch.export), "
+    "--graph", metavar="FILE", help="run the passes on a graph file instead of a model: .json (from --dump), .pt2 (torch.export), "
                     ".py (readable graph; needs --trust-code)", show_default=False)]
 OptTrust = Annotated[bool, typer.Option(
     "--trust-code", help="allow loading a .py graph, which executes the file")]
 OptSym = Annotated[Optional[list[str]], typer.Option(
-    "--sym", help="NAME=N: the value of a symbolic size in a .py graph (repeatable; default 8)", show_default=False)]
+    "--sym", metavar="NAME=N", help="NAME=N: the value of a symbolic size in a .py graph (repeatable; default 8)", show_default=False)]
 OptRank = Annotated[Optional[int], typer.Option(
     "--rank", help="with --graph at TP > 1: which rank the graph is matched as (default: the saved one, or 0)",
     show_default=False)]
@@ -329,7 +329,7 @@ def passes(
 def run(
     model: OptModel = None, tp: OptTP = None, batch: OptBatch = 2, passes_: OptPasses = None, skip: OptSkip = None,
     dump: Annotated[Optional[str], typer.Option(
-        "--dump", help="write per pass NN_<pass>.before.py/.after.py, graph.json (reload with --graph), "
+        "--dump", metavar="DIR", help="write per pass NN_<pass>.before.py/.after.py, graph.json (reload with --graph), "
                        "summary.json and svg/ (each layer before/after) into this directory",
         show_default=False)] = None,
     device: OptDevice = "cpu", dtype: OptDtype = "bfloat16", inductor: OptInductor = False,
@@ -408,8 +408,8 @@ def explain(
     dump_dir: Annotated[Optional[str], typer.Argument(
         metavar="[DIR]", help="read the report of a `k3c run --dump` directory instead of compiling",
         show_default=False)] = None,
-    model: OptModel = None, tp: OptTP = None, batch: OptBatch = 2, device: OptDevice = "cpu",
-    dtype: OptDtype = "bfloat16", inductor: OptInductor = False, graph: OptGraph = None,
+    model: OptModel = None, tp: OptTP = None, batch: OptBatch = 2, passes_: OptPasses = None, skip: OptSkip = None,
+    device: OptDevice = "cpu", dtype: OptDtype = "bfloat16", inductor: OptInductor = False, graph: OptGraph = None,
     trust_code: OptTrust = False, sym: OptSym = None, rank: OptRank = None,
 ):
     """Every near-miss of one pass: the node where matching stopped, why, and the source line."""
@@ -425,7 +425,7 @@ def explain(
         reps = [CompileReport.from_dict(summary["report"])]
         where = f"the dump in {dump_dir}"
     else:
-        spec = _spec(model, tp, batch, None, None, device, dtype, inductor, graph, numerics=False)
+        spec = _spec(model, tp, batch, passes_, skip, device, dtype, inductor, graph, numerics=False)
         results = _execute(spec, graph, trust_code, sym, rank, tp)
         reps = [CompileReport.from_dict(r["report"]) for r in results]
         where = graph or f"the {spec.model} model, TP={results[0]['world']}, M={spec.batch}"
@@ -439,7 +439,7 @@ def explain(
         return
     if not p.near_misses:
         if p.matched == p.expected:
-            con.print(Text(f"no near-misses: all {p.expected} expected sites matched", style="green"))
+            con.print(Text(f"no near-misses: all {_n(p.expected, 'expected site')} matched", style="green"))
         else:
             con.print(Text(f"{p.expected - p.matched} expected sites are missing without a near-miss: their anchor "
                            f"op was not found", style="red"))

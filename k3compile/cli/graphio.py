@@ -244,6 +244,7 @@ def save_json(graph: Graph, path: str | pathlib.Path, meta: dict | None = None, 
     """Write `graph` as `path` (.json) and, given `inputs`, `<stem>.inputs.pt`. Returns the files."""
     path = pathlib.Path(path)
     nodes = []
+    traces: dict[str, int] = {}  # one copy of each source stack (many ATen nodes share one line)
     for n in graph.nodes:
         if n.op in ("call_module", "call_method"):
             raise GraphFileError(f"cannot save node {n.name}: {n.op} nodes are not supported (ATen graphs only)")
@@ -253,7 +254,7 @@ def save_json(graph: Graph, path: str | pathlib.Path, meta: dict | None = None, 
         if "val" in n.meta:
             d["val"] = _enc_val(n.meta["val"])
         if n.meta.get("stack_trace"):
-            d["stack_trace"] = n.meta["stack_trace"]
+            d["stack_trace"] = traces.setdefault(n.meta["stack_trace"], len(traces))
         if n.meta.get("nn_module_stack"):
             d["nn_module_stack"] = {k: [v[0], getattr(v[1], "__qualname__", str(v[1]))]
                                     for k, v in n.meta["nn_module_stack"].items()}
@@ -261,7 +262,8 @@ def save_json(graph: Graph, path: str | pathlib.Path, meta: dict | None = None, 
             if k in n.meta:
                 d[k] = str(n.meta[k])
         nodes.append(d)
-    doc = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, **(meta or {}), "nodes": nodes}
+    doc = {"format": FORMAT, "version": VERSION, "torch": torch.__version__, **(meta or {}),
+           "stack_traces": list(traces), "nodes": nodes}
     path.write_text(json.dumps(doc, indent=None, separators=(",", ":")))
     files = [path]
     if inputs is not None:
@@ -315,6 +317,7 @@ def _load_json(path: pathlib.Path) -> LoadedGraph:
     mode = _fake_mode()
     g = Graph()
     env: dict[str, Node] = {}
+    traces = doc.get("stack_traces", [])
     for d in doc["nodes"]:
         op = d["op"]
         target = d["target"] if op in ("placeholder", "get_attr", "output") else _dec_target(d["target"])
@@ -328,7 +331,7 @@ def _load_json(path: pathlib.Path) -> LoadedGraph:
         if "val" in d:
             n.meta["val"] = _dec_val(d["val"], mode)
         if "stack_trace" in d:
-            n.meta["stack_trace"] = d["stack_trace"]
+            n.meta["stack_trace"] = traces[d["stack_trace"]]
         if "nn_module_stack" in d:
             n.meta["nn_module_stack"] = {k: tuple(v) for k, v in d["nn_module_stack"].items()}
         for k in ("desc", "k3c_input"):
@@ -351,7 +354,7 @@ def _load_json(path: pathlib.Path) -> LoadedGraph:
                 raise GraphFileError(f"{path}: the graph reads constant {n.target!r}, which was not saved")
             _set_attr(root, n.target, constants[n.target])
     gm = GraphModule(root, g)
-    meta = {k: v for k, v in doc.items() if k != "nodes"}
+    meta = {k: v for k, v in doc.items() if k not in ("nodes", "stack_traces")}
     return LoadedGraph(gm, "k3c json", inputs, meta.get("user_outputs"), meta.get("groups", {}), meta, notes)
 
 

@@ -85,9 +85,11 @@ def _meta_layer(n: Node) -> int | None:
     return None
 
 
-def layers_of(graph: Graph, attention: list | None = None) -> dict[Node, int]:
-    """node -> decoder layer index, for the nodes that belong to a layer."""
+def layers_of(graph: Graph, attention: list | None = None) -> tuple[dict[Node, int], bool]:
+    """(node -> decoder layer index for the nodes in a layer, whether module paths gave them; if
+    not, index k is the segment of ops after attention core k-1 up to core k)."""
     out = {n: i for n in graph.nodes if (i := _meta_layer(n)) is not None}
+    by_module = bool(out)
     if not out and attention:  # no module paths: split the graph at the attention cores
         core_pos = {c: k for k, c in enumerate(attention)}
         seg = 0  # segment k: the ops after attention core k-1, up to and including core k
@@ -101,7 +103,7 @@ def layers_of(graph: Graph, attention: list | None = None) -> dict[Node, int]:
             us = [out[u] for u in n.users if u in out]
             if us:
                 out[n] = min(us)
-    return out
+    return out, by_module
 
 
 def _flat(a):
@@ -204,22 +206,23 @@ def _cut(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "~"
 
 
-def write_layers(out_dir, before: Graph, after: Graph, label=lambda i: f"layer {i}",
-                 attention_before=None, attention_after=None) -> list:
+def write_layers(out_dir, before: Graph, after: Graph, attention_before=None, attention_after=None) -> list:
     """layer_NN.before.svg / layer_NN.after.svg for every layer, and an index.html showing them
     side by side. Returns the files written."""
     import pathlib
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files, rows = [], []
-    groups = {}
+    groups, by_module = {}, True
     for tag, g, att in (("before", before, attention_before), ("after", after, attention_after)):
-        lay = layers_of(g, att)
+        lay, by_mod = layers_of(g, att)
+        by_module = by_module and by_mod
         per: dict[int, list[Node]] = defaultdict(list)
         for n in g.nodes:
             if n in lay:
                 per[lay[n]].append(n)
         groups[tag] = per
+    label = (lambda i: f"layer {i}") if by_module else (lambda i: f"segment {i} (up to attention core {i})")
     for i in sorted(set(groups["before"]) | set(groups["after"])):
         cells = []
         for tag in ("before", "after"):
