@@ -32,6 +32,9 @@ class K3Options:
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
     prefetch: bool = True
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
+    # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
+    # in as constants, guarded at run time (a changed value runs the graph without the K3 passes)
+    bake_module_floats: bool = True
     verbose: bool = False  # print the match report after each compile
 
     @classmethod

@@ -1,8 +1,122 @@
-"""CUDA implementations of `k3::` ops. So far: the side-stream shared expert and its join.
-The fused GEMM + communication kernels come with the GPU lowering."""
+"""CUDA implementations of the `k3::` ops (imported lazily by `registry` on first CUDA use).
+
+- oproj_allreduce_residual: cuBLAS GEMM writing its partial straight into this rank's
+  symmetric buffer, then one Triton kernel: peer loads over NVLink (one-shot all-reduce),
+  residual add, AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers.
+- moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
+  one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
+  up-projection shard into this rank's columns.
+- router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows) into the
+  symmetric buffer, then one Triton all-gather kernel writing router logits and latent.
+- all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
+- L2 prefetch: on the side stream, started before the communication kernel, joined after it.
+- shared_expert_async / stream_join: the side-stream shared expert.
+
+Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs, a
+TP group with a symmetric-memory workspace large enough for the call (else the op's reference
+runs: GEMM + NCCL all-reduce + separate kernels; `runtime.symm.status()` says why).
+K3_KERNELS=0 turns every kernel off.
+"""
+from __future__ import annotations
+
+import torch
+
 from ..model.functional import situ_mlp
-from ..runtime import streams
+from ..runtime import streams, symm
+from . import launch
 from .registry import register
+
+
+def _peers(group: str | None, device, nbytes: int):
+    """(ok, peers): peers is None at TP=1; ok is False when the group cannot use symmetric memory."""
+    if not group:
+        return True, None
+    ws = symm.workspace(group, device)
+    if ws is None or not ws.fits(nbytes):
+        if ws is not None:
+            symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
+        return False, None
+    return True, launch.Peers(ws.ptrs, ws.pads, ws.rank, ws.world, ws.buf)
+
+
+def _prefetcher(weights: list[torch.Tensor]):
+    """start() -> join(): L2 prefetch of `weights` on the side stream while the caller communicates."""
+    def start():
+        if not weights:
+            return lambda: None
+        side = streams.side_stream(weights[0].device)
+        cur = torch.cuda.current_stream(weights[0].device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for w in weights:
+                if w.is_contiguous():
+                    launch.l2_prefetch(w)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        return lambda: cur.wait_event(ev)
+    return start
+
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    return (x.dim() == 2 and residual.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype
+            and residual.dtype == x.dtype and len(blocks) <= 8 and residual.is_contiguous()
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+
+
+@register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
+def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    from ..ops import reference as ref
+    M, N = residual.shape
+    ok, peers = _peers(group, x.device, M * N * x.element_size())
+    if not ok:
+        return ref.oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group)
+    return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
+
+
+def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+    return (y.dim() == 3 and y.dtype in _FLOAT and y.is_contiguous() and shared_partial.dtype == y.dtype
+            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2])
+
+
+@register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
+def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+    from ..ops import reference as ref
+    M, _, L = y.shape
+    ok, peers = _peers(group, y.device, M * L * y.element_size())
+    if not ok:
+        return ref.moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group)
+    return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
+
+
+def _ok_router(x, w_router, w_down, rank, tp, group):
+    return (x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype and w_down.dtype == x.dtype
+            and bool(group) and (w_router.shape[0] + w_down.shape[0]) % tp == 0)
+
+
+@register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
+def _router(x, w_router, w_down, rank, tp, group):
+    from ..ops import reference as ref
+    S = (w_router.shape[0] + w_down.shape[0]) // tp
+    ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size())
+    if not ok or peers.world != tp or peers.rank != rank:
+        return ref.router_latent_sharded(x, w_router, w_down, rank, tp, group)
+    return launch.router_latent(x, w_router, w_down, peers)
+
+
+def _ok_ar(x, group, prefetch):
+    return x.dim() == 2 and x.dtype in _FLOAT and x.is_contiguous() and bool(group)
+
+
+@register("all_reduce_prefetch", "cuda", "symm_oneshot_triton", _ok_ar)
+def _all_reduce(x, group, prefetch):
+    from ..ops import reference as ref
+    ok, peers = _peers(group, x.device, x.numel() * x.element_size())
+    if not ok:
+        return ref.all_reduce(x, group).clone()
+    return launch.all_reduce(x, peers, _prefetcher(prefetch))
 
 
 @register("shared_expert_async", "cuda", "side_stream")

@@ -1,0 +1,172 @@
+"""Launchers of the Triton communication kernels, independent of where the peers' buffers live.
+
+`Peers` names this rank's view of a symmetric buffer: every rank's address, every rank's signal
+pad, this rank's index and the world size. On the GPU it comes from `runtime.symm.Workspace`;
+CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the other ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_comm as K
+from ..runtime.symm import MAX_PROGRAMS
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass
+class Peers:
+    ptrs: torch.Tensor   # int64 [world]
+    pads: torch.Tensor   # int64 [world]
+    rank: int
+    world: int
+    mine: torch.Tensor   # this rank's buffer (any dtype; viewed as needed)
+
+    def view(self, dtype, *shape):
+        n = 1
+        for s in shape:
+            n *= s
+        return self.mine.view(torch.uint8)[: n * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*shape)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def _programs(M: int) -> int:
+    return max(1, min(M, MAX_PROGRAMS))
+
+
+def ar_residual_norm(partial: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
+                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
+                     inp: torch.Tensor | None = None):
+    """(updated, normed): updated = residual + sum_ranks(partial); normed as the o-proj op.
+
+    partial: this rank's [M, N] partial when peers is None (TP=1) or when it already sits in the
+    symmetric buffer; inp: a tensor to copy into the buffer first (plain all-reduce)."""
+    src = partial if partial is not None else inp
+    M, N = src.shape
+    dt = src.dtype
+    upd = torch.empty(M, N, dtype=dt, device=src.device)
+    nrm = torch.empty(M, N, dtype=dt, device=src.device) if g is not None else upd.new_empty(0)
+    bs = list(blocks) + [upd] * (8 - len(blocks))
+    world = peers.world if peers is not None else 1
+    ptrs = peers.ptrs if peers is not None else src
+    pads = peers.pads if peers is not None else src
+    BLOCK = triton.next_power_of_2(N)
+    K.ar_residual_norm_kernel[(_programs(M),)](
+        ptrs, pads, src, inp if inp is not None else src,
+        residual if residual is not None else src, upd, nrm,
+        g if g is not None else src, w_norm if w_norm is not None else src, w_qk if w_qk is not None else src,
+        *bs, M, N, eps,
+        RANK=peers.rank if peers is not None else 0, WORLD=world, NB=len(blocks), HAS_NORM=g is not None,
+        HAS_RES=residual is not None, COPY_IN=inp is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt],
+        num_warps=_warps(BLOCK))
+    return upd, nrm
+
+
+def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: torch.Tensor,
+                shared_partial: torch.Tensor, eps: float):
+    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial."""
+    M, TOPK, L = y.shape
+    SP = shared_partial.shape[-1]
+    dt = y.dtype
+    ln = torch.empty(M, L, dtype=dt, device=y.device)
+    out = torch.empty_like(shared_partial)
+    local = torch.empty(M, L, dtype=dt, device=y.device) if peers is None else ln
+    BLOCK = triton.next_power_of_2(L)
+    K.latent_tail_kernel[(_programs(M),)](
+        y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local, local,
+        g, ln, shared_partial, out, M, L, SP, eps,
+        TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
+        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], num_warps=_warps(BLOCK))
+    return ln, out
+
+
+def router_latent_split(E: int, L: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """(S, a, S1): this rank's column block [a, a+S) of [router | latent] and its router width S1."""
+    S = (E + L) // tp
+    a = rank * S
+    return S, a, min(max(E - a, 0), S)
+
+
+def gather_router_latent(peers: Peers, M: int, E: int, L: int, dtype: torch.dtype, device):
+    S, _, _ = router_latent_split(E, L, peers.world, peers.rank)
+    router = torch.empty(M, E, dtype=dtype, device=device)
+    latent = torch.empty(M, L, dtype=dtype, device=device)
+    BLOCK = 1024
+    grid = max(1, min(MAX_PROGRAMS, triton.cdiv(M * (E + L), BLOCK)))
+    K.gather_router_latent_kernel[(grid,)](peers.ptrs, peers.pads, router, latent, M, S, E, L,
+                                           RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK,
+                                           DTYPE=_TL[dtype], num_warps=4)
+    return router, latent
+
+
+def l2_prefetch(t: torch.Tensor, lanes: int = 128) -> None:
+    nbytes = t.numel() * t.element_size()
+    if nbytes < 4096:
+        return
+    K.l2_prefetch_kernel[(triton.cdiv(nbytes // 4096, lanes),)](t.view(-1).view(torch.uint8), nbytes,
+                                                                LANES=lanes, num_warps=lanes // 32)
+
+
+# ------------------------------------------------------------------ whole ops (device-agnostic)
+def _no_prefetch():
+    return lambda: None
+
+
+def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+    """The o-proj op: GEMM into this rank's buffer, then the all-reduce + residual + norm kernel.
+    `start_prefetch()` runs between the two and returns the function that joins the prefetch."""
+    M, N = residual.shape
+    if peers is None:
+        part = torch.mm(x, w.t())
+    else:
+        part = peers.view(x.dtype, M, N)
+        torch.mm(x, w.t(), out=part)
+    join = start_prefetch()
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    join()
+    return upd, nrm
+
+
+def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps, rank,
+             start_prefetch=_no_prefetch):
+    """The latent-tail op: finalize + all-reduce + norm kernel, then addmm into this rank's columns."""
+    join = start_prefetch()
+    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
+    join()
+    n = w_up.shape[0]
+    cols = out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]
+    cols.addmm_(ln, w_up.t())
+    return out
+
+
+def router_latent_shard(x, w_router, w_down, peers: Peers) -> None:
+    """This rank's rows of [W_r; W_down] times x, written to its buffer in the gather's layout."""
+    M = x.shape[0]
+    E, L = w_router.shape[0], w_down.shape[0]
+    S, a, S1 = router_latent_split(E, L, peers.world, peers.rank)
+    if S1:
+        torch.mm(x, w_router[a:a + S1].t(), out=peers.view(x.dtype, M, S1))
+    if S1 < S:
+        lo = max(a, E) - E
+        rest = peers.view(x.dtype, M * S)[M * S1:].view(M, S - S1)
+        torch.mm(x, w_down[lo:lo + S - S1].t(), out=rest)
+
+
+def router_latent(x, w_router, w_down, peers: Peers):
+    """The sharded router + latent op: this rank's shard into its buffer, then the all-gather."""
+    router_latent_shard(x, w_router, w_down, peers)
+    return gather_router_latent(peers, x.shape[0], w_router.shape[0], w_down.shape[0], x.dtype, x.device)
+
+
+def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
+    join = start_prefetch()
+    out, _ = ar_residual_norm(None, peers, None, None, None, None, [], 0.0, inp=x)
+    join()
+    return out
