@@ -96,7 +96,7 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
                 pass
         buf = symm_mem.empty(DEFAULT_BYTES, dtype=torch.uint8, device=torch.device("cuda", idx))
         hdl = symm_mem.rendezvous(buf, group)
-        pads_bytes = getattr(type(hdl), "signal_pad_size", None) or getattr(hdl, "signal_pad_size", 2048)
+        pads_bytes = _signal_pad_bytes(symm_mem, hdl)
         if MAX_PROGRAMS * PHASES * hdl.world_size * 4 > pads_bytes:
             raise RuntimeError(f"signal pad of {pads_bytes} B is too small for {MAX_PROGRAMS} programs")
         dev = buf.device
@@ -110,6 +110,13 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
         return None
     _WS[key] = ws
     return ws
+
+
+def _signal_pad_bytes(symm_mem, hdl) -> int:
+    if hasattr(symm_mem, "get_signal_pad_size"):
+        return int(symm_mem.get_signal_pad_size())
+    v = getattr(hdl, "signal_pad_size", 2048)
+    return int(v) if isinstance(v, int) else 2048
 
 
 def status() -> dict[str, str]:
