@@ -61,7 +61,7 @@ def unavailable_reason(group: str | None) -> str | None:
         return "no CUDA"
     try:
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory  # noqa: F401
+        import torch.distributed._symmetric_memory as _symm_mem  # noqa: F401  (importable?)
         if not dist.is_initialized():
             return "torch.distributed is not initialised"
         pg = dist.distributed_c10d._resolve_process_group(group)
