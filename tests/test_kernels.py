@@ -25,7 +25,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
-from k3compile.runtime.symm import MAX_PROGRAMS, PHASES  # noqa: E402
+from k3compile.runtime.symm import max_programs  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
@@ -33,35 +33,41 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2,
 class SimGroup:
     """Rank `rank` of `world`, every buffer and signal pad a CPU tensor."""
 
-    def __init__(self, world: int, rank: int, nbytes: int):
-        self.world, self.rank = world, rank
-        self.bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(world)]
-        self.pads = [torch.zeros(MAX_PROGRAMS * PHASES * world, dtype=torch.int32) for _ in range(world)]
+    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048):
+        self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
+        self.bufs = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32) for _ in range(world)]
+        self.epoch = torch.zeros(2, dtype=torch.int32)
         self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs]),
-                                  torch.tensor([p.data_ptr() for p in self.pads]), rank, world, self.bufs[rank])
+                                  torch.tensor([p.data_ptr() for p in self.pads]), self.epoch, rank, world,
+                                  self.nbytes, max_programs(pad_bytes, world))
 
-    def view(self, p, dtype, *shape):
-        return launch.Peers(None, None, 0, 0, self.bufs[p]).view(dtype, *shape)
+    def view(self, p, dtype, *shape, half=None):
+        """Rank p's buffer half (default: the one the next call uses), as [*shape] of dtype."""
+        n = 1
+        for s in shape:
+            n *= s
+        off = (int(self.epoch[0]) if half is None else half) * self.peers.half(dtype)
+        return self.bufs[p].view(dtype)[off:off + n].view(*shape)
 
-    def arm(self, programs: int, phases: int = 2):
-        """The peers' signals to this rank, as if they had reached each barrier first."""
-        for ph in range(phases):
-            for pid in range(programs):
-                for p in range(self.world):
-                    if p != self.rank:
-                        self.pads[self.rank][(ph * programs + pid) * self.world + p] = 1
+    def arm(self, programs: int):
+        """The peers' signals to this rank, as if they had reached the barrier first."""
+        for pid in range(programs):
+            for p in range(self.world):
+                if p != self.rank:
+                    self.pads[self.rank][pid * self.world + p] = 1
 
-    def check_signals(self, programs: int, phases: int = 2):
+    def check_signals(self, programs: int, epoch_before: int):
         assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
         for p in range(self.world):
             if p == self.rank:
                 continue
             want = torch.zeros_like(self.pads[p])
-            for ph in range(phases):
-                for pid in range(programs):
-                    want[(ph * programs + pid) * self.world + self.rank] = 1
+            for pid in range(programs):
+                want[pid * self.world + self.rank] = 1
             assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
             self.pads[p].zero_()  # the peer consumes them
+        assert self.epoch.tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
 
 
 def _weights(N, dtype, g):
@@ -85,12 +91,13 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M):
                 torch.mm(xs[p], w.t(), out=sim.view(p, dtype, M, N))
         sim.arm(M)
     upd, nrm = launch.oproj(xs[rank], w, sim.peers if sim else None, res, blocks, w_norm, w_qk, gam, 1e-5)
+    if sim:
+        sim.check_signals(M, 0)  # and this rank's partial was copied in for the peers:
+        torch.testing.assert_close(sim.view(rank, dtype, M, N, half=0), F.linear(xs[rank], w))
     y = sum(F.linear(x, w).float() for x in xs).to(dtype)  # the all-reduced partials, rounded once
     ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
     torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
     torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
-    if sim:
-        sim.check_signals(M)
 
 
 def test_oproj_without_norm_and_plain_all_reduce():
@@ -103,8 +110,8 @@ def test_oproj_without_norm_and_plain_all_reduce():
     sim.arm(M)
     out = launch.all_reduce(x, sim.peers)
     torch.testing.assert_close(out, x + other)
-    sim.check_signals(M)
-    torch.testing.assert_close(sim.view(0, torch.float32, M, N), x)  # copied in for the peers
+    sim.check_signals(M, 0)
+    torch.testing.assert_close(sim.view(0, torch.float32, M, N, half=0), x)  # copied in for the peers
     # o-proj without a following norm: normed is empty, updated = residual + all-reduce
     w = torch.randn(N, 8, generator=g)
     xs = [torch.randn(M, 8, generator=g) for _ in range(2)]
@@ -114,7 +121,7 @@ def test_oproj_without_norm_and_plain_all_reduce():
     upd, nrm = launch.oproj(xs[0], w, sim.peers, res, [], None, None, None, 1e-5)
     assert nrm.numel() == 0
     torch.testing.assert_close(upd, res + xs[0] @ w.t() + xs[1] @ w.t(), atol=1e-5, rtol=1e-5)
-    sim.check_signals(M)
+    sim.check_signals(M, 1)  # the second call used the other half
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -141,9 +148,9 @@ def test_moe_latent_tail(dtype, world, rank, M):
                                        + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     if sim:
-        sim.check_signals(M)
+        sim.check_signals(M, 0)
         mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
-        torch.testing.assert_close(sim.view(rank, dtype, M, L), mine, **TOL[dtype])
+        torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
 
 
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])
@@ -154,12 +161,12 @@ def test_router_latent_gather(world, rank):
     wr, wd = torch.randn(E, H, generator=g), torch.randn(L, H, generator=g)
     S = (E + L) // world
     sim = SimGroup(world, rank, M * S * 4)
-    for p in range(world):  # each peer's GEMMs into its own buffer
+    for p in range(world):  # each peer's shard, copied into its own buffer by its own kernel
         if p != rank:
-            launch.router_latent_shard(x, wr, wd, launch.Peers(None, None, p, world, sim.bufs[p]))
-    programs = min(MAX_PROGRAMS, -(-M * (E + L) // 1024))
+            sim.view(p, torch.float32, M * S).copy_(launch.router_latent_shard(x, wr, wd, world, p))
+    programs = min(sim.peers.programs, -(-M * (E + L) // 1024))
     sim.arm(programs)
     router, latent = launch.router_latent(x, wr, wd, sim.peers)
     torch.testing.assert_close(router, x @ wr.t(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(latent, x @ wd.t(), atol=1e-5, rtol=1e-5)
-    sim.check_signals(programs)
+    sim.check_signals(programs, 0)

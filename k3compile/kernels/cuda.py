@@ -12,9 +12,10 @@
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - shared_expert_async / stream_join: the side-stream shared expert.
 
-Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs, a
-TP group with a symmetric-memory workspace large enough for the call (else the op's reference
-runs: GEMM + NCCL all-reduce + separate kernels; `runtime.symm.status()` says why).
+Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
+one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
+M within `ONESHOT_MAX_M` (measured); otherwise the op takes its NCCL path (GEMM, NCCL
+collective, our norm kernel), and `runtime.symm.status()` says why symmetric memory is absent.
 K3_KERNELS=0 turns every kernel off.
 """
 from __future__ import annotations
@@ -27,16 +28,25 @@ from . import launch
 from .registry import register
 
 
-def _peers(group: str | None, device, nbytes: int):
-    """(ok, peers): peers is None at TP=1; ok is False when the group cannot use symmetric memory."""
+# Largest M at which the one-shot symmetric-memory path is used; above it the op runs GEMM +
+# NCCL + our norm kernel (the two-kernel "NCCL path"). Filled from bench/ops_bench.py (H200, TP=2).
+ONESHOT_MAX_M = {"oproj_allreduce_residual": 64, "moe_latent_tail": 64, "router_latent_sharded": 64,
+                 "all_reduce_prefetch": 16}
+
+
+def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int = 0):
+    """(ok, peers): peers is None at TP=1; ok is False when the group cannot use symmetric memory
+    (or M is above the op's one-shot range)."""
     if not group:
         return True, None
+    if op is not None and m > ONESHOT_MAX_M.get(op, 1 << 30):
+        return False, None
     ws = symm.workspace(group, device)
     if ws is None or not ws.fits(nbytes):
         if ws is not None:
             symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
         return False, None
-    return True, launch.Peers(ws.ptrs, ws.pads, ws.rank, ws.world, ws.buf)
+    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.buf.numel(), ws.programs)
 
 
 def _prefetcher(weights: list[torch.Tensor]):
@@ -70,9 +80,10 @@ def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
 def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
     from ..ops import reference as ref
     M, N = residual.shape
-    ok, peers = _peers(group, x.device, M * N * x.element_size())
-    if not ok:
-        return ref.oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group)
+    ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
+    if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
+        y = ref.all_reduce(torch.mm(x, w.t()), group)
+        return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
     return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
 
 
@@ -85,9 +96,14 @@ def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefet
 def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
     from ..ops import reference as ref
     M, _, L = y.shape
-    ok, peers = _peers(group, y.device, M * L * y.element_size())
-    if not ok:
-        return ref.moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group)
+    ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
+    if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
+        routed = ref.all_reduce((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
+        _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
+        out = shared_partial.clone()
+        n = w_up.shape[0]
+        (out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]).addmm_(ln, w_up.t())
+        return out
     return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
 
 
@@ -100,7 +116,7 @@ def _ok_router(x, w_router, w_down, rank, tp, group):
 def _router(x, w_router, w_down, rank, tp, group):
     from ..ops import reference as ref
     S = (w_router.shape[0] + w_down.shape[0]) // tp
-    ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size())
+    ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size(), "router_latent_sharded", x.shape[0])
     if not ok or peers.world != tp or peers.rank != rank:
         return ref.router_latent_sharded(x, w_router, w_down, rank, tp, group)
     return launch.router_latent(x, w_router, w_down, peers)
@@ -113,9 +129,9 @@ def _ok_ar(x, group, prefetch):
 @register("all_reduce_prefetch", "cuda", "symm_oneshot_triton", _ok_ar)
 def _all_reduce(x, group, prefetch):
     from ..ops import reference as ref
-    ok, peers = _peers(group, x.device, x.numel() * x.element_size())
+    ok, peers = _peers(group, x.device, x.numel() * x.element_size(), "all_reduce_prefetch", x.shape[0])
     if not ok:
-        return ref.all_reduce(x, group).clone()
+        return ref.all_reduce(x, group)
     return launch.all_reduce(x, peers, _prefetcher(prefetch))
 
 

@@ -20,51 +20,45 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 @dataclass
 class Peers:
-    ptrs: torch.Tensor   # int64 [world]
-    pads: torch.Tensor   # int64 [world]
+    ptrs: torch.Tensor   # int64 [world]: every rank's buffer address
+    pads: torch.Tensor   # int64 [world]: every rank's signal-pad address
+    epoch: torch.Tensor  # int32 [2]: this rank's buffer-half selector and arrival counter
     rank: int
     world: int
-    mine: torch.Tensor   # this rank's buffer (any dtype; viewed as needed)
+    nbytes: int          # buffer size (two halves)
+    programs: int        # most programs per kernel (signal-pad slots / world)
 
-    def view(self, dtype, *shape):
-        n = 1
-        for s in shape:
-            n *= s
-        return self.mine.view(torch.uint8)[: n * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*shape)
+    def half(self, dtype: torch.dtype) -> int:
+        """Elements of `dtype` in one buffer half."""
+        return self.nbytes // 2 // torch.empty((), dtype=dtype).element_size()
 
 
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def _programs(M: int) -> int:
-    return max(1, min(M, MAX_PROGRAMS))
+def _programs(n: int, peers: "Peers | None") -> int:
+    return max(1, min(n, peers.programs if peers is not None else MAX_PROGRAMS))
 
 
-def ar_residual_norm(partial: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
-                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
-                     inp: torch.Tensor | None = None):
-    """(updated, normed): updated = residual + sum_ranks(partial); normed as the o-proj op.
-
-    partial: this rank's [M, N] partial when peers is None (TP=1) or when it already sits in the
-    symmetric buffer; inp: a tensor to copy into the buffer first (plain all-reduce)."""
-    src = partial if partial is not None else inp
-    M, N = src.shape
-    dt = src.dtype
-    upd = torch.empty(M, N, dtype=dt, device=src.device)
-    nrm = torch.empty(M, N, dtype=dt, device=src.device) if g is not None else upd.new_empty(0)
+def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.Tensor | None,
+                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float):
+    """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
+    when g is None). `local` is this rank's [M, N] partial; peers None means TP=1."""
+    M, N = local.shape
+    dt = local.dtype
+    upd = torch.empty(M, N, dtype=dt, device=local.device)
+    nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
     bs = list(blocks) + [upd] * (8 - len(blocks))
-    world = peers.world if peers is not None else 1
-    ptrs = peers.ptrs if peers is not None else src
-    pads = peers.pads if peers is not None else src
     BLOCK = triton.next_power_of_2(N)
-    K.ar_residual_norm_kernel[(_programs(M),)](
-        ptrs, pads, src, inp if inp is not None else src,
-        residual if residual is not None else src, upd, nrm,
-        g if g is not None else src, w_norm if w_norm is not None else src, w_qk if w_qk is not None else src,
-        *bs, M, N, eps,
-        RANK=peers.rank if peers is not None else 0, WORLD=world, NB=len(blocks), HAS_NORM=g is not None,
-        HAS_RES=residual is not None, COPY_IN=inp is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt],
+    K.ar_residual_norm_kernel[(_programs(M, peers),)](
+        peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
+        peers.half(dt) if peers else 0, local,
+        residual if residual is not None else local, upd, nrm,
+        g if g is not None else local, w_norm if w_norm is not None else local,
+        w_qk if w_qk is not None else local, *bs, M, N, eps,
+        RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
+        HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt],
         num_warps=_warps(BLOCK))
     return upd, nrm
 
@@ -79,8 +73,9 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
     out = torch.empty_like(shared_partial)
     local = torch.empty(M, L, dtype=dt, device=y.device) if peers is None else ln
     BLOCK = triton.next_power_of_2(L)
-    K.latent_tail_kernel[(_programs(M),)](
-        y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local, local,
+    K.latent_tail_kernel[(_programs(M, peers),)](
+        y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local,
+        peers.epoch if peers else local, peers.half(dt) if peers else 0, local,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], num_warps=_warps(BLOCK))
@@ -94,15 +89,14 @@ def router_latent_split(E: int, L: int, tp: int, rank: int) -> tuple[int, int, i
     return S, a, min(max(E - a, 0), S)
 
 
-def gather_router_latent(peers: Peers, M: int, E: int, L: int, dtype: torch.dtype, device):
+def gather_router_latent(shard: torch.Tensor, peers: Peers, M: int, E: int, L: int):
     S, _, _ = router_latent_split(E, L, peers.world, peers.rank)
-    router = torch.empty(M, E, dtype=dtype, device=device)
-    latent = torch.empty(M, L, dtype=dtype, device=device)
+    router = torch.empty(M, E, dtype=shard.dtype, device=shard.device)
+    latent = torch.empty(M, L, dtype=shard.dtype, device=shard.device)
     BLOCK = 1024
-    grid = max(1, min(MAX_PROGRAMS, triton.cdiv(M * (E + L), BLOCK)))
-    K.gather_router_latent_kernel[(grid,)](peers.ptrs, peers.pads, router, latent, M, S, E, L,
-                                           RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK,
-                                           DTYPE=_TL[dtype], num_warps=4)
+    K.gather_router_latent_kernel[(_programs(triton.cdiv(M * (E + L), BLOCK), peers),)](
+        peers.ptrs, peers.pads, peers.epoch, peers.half(shard.dtype), shard, router, latent, M, S, E, L,
+        RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, DTYPE=_TL[shard.dtype], num_warps=4)
     return router, latent
 
 
@@ -120,14 +114,9 @@ def _no_prefetch():
 
 
 def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
-    """The o-proj op: GEMM into this rank's buffer, then the all-reduce + residual + norm kernel.
-    `start_prefetch()` runs between the two and returns the function that joins the prefetch."""
-    M, N = residual.shape
-    if peers is None:
-        part = torch.mm(x, w.t())
-    else:
-        part = peers.view(x.dtype, M, N)
-        torch.mm(x, w.t(), out=part)
+    """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
+    runs between the two and returns the function that joins the prefetch."""
+    part = torch.mm(x, w.t())
     join = start_prefetch()
     upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps)
     join()
@@ -146,27 +135,28 @@ def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps
     return out
 
 
-def router_latent_shard(x, w_router, w_down, peers: Peers) -> None:
-    """This rank's rows of [W_r; W_down] times x, written to its buffer in the gather's layout."""
+def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
+    """This rank's rows of [W_r; W_down] times x: [M*S], the router piece then the latent piece."""
     M = x.shape[0]
     E, L = w_router.shape[0], w_down.shape[0]
-    S, a, S1 = router_latent_split(E, L, peers.world, peers.rank)
+    S, a, S1 = router_latent_split(E, L, tp, rank)
+    shard = torch.empty(M * S, dtype=x.dtype, device=x.device)
     if S1:
-        torch.mm(x, w_router[a:a + S1].t(), out=peers.view(x.dtype, M, S1))
+        torch.mm(x, w_router[a:a + S1].t(), out=shard[:M * S1].view(M, S1))
     if S1 < S:
         lo = max(a, E) - E
-        rest = peers.view(x.dtype, M * S)[M * S1:].view(M, S - S1)
-        torch.mm(x, w_down[lo:lo + S - S1].t(), out=rest)
+        torch.mm(x, w_down[lo:lo + S - S1].t(), out=shard[M * S1:].view(M, S - S1))
+    return shard
 
 
 def router_latent(x, w_router, w_down, peers: Peers):
-    """The sharded router + latent op: this rank's shard into its buffer, then the all-gather."""
-    router_latent_shard(x, w_router, w_down, peers)
-    return gather_router_latent(peers, x.shape[0], w_router.shape[0], w_down.shape[0], x.dtype, x.device)
+    """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
+    shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
+    return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
 
 
 def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
     join = start_prefetch()
-    out, _ = ar_residual_norm(None, peers, None, None, None, None, [], 0.0, inp=x)
+    out, _ = ar_residual_norm(x, peers, None, None, None, None, [], 0.0)
     join()
     return out

@@ -1,12 +1,16 @@
 """Triton kernels for the communication tails of the fused `k3::` ops (one-shot, P2P over NVLink).
 
-Every kernel reads each rank's partial straight from that rank's symmetric buffer (`ptrs`, a
-device table of addresses) and syncs with a per-program barrier on the signal pads (`pads`):
-program p on this rank signals program p on every peer, then waits for all of them. The slots
-reset themselves (signal = CAS 0->1 on the peer, wait = CAS 1->0 locally), so the kernels replay
-under CUDA graphs. Phase 0 (start) makes the peers' partials safe to read; phase 1 (end) keeps a
-peer from overwriting its buffer (the next GEMM) while this rank still reads it.
-With WORLD == 1 there is no barrier and `ptrs` holds one local address.
+Every kernel copies this rank's partial into its symmetric buffer, meets the peers at one
+per-program barrier on the signal pads (`pads`: program p on this rank signals program p on
+every peer, then waits for all of them; slots reset themselves: signal = CAS 0->1 on the peer,
+wait = CAS 1->0 locally), then reads each rank's partial from that rank's buffer (`ptrs`, a
+device table of addresses). The buffer has two halves; `epoch` (a device int pair in the
+workspace) says which one this call uses, and the last program to finish flips it. A peer
+therefore writes the other half in its next call, and can come back to this half only after
+this rank has reached that next call's barrier, i.e. has finished reading: no closing barrier
+is needed. Everything lives in device memory, so the kernels replay under CUDA graphs (every
+rank runs the same sequence of communication kernels, so the epochs stay in step).
+With WORLD == 1 there is no barrier and no buffer: `local` is read directly.
 
 The same kernels run on CPU under TRITON_INTERPRET=1 with simulated peers (tests/test_kernels.py).
 Rounding follows the references: the all-reduce result is rounded to the model dtype, the
@@ -36,16 +40,26 @@ def _barrier(pads, slot0, RANK: tl.constexpr, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _sum_peers(ptrs, local, off, mask, WORLD: tl.constexpr, DTYPE: tl.constexpr):
-    """sum over ranks of buffer[off] (fp32), each rank's buffer read in the model dtype.
-    WORLD == 1 reads `local` (no address table)."""
+def _epoch_end(epoch):
+    """The last program of this kernel to get here flips the buffer half for the next call."""
+    tl.debug_barrier()
+    done = tl.atomic_add(epoch + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(epoch + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xor(epoch, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _sum_peers(ptrs, base, local, off, mask, WORLD: tl.constexpr, DTYPE: tl.constexpr):
+    """sum over ranks of buffer[base + off] (fp32), each read in the model dtype.
+    WORLD == 1 reads `local + off` (no address table)."""
     if WORLD == 1:
         acc = tl.load(local + off, mask=mask, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros(off.shape, tl.float32)
         for p in tl.static_range(WORLD):
-            src = tl.load(ptrs + p).to(tl.pointer_type(DTYPE))
-            acc += tl.load(src + off, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            src = tl.load(ptrs + p).to(tl.pointer_type(DTYPE)) + base
+            acc += tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
     return acc
 
 
@@ -72,26 +86,33 @@ def _block_row(b, row, offs, mask, N):
 
 
 @triton.jit
+def _half(epoch, HALF, WORLD: tl.constexpr):
+    """Element offset of the buffer half this call uses."""
+    if WORLD == 1:
+        return 0
+    return tl.load(epoch).to(tl.int64) * HALF
+
+
+@triton.jit
 def ar_residual_norm_kernel(
-    ptrs, pads, local, inp, res, upd, nrm, g, w_norm, w_qk,
+    ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk,
     b0, b1, b2, b3, b4, b5, b6, b7,
     M, N, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
-    HAS_RES: tl.constexpr, COPY_IN: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """upd = res + sum_ranks(partial); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
+    """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
-    The partial is already in this rank's buffer (the GEMM wrote it there), or, with COPY_IN,
-    is copied there from `inp` first."""
+    `local` is this rank's [M, N] partial; rows are spread over the programs."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    if COPY_IN:
-        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE))
-        for row in range(pid, M, npid):
-            tl.store(mine + row * N + offs, tl.load(inp + row * N + offs, mask=mask), mask=mask)
+    base = _half(epoch, HALF, WORLD)
     if WORLD > 1:
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+        for row in range(pid, M, npid):
+            tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
         _barrier(pads, pid, RANK, WORLD)
     if HAS_NORM:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
@@ -99,7 +120,7 @@ def ar_residual_norm_kernel(
             wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
                 tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
-        y = _sum_peers(ptrs, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
         if HAS_RES:
             y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
         tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
@@ -129,27 +150,29 @@ def ar_residual_norm_kernel(
             out = _rms(mixed, mask, N, eps) * gw
             tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
     if WORLD > 1:
-        _barrier(pads, npid + pid, RANK, WORLD)
+        _epoch_end(epoch)
 
 
 @triton.jit
 def latent_tail_kernel(
-    y, w, ptrs, pads, local, g, ln, sp, out,
+    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
-    out = sp (the up-projection GEMM then adds into this rank's columns of out)."""
+    out = sp (the up-projection GEMM then adds into this rank's columns of out).
+    `local` is scratch [M, N] at WORLD == 1."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    base = _half(epoch, HALF, WORLD)
     if WORLD == 1:
         mine = local
     else:
-        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE))
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
     for row in range(pid, M, npid):
         acc = tl.zeros([BLOCK_N], tl.float32)
         for k in tl.static_range(TOPK):
@@ -166,25 +189,29 @@ def latent_tail_kernel(
         tl.debug_barrier()
     gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
-        r = _sum_peers(ptrs, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
         tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
     if WORLD > 1:
-        _barrier(pads, npid + pid, RANK, WORLD)
+        _epoch_end(epoch)
 
 
 @triton.jit
 def gather_router_latent_kernel(
-    ptrs, pads, router, latent, M, S, E, L,
+    ptrs, pads, epoch, HALF, shard, router, latent, M, S, E, L,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """All-gather of the sharded [W_r; W_down] projection. Rank p's buffer holds its columns
-    [p*S, (p+1)*S) of the full [M, E+L] result as two row-major pieces: the router part
-    [M, S1_p] then the latent part [M, S - S1_p], S1_p = clamp(E - p*S, 0, S). Writes
-    router [M, E] and latent [M, L]."""
+    """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M*S] result
+    laid out as two row-major pieces, the router part [M, S1] then the latent part [M, S - S1]
+    (S1_p = clamp(E - p*S, 0, S) for rank p, whose columns are [p*S, (p+1)*S) of [router|latent]).
+    Writes router [M, E] and latent [M, L]."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
-    if WORLD > 1:
-        _barrier(pads, pid, RANK, WORLD)
+    base = _half(epoch, HALF, WORLD)
+    mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+    for start in range(pid * BLOCK, M * S, npid * BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(mine + i, tl.load(shard + i, mask=i < M * S), mask=i < M * S)
+    _barrier(pads, pid, RANK, WORLD)
     total = M * (E + L)
     for start in range(pid * BLOCK, total, npid * BLOCK):
         i = start + tl.arange(0, BLOCK)
@@ -195,12 +222,11 @@ def gather_router_latent_kernel(
         j = c % S
         s1 = tl.minimum(tl.maximum(E - p * S, 0), S)
         off = tl.where(j < s1, row * s1 + j, M * s1 + row * (S - s1) + (j - s1))
-        base = tl.load(ptrs + p, mask=valid, other=0).to(tl.pointer_type(DTYPE))
-        v = tl.load(base + off, mask=valid, other=0.0, volatile=True)
+        src = tl.load(ptrs + p, mask=valid, other=0).to(tl.pointer_type(DTYPE)) + base
+        v = tl.load(src + off, mask=valid, other=0.0)
         tl.store(router + row * E + c, v, mask=valid & (c < E))
         tl.store(latent + row * L + (c - E), v, mask=valid & (c >= E))
-    if WORLD > 1:
-        _barrier(pads, npid + pid, RANK, WORLD)
+    _epoch_end(epoch)
 
 
 @triton.jit

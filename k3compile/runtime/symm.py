@@ -5,8 +5,9 @@ One workspace per (TP group, device): a byte buffer allocated once with
 tables the Triton kernels read: every rank's buffer address and every rank's signal-pad address.
 Peers' buffers are read with plain loads over NVLink (P2P); no NVLink multicast is used.
 
-The buffer is sized for the largest M the kernels serve (K3_SYMM_BYTES, default 16 MiB: M=256
-rows of 7168 fp32 values, or any bf16 use below that). A call that does not fit, a group without
+The buffer is sized for the largest M the kernels serve (K3_SYMM_BYTES, default 16 MiB: two
+alternating halves, each holding M=256 rows of 7168 fp32 values). An int pair beside it
+(`epoch`) says which half the next call uses. A call that does not fit, a group without
 symmetric memory, or a first allocation attempted inside CUDA-graph capture falls back to the
 NCCL + separate-kernel path; `status()` holds each group's reason, which the compile report
 quotes. Workspaces live until `release()` (registered with atexit) or process exit.
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BYTES = int(os.environ.get("K3_SYMM_BYTES", 16 << 20))
-# programs per kernel x barrier phases x world must fit the signal pad (uint32 slots)
-MAX_PROGRAMS = 32
-PHASES = 2
+# programs per kernel x world must fit the signal pad (uint32 slots): at most this many programs
+MAX_PROGRAMS = 128
+
+
+def max_programs(pad_bytes: int, world: int) -> int:
+    return max(1, min(MAX_PROGRAMS, pad_bytes // (4 * world)))
 
 
 @dataclass
@@ -33,16 +37,13 @@ class Workspace:
     buf: torch.Tensor          # uint8 [nbytes], this rank's symmetric buffer
     ptrs: torch.Tensor         # int64 [world] on device: every rank's buffer address
     pads: torch.Tensor         # int64 [world] on device: every rank's signal-pad address
+    epoch: torch.Tensor        # int32 [2] on device: which buffer half the next call uses, arrival count
+    programs: int              # most programs one kernel may use (signal-pad slots / world)
     handle: object
 
-    def view(self, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        return self.buf[: n * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*shape)
-
     def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.buf.numel()
+        """A call's partial must fit one half of the buffer (the halves alternate)."""
+        return nbytes <= self.buf.numel() // 2
 
 
 _WS: dict[tuple[str, int], Workspace] = {}
@@ -94,15 +95,17 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
                 symm_mem.enable_symm_mem_for_group(group)
             except Exception:  # noqa: BLE001  (deprecated / no-op in newer torch)
                 pass
+        if hasattr(symm_mem, "set_signal_pad_size") and _signal_pad_bytes(symm_mem, None) < 4 * MAX_PROGRAMS * 8:
+            symm_mem.set_signal_pad_size(4 * MAX_PROGRAMS * 8)  # room for 128 programs at TP=8
         buf = symm_mem.empty(DEFAULT_BYTES, dtype=torch.uint8, device=torch.device("cuda", idx))
         hdl = symm_mem.rendezvous(buf, group)
         pads_bytes = _signal_pad_bytes(symm_mem, hdl)
-        if MAX_PROGRAMS * PHASES * hdl.world_size * 4 > pads_bytes:
-            raise RuntimeError(f"signal pad of {pads_bytes} B is too small for {MAX_PROGRAMS} programs")
         dev = buf.device
         ws = Workspace(group, hdl.rank, hdl.world_size, buf,
                        torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=dev),
-                       torch.tensor(list(hdl.signal_pad_ptrs), dtype=torch.int64, device=dev), hdl)
+                       torch.tensor(list(hdl.signal_pad_ptrs), dtype=torch.int64, device=dev),
+                       torch.zeros(2, dtype=torch.int32, device=dev),
+                       max_programs(pads_bytes, hdl.world_size), hdl)
         buf.zero_()
         torch.cuda.synchronize(dev)
     except Exception as e:  # noqa: BLE001
@@ -115,7 +118,7 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
 def _signal_pad_bytes(symm_mem, hdl) -> int:
     if hasattr(symm_mem, "get_signal_pad_size"):
         return int(symm_mem.get_signal_pad_size())
-    v = getattr(hdl, "signal_pad_size", 2048)
+    v = getattr(hdl, "signal_pad_size", 2048) if hdl is not None else 2048
     return int(v) if isinstance(v, int) else 2048
 
 
