@@ -92,10 +92,10 @@ def run(rank, world, ms, shapes):
 
     from k3compile.kernels import cuda as kcuda
 
-    def forced_nccl(op, fn):
+    def forced(op, fn, max_m):
         def run():
             keep = kcuda.ONESHOT_MAX_M[op]
-            kcuda.ONESHOT_MAX_M[op] = 0
+            kcuda.ONESHOT_MAX_M[op] = max_m
             try:
                 return fn()
             finally:
@@ -108,8 +108,9 @@ def run(rank, world, ms, shapes):
     def bench(op, shape, M, nbytes, variants, check):
         res = {}
         outs = {}
-        variants["k3_oneshot"] = variants.pop("k3")
-        variants["k3_nccl_path"] = forced_nccl(kop[op], variants["k3_oneshot"])
+        k3 = variants.pop("k3")
+        variants["k3_oneshot"] = forced(kop[op], k3, 1 << 30)
+        variants["k3_nccl_path"] = forced(kop[op], k3, 0)
         for name, fn in variants.items():
             dist.barrier()
             outs[name] = fn()
@@ -119,6 +120,7 @@ def run(rank, world, ms, shapes):
                    floor_us=nbytes / bw * 1e6)
         base = min(res["eager"], res["inductor"])
         res["k3"] = min(res["k3_oneshot"], res["k3_nccl_path"])  # what a tuned ONESHOT_MAX_M picks
+        row["table_pick"] = "oneshot" if M <= kcuda.ONESHOT_MAX_M[kop[op]] else "nccl_path"
         row["oneshot_wins"] = res["k3_oneshot"] <= res["k3_nccl_path"]
         row["speedup_vs_baseline"] = base / res["k3"]
         rows.append(row)

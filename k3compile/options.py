@@ -16,10 +16,13 @@ PASS_ORDER = (
     "fuse_oproj_allreduce",
     "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
 )
-# Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive. The GPU lowering
-# fills this from benchmarks; until then every pass applies at every M. Outside the range a pass
-# is skipped (static M) or its op runs the unfused reference path (dynamic M).
+# Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
+# benchmark (bench/ops_bench.py on 2 x H200, BENCHMARKS.md): the fused o-proj and the sharded
+# router beat the best of eager and Inductor up to M=64 and not at 256; the latent tail at every
+# measured M. Outside its range a pass is skipped when M is static; in a dynamic-M graph the
+# ops switch by M at run time (kernels/cuda.py ONESHOT_MAX_M) to their NCCL paths.
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
+DEFAULT_M_RANGES.update(fuse_oproj_allreduce=(1, 64), shard_router_latent=(1, 64))
 
 
 @dataclass(frozen=True)

@@ -222,10 +222,17 @@ def test_prefill_sized_graph_stays_correct():
     m = K3Model(cfg)
     ids = torch.randint(0, cfg.vocab, (2, 512))  # M = 1024 tokens in one graph
     ref = m(ids, m.new_cache(2))
-    f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
+    every_m = {p: (1, 1 << 30) for p in PASS_ORDER}  # the rewrite itself must hold at any M
+    f = torch.compile(m, backend=k3compile.backend(mode="eager", m_ranges=every_m), fullgraph=True)
     out = f(ids, m.new_cache(2))
     assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     assert k3compile.last_report().get("fuse_oproj_allreduce").matched == 4
+    torch._dynamo.reset()  # by default the o-proj fusion stops at the measured M=64
+    f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
+    assert torch.equal(f(ids, m.new_cache(2)), ref)
+    rep = k3compile.last_report()
+    assert "M=1024 is outside this pass's batch range [1, 64]" in rep.get("fuse_oproj_allreduce").skipped
+    assert rep.get("fold_moe_finalize").matched == 3
 
 
 def test_bad_options_are_rejected():

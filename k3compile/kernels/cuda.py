@@ -1,13 +1,14 @@
 """CUDA implementations of the `k3::` ops (imported lazily by `registry` on first CUDA use).
 
-- oproj_allreduce_residual: cuBLAS GEMM writing its partial straight into this rank's
-  symmetric buffer, then one Triton kernel: peer loads over NVLink (one-shot all-reduce),
-  residual add, AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers.
+- oproj_allreduce_residual: cuBLAS GEMM, then one Triton kernel: copy of the partial into this
+  rank's symmetric buffer, barrier, peer loads over NVLink (one-shot all-reduce), residual add,
+  AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers.
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns.
-- router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows) into the
-  symmetric buffer, then one Triton all-gather kernel writing router logits and latent.
+- router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows), then one
+  Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
+  Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - shared_expert_async / stream_join: the side-stream shared expert.
@@ -28,10 +29,19 @@ from . import launch
 from .registry import register
 
 
-# Largest M at which the one-shot symmetric-memory path is used; above it the op runs GEMM +
-# NCCL + our norm kernel (the two-kernel "NCCL path"). Filled from bench/ops_bench.py (H200, TP=2).
-ONESHOT_MAX_M = {"oproj_allreduce_residual": 64, "moe_latent_tail": 64, "router_latent_sharded": 64,
+# Largest M at which the one-shot symmetric-memory path is used; above it the op runs its "NCCL
+# path" (GEMM + in-place NCCL + our norm kernel; the router: replicated GEMMs). Filled from
+# bench/ops_bench.py (2 x H200, TP=2; BENCHMARKS.md): one-shot won at M <= 64 for the o-proj and
+# the router, M <= 16 for the plain all-reduce, every measured M for the latent tail.
+ONESHOT_MAX_M = {"oproj_allreduce_residual": 64, "moe_latent_tail": 256, "router_latent_sharded": 64,
                  "all_reduce_prefetch": 16}
+
+
+def _nccl_all_reduce_(t: torch.Tensor, group: str) -> torch.Tensor:
+    """In-place NCCL all-reduce through c10d (capturable; no functional-collective copy)."""
+    import torch.distributed as dist
+    dist.all_reduce(t, group=dist.distributed_c10d._resolve_process_group(group))
+    return t
 
 
 def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int = 0):
@@ -78,11 +88,10 @@ def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
 
 @register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
 def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
-    from ..ops import reference as ref
     M, N = residual.shape
     ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
     if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
-        y = ref.all_reduce(torch.mm(x, w.t()), group)
+        y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
         return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
     return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
 
@@ -94,11 +103,10 @@ def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefet
 
 @register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
 def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
-    from ..ops import reference as ref
     M, _, L = y.shape
     ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
-        routed = ref.all_reduce((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
+        routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
         _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
         out = shared_partial.clone()
         n = w_up.shape[0]
@@ -114,11 +122,11 @@ def _ok_router(x, w_router, w_down, rank, tp, group):
 
 @register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
 def _router(x, w_router, w_down, rank, tp, group):
-    from ..ops import reference as ref
     S = (w_router.shape[0] + w_down.shape[0]) // tp
     ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size(), "router_latent_sharded", x.shape[0])
     if not ok or peers.world != tp or peers.rank != rank:
-        return ref.router_latent_sharded(x, w_router, w_down, rank, tp, group)
+        # above the one-shot range the replicated GEMMs are faster than any gather
+        return torch.mm(x, w_router.t()), torch.mm(x, w_down.t())
     return launch.router_latent(x, w_router, w_down, peers)
 
 
@@ -128,10 +136,9 @@ def _ok_ar(x, group, prefetch):
 
 @register("all_reduce_prefetch", "cuda", "symm_oneshot_triton", _ok_ar)
 def _all_reduce(x, group, prefetch):
-    from ..ops import reference as ref
     ok, peers = _peers(group, x.device, x.numel() * x.element_size(), "all_reduce_prefetch", x.shape[0])
     if not ok:
-        return ref.all_reduce(x, group)
+        return _nccl_all_reduce_(x.clone(), group)
     return launch.all_reduce(x, peers, _prefetcher(prefetch))
 
 

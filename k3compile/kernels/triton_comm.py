@@ -88,9 +88,10 @@ def _block_row(b, row, offs, mask, N):
 @triton.jit
 def _half(epoch, HALF, WORLD: tl.constexpr):
     """Element offset of the buffer half this call uses."""
-    if WORLD == 1:
-        return 0
-    return tl.load(epoch).to(tl.int64) * HALF
+    h = tl.zeros((), tl.int64)
+    if WORLD > 1:
+        h = tl.load(epoch).to(tl.int64) * HALF
+    return h
 
 
 @triton.jit
