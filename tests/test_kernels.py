@@ -170,3 +170,21 @@ def test_router_latent_gather(world, rank):
     torch.testing.assert_close(router, x @ wr.t(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(latent, x @ wd.t(), atol=1e-5, rtol=1e-5)
     sim.check_signals(programs, 0)
+
+
+@pytest.mark.parametrize("N,K,E,I,L", [(1, 2, 4, 64, 64), (3, 4, 8, 32, 128), (2, 2, 3, 96, 96)])
+def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L):
+    """The two MXFP4 expert kernels (gate-up + SiTU, down) vs the model's reference op, fp32
+    activations, random codes and scales (every E2M1 code, scales 2^-4 .. 2^3)."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(N * 100 + L)
+    x = torch.randn(N, L, generator=g)
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    assert launch.mxfp4_experts_ok(x, ids, w13)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)

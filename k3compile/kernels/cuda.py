@@ -11,6 +11,7 @@
   Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
+- mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
 - shared_expert_async / stream_join: the side-stream shared expert.
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
@@ -140,6 +141,15 @@ def _all_reduce(x, group, prefetch):
     if not ok:
         return _nccl_all_reduce_(x.clone(), group)
     return launch.all_reduce(x, peers, _prefetcher(prefetch))
+
+
+def _ok_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return x.dtype in _FLOAT and launch.mxfp4_experts_ok(x, topk_ids, w13)
+
+
+@register("mxfp4_experts", "cuda", "triton_mxfp4", _ok_experts)
+def _experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
 
 
 @register("shared_expert_async", "cuda", "side_stream")

@@ -160,3 +160,34 @@ def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
     out, _ = ar_residual_norm(x, peers, None, None, None, None, [], 0.0)
     join()
     return out
+
+
+def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
+    return next((b for b in options if n % b == 0), 0)
+
+
+def mxfp4_experts_ok(x, topk_ids, w13) -> bool:
+    """Shapes the MXFP4 expert kernels take: row bytes split into 16-byte scale blocks, I % 16 == 0."""
+    L, I = x.shape[1], w13.shape[1] // 2
+    return (x.dim() == 2 and x.is_contiguous() and _divisor(L // 2) > 0 and _divisor(I // 2, (64, 32, 16)) > 0
+            and I % 16 == 0 and L % 32 == 0)
+
+
+def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float):
+    """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract)."""
+    from . import triton_moe as KM
+    N, K = topk_ids.shape
+    L, I = x.shape[1], w13.shape[1] // 2
+    P = N * K
+    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out
+    mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    BI = 16
+    KM.mxfp4_gate_up_kernel[(P, I // BI)](x, ids, w13, w13_scale, mid, K, I, L, float(beta), float(linear_beta),
+                                          BI=BI, BKB=_divisor(L // 2), num_warps=4)
+    BL = 32
+    KM.mxfp4_down_kernel[(P, L // BL)](mid, ids, w2, w2_scale, out, I, L, BL=BL,
+                                       BKB=_divisor(I // 2, (64, 32, 16)), num_warps=4)
+    return out
