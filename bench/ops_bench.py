@@ -92,14 +92,14 @@ def run(rank, world, ms, shapes):
 
     from k3compile.kernels import cuda as kcuda
 
-    def forced(op, fn, max_m):
+    def forced(op, fn, oneshot: bool):
         def run():
-            keep = kcuda.ONESHOT_MAX_M[op]
-            kcuda.ONESHOT_MAX_M[op] = max_m
+            keep = kcuda.ONESHOT_M[op]
+            kcuda.ONESHOT_M[op] = (0, 1 << 30) if oneshot else (0, -1)
             try:
                 return fn()
             finally:
-                kcuda.ONESHOT_MAX_M[op] = keep
+                kcuda.ONESHOT_M[op] = keep
         return run
 
     kop = {"oproj_ar_norm": "oproj_allreduce_residual", "latent_tail": "moe_latent_tail",
@@ -109,8 +109,8 @@ def run(rank, world, ms, shapes):
         res = {}
         outs = {}
         k3 = variants.pop("k3")
-        variants["k3_oneshot"] = forced(kop[op], k3, 1 << 30)
-        variants["k3_nccl_path"] = forced(kop[op], k3, 0)
+        variants["k3_oneshot"] = forced(kop[op], k3, True)
+        variants["k3_nccl_path"] = forced(kop[op], k3, False)
         for name, fn in variants.items():
             dist.barrier()
             outs[name] = fn()
@@ -120,7 +120,8 @@ def run(rank, world, ms, shapes):
                    floor_us=nbytes / bw * 1e6)
         base = min(res["eager"], res["inductor"])
         res["k3"] = min(res["k3_oneshot"], res["k3_nccl_path"])  # what a tuned ONESHOT_MAX_M picks
-        row["table_pick"] = "oneshot" if M <= kcuda.ONESHOT_MAX_M[kop[op]] else "nccl_path"
+        lo, hi = kcuda.ONESHOT_M[kop[op]]
+        row["table_pick"] = "oneshot" if lo <= M <= hi else "nccl_path"
         row["oneshot_wins"] = res["k3_oneshot"] <= res["k3_nccl_path"]
         row["speedup_vs_baseline"] = base / res["k3"]
         rows.append(row)

@@ -17,12 +17,13 @@ PASS_ORDER = (
     "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
-# benchmark (bench/ops_bench.py on 2 x H200, BENCHMARKS.md): the fused o-proj and the sharded
-# router beat the best of eager and Inductor up to M=64 and not at 256; the latent tail at every
-# measured M. Outside its range a pass is skipped when M is static; in a dynamic-M graph the
-# ops switch by M at run time (kernels/cuda.py ONESHOT_MAX_M) to their NCCL paths.
+# benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
+# o-proj and the latent tail beat the best of eager and Inductor at every measured M (1..256);
+# the sharded router only up to M=16 (equal at 64, slower at 256). Outside its range a pass is
+# skipped when M is static; in a dynamic-M graph the ops switch by M at run time
+# (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
-DEFAULT_M_RANGES.update(fuse_oproj_allreduce=(1, 64), shard_router_latent=(1, 64))
+DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
 
 
 @dataclass(frozen=True)

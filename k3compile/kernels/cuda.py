@@ -16,7 +16,7 @@
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
-M within `ONESHOT_MAX_M` (measured); otherwise the op takes its NCCL path (GEMM, NCCL
+M within `ONESHOT_M` (measured); otherwise the op takes its NCCL path (GEMM, NCCL
 collective, our norm kernel), and `runtime.symm.status()` says why symmetric memory is absent.
 K3_KERNELS=0 turns every kernel off.
 """
@@ -30,12 +30,13 @@ from . import launch
 from .registry import register
 
 
-# Largest M at which the one-shot symmetric-memory path is used; above it the op runs its "NCCL
-# path" (GEMM + in-place NCCL + our norm kernel; the router: replicated GEMMs). Filled from
-# bench/ops_bench.py (2 x H200, TP=2; BENCHMARKS.md): one-shot won at M <= 64 for the o-proj and
-# the router, M <= 16 for the plain all-reduce, every measured M for the latent tail.
-ONESHOT_MAX_M = {"oproj_allreduce_residual": 64, "moe_latent_tail": 256, "router_latent_sharded": 64,
-                 "all_reduce_prefetch": 16}
+# M range [lo, hi] where the one-shot symmetric-memory path is used; outside it the op runs its
+# "NCCL path" (GEMM + in-place NCCL + our norm kernel; the router: the replicated GEMMs). From
+# bench/ops_bench.py (2 x H200; bench/results/ops_bench_h200x2.json, BENCHMARKS.md): one-shot won
+# at every measured M (1..256) for the o-proj and the latent tail, at M <= 16 for the router, and
+# at M >= 4 for the plain all-reduce (at M=1 NCCL was 3-7% faster).
+ONESHOT_M = {"oproj_allreduce_residual": (1, 1 << 30), "moe_latent_tail": (1, 1 << 30),
+             "router_latent_sharded": (1, 16), "all_reduce_prefetch": (2, 1 << 30)}
 
 
 def _nccl_all_reduce_(t: torch.Tensor, group: str) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int
     (or M is above the op's one-shot range)."""
     if not group:
         return True, None
-    if op is not None and m > ONESHOT_MAX_M.get(op, 1 << 30):
+    if op is not None and not ONESHOT_M[op][0] <= m <= ONESHOT_M[op][1]:
         return False, None
     ws = symm.workspace(group, device)
     if ws is None or not ws.fits(nbytes):
