@@ -9,10 +9,14 @@ unfinalised [N, top_k, latent] expert results):
     final_partial = slice_scatter(clone(shared_partial), slice(...) + tail, 1, r*n, (r+1)*n)   # TP>1
 Emits:
     final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
+and lowers the matched layer's expert op, k3model::mxfp4_experts, to k3::mxfp4_experts (same
+arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range.
 """
 from __future__ import annotations
+
+import torch
 
 from ..ops import OPS
 from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
@@ -20,6 +24,9 @@ from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_wei
                               why_not_rms_norm)
 from .base import K3Pass
 from .common import emit, last_of, replace, users_through_views
+
+
+_MODEL_EXPERTS = torch.ops.k3model.mxfp4_experts.default
 
 
 def _only_user(n, what):
@@ -33,7 +40,7 @@ class FoldMoeFinalize(K3Pass):
     name = "fold_moe_finalize"
     description = "top-k finalize + latent all-reduce + RMSNorm + up-proj shard + add -> k3::moe_latent_tail"
     pattern = "sum_k(experts(...) * w) -> [all_reduce] -> RMSNorm -> mm(W_up[r].T) -> add(shared) (per MoE layer)"
-    emits = "k3::moe_latent_tail"
+    emits = "k3::moe_latent_tail, k3::mxfp4_experts (the layer's expert op, lowered)"
 
     def expected(self, info):
         return len(info.experts)
@@ -46,6 +53,8 @@ class FoldMoeFinalize(K3Pass):
                     s["group"], [])
             fused = emit(graph, last_of(graph, [s["final"], w_up]), OPS["moe_latent_tail"], args)
             replace(graph, s["final"], fused)
+            if s["y"].target is _MODEL_EXPERTS:
+                s["y"].target = OPS["mxfp4_experts"]
             report.matched += 1
 
     def match(self, e, info, norms):
