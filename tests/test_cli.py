@@ -226,7 +226,10 @@ def test_one_layer_models(model, attention):
 def test_diff_is_coloured_and_names_the_new_ops(tiny_dump):
     _, d = tiny_dump
     plain = ok(k3c("diff", d, "fold_moe_finalize"))
-    assert f"new: k3::moe_latent_tail ×{len(TINY.moe_layers)}" in plain and "\x1b[" not in plain
+    header = plain.splitlines()[0]
+    for op in ("k3::moe_latent_tail", "k3::mxfp4_experts"):  # the fused tail, the lowered expert op
+        assert f"{op} ×{len(TINY.moe_layers)}" in header.split("new: ")[1], header
+    assert "\x1b[" not in plain
     assert "+++ 02_fold_moe_finalize.after.py" in plain and "# File:" not in plain
     out = ok(k3c("diff", d, "fold_moe_finalize", env={"FORCE_COLOR": "1", "TERM": "xterm"}))
     assert re.search(r"\x1b\[32m\+ .*torch\.ops\.k3\.moe_latent_tail\.default\(", out)  # green additions
