@@ -194,7 +194,8 @@ def test_kernel_path_is_described_for_the_report(monkeypatch):
     from k3compile.kernels.registry import describe
     assert describe("cpu", "0") is None  # CPU graphs run the references; nothing to say
     assert describe("cuda", None) == "kernels: CUDA kernels, TP=1 (no communication)"
-    # here no CUDA: the report must say the communication falls back to NCCL, and why
+    # without CUDA the report must say the communication falls back to NCCL, and why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert describe("cuda", "0") == "kernels: NCCL path for every communication op (no CUDA)"
     monkeypatch.setenv("K3_KERNELS", "0")
     assert describe("cuda", "0").startswith("kernels: off (K3_KERNELS=0)")
