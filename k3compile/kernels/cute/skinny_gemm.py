@@ -76,7 +76,7 @@ class SkinnyGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_t)
         tx = cute.size_in_bytes(self.ab, cute.slice_(a_smem, (None, None, 0))) + \
             cute.size_in_bytes(self.ab, cute.slice_(b_smem, (None, None, 0)))
