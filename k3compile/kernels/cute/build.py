@@ -28,8 +28,8 @@ Export route (issue 6 asked to evaluate three):
   torch. What the DSL's host code did (encode the TMA descriptors, pick grid and shared memory)
   the loader redoes from the manifest; the build checks the manifest against the PTX entry's
   parameter list, so a DSL change in the kernel ABI fails the build instead of the launch.
-The JIT path (`SkinnyGemmSm90` through `cute.compile` on real tensors) works where the DSL is
-installed and a GPU is present; it is not used by dispatch.
+JIT path: `SkinnyGemmSm90` can be passed to `cute.compile` with real (from_dlpack) tensors where
+the DSL and a GPU are present; that path is not wired into dispatch and has not been run.
 """
 from __future__ import annotations
 
