@@ -61,7 +61,7 @@ if __name__ == "__main__":
 
     from k3compile.distributed import run_ranks
     out = {}
-    for world in (1, 2):
+    for world in [int(w) for w in os.environ.get("K3_CHECK_TP", "1,2").split(",")]:
         if torch.cuda.device_count() < world:
             continue
         t = time.time()

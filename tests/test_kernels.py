@@ -188,3 +188,14 @@ def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L):
     out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_kernel_path_is_described_for_the_report(monkeypatch):
+    from k3compile.kernels.registry import describe
+    assert describe("cpu", "0") is None  # CPU graphs run the references; nothing to say
+    assert describe("cuda", None) == "kernels: CUDA kernels, TP=1 (no communication)"
+    # without CUDA the report must say the communication falls back to NCCL, and why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert describe("cuda", "0") == "kernels: NCCL path for every communication op (no CUDA)"
+    monkeypatch.setenv("K3_KERNELS", "0")
+    assert describe("cuda", "0").startswith("kernels: off (K3_KERNELS=0)")

@@ -1,7 +1,7 @@
 """Compile the Triton kernels for sm_90 on a machine without a GPU (catches compile errors that
 the CPU interpreter does not see, and lets tests inspect the PTX).
 
-    python -m k3compile.kernels.aot_check
+    python -m k3compile.kernels.aot_check [--quick]
 """
 from __future__ import annotations
 
@@ -58,11 +58,26 @@ def variants():
     return out
 
 
-def main() -> None:
+# PTX each kernel family must contain: the barrier's system-scope CAS, the bulk L2 prefetch
+EXPECT = {"ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
+          "latent_tail w2": ["atom.global.release.sys.cas"],
+          "gather w2": ["atom.global.acquire.sys.cas"], "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"]}
+
+
+def main(argv=None) -> int:
+    import sys
+    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    bad = 0
     for name, fn, types, consts in variants():
-        k = compile_one(fn, types, consts)
-        print(f"{name}: ok ({len(k.asm['ptx'])} chars of PTX)")
+        if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2",
+                                           "l2_prefetch", "mxfp4"))):
+            continue
+        ptx = compile_one(fn, types, consts).asm["ptx"]
+        missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
+        bad += bool(missing)
+        print(f"{name}: {'MISSING ' + ', '.join(missing) if missing else 'ok'} ({len(ptx)} chars of PTX)")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

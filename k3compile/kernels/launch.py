@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import choose
 from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
 
@@ -116,7 +117,7 @@ def _no_prefetch():
 def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
     """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
     runs between the two and returns the function that joins the prefetch."""
-    part = torch.mm(x, w.t())
+    part = choose.gemm("oproj", x, w)  # CuTe where kernels/choose.py says so, else torch.mm
     join = start_prefetch()
     upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps)
     join()

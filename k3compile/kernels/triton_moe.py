@@ -26,18 +26,19 @@ def _dq(c):
 def _fp4_dot_rows(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr):
     """sum_k W[rows, k] * v[k] for one vector v (fp32 accumulate): W packed MXFP4 rows of
     `row_bytes` bytes with `row_scales` E8M0 bytes each; KB = bytes per row (constexpr).
-    Products accumulate element-wise over the K loop and are reduced once at the end; the block
-    scale 2^(s-127) * 2^14 is built from its bits, (s + 14) << 23 (exact for s <= 240)."""
-    acc = tl.zeros([rows.shape[0], BKB], tl.float32)
+    (An element-wise accumulator reduced once at the end, with scales built from their bits, was
+    measured 1.4x slower on the H200: BENCHMARKS.md.)"""
+    acc = tl.zeros([rows.shape[0]], tl.float32)
     for kb in tl.static_range(0, KB, BKB):
         cols = kb + tl.arange(0, BKB)
         b = tl.load(w_ptr + rows[:, None] * row_bytes + cols[None, :]).to(tl.int32)
-        s = tl.load(s_ptr + rows[:, None] * row_scales + (cols // 16)[None, :]).to(tl.int32)
-        scale = ((s + 14) << 23).to(tl.float32, bitcast=True)
         ve = tl.load(v_ptr + 2 * cols).to(tl.float32)
         vo = tl.load(v_ptr + 2 * cols + 1).to(tl.float32)
-        acc += (_dq(b & 15) * ve[None, :] + _dq(b >> 4) * vo[None, :]) * scale
-    return tl.sum(acc, 1)
+        prod = _dq(b & 15) * ve[None, :] + _dq(b >> 4) * vo[None, :]           # [R, BKB]
+        blk = tl.sum(tl.reshape(prod, [rows.shape[0], BKB // 16, 16]), 2)        # [R, BKB/16]
+        s = tl.load(s_ptr + rows[:, None] * row_scales + kb // 16 + tl.arange(0, BKB // 16)[None, :])
+        acc += tl.sum(blk * tl.exp2(s.to(tl.float32) - 113.0), 1)             # 2^(s-127) * 2^14
+    return acc
 
 
 @triton.jit

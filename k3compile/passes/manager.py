@@ -147,6 +147,9 @@ class PassManager(CustomGraphPass):
             self._observe("after", name, graph)
             if self.dump:
                 self.graphs.append((name, before, _readable(graph)))
+        kernels = _kernel_note(graph, info) if report.is_k3 else None
+        if kernels:
+            report.passes[-1].notes.append(kernels)
         report.seconds = time.perf_counter() - t0
         self.last = report
         record(report)
@@ -162,6 +165,16 @@ class PassManager(CustomGraphPass):
             if self.opts.strict:
                 raise K3StrictError(f"k3: expected sites did not match: {msg}")
             warnings.warn(f"k3: expected sites did not match: {msg}", stacklevel=2)
+
+
+def _kernel_note(graph: Graph, info) -> str | None:
+    """Which kernels the rewritten ops will run (GPU graphs only)."""
+    from ..ops import describe_kernels
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return describe_kernels(v.device.type, info.group)
+    return None
 
 
 def _readable(graph: Graph) -> str:

@@ -110,7 +110,22 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
         torch.cuda.synchronize(dev)
     except Exception as e:  # noqa: BLE001
         _WHY[group] = f"symmetric-memory allocation failed: {type(e).__name__}: {e}"
+        ws = None
+    # every rank must take the same path (a rank in the one-shot barrier while another runs NCCL
+    # would hang): agree on success and on the smallest program count
+    try:
+        import torch.distributed as dist
+        agree = torch.tensor([1 if ws else 0, ws.programs if ws else 0], dtype=torch.int64,
+                             device=torch.device("cuda", idx))
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=dist.distributed_c10d._resolve_process_group(group))
+        ok, programs = (int(v) for v in agree.tolist())
+    except Exception as e:  # noqa: BLE001
+        ok, programs = 0, 0
+        _WHY.setdefault(group, f"ranks could not agree on symmetric memory: {type(e).__name__}: {e}")
+    if not ok:
+        _WHY.setdefault(group, "symmetric-memory allocation failed on another rank")
         return None
+    ws.programs = programs
     _WS[key] = ws
     return ws
 
