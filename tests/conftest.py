@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run only in Triton's interpreter (tests/test_kernels.py). The
+    # switch is read when `triton.jit` decorates a function, Triton's own helpers (tl.zeros, ...)
+    # included, so it must be on before anything imports triton: Inductor does when an earlier test
+    # module is collected, after which test_kernels.py's own setdefault comes too late.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
