@@ -27,45 +27,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import pathlib
-import re
 import sys
 
-SUPPORTED_SERIES = ((0, 33),)  # vLLM release series whose pass contract this module is written to
-TESTED_VERSION = "0.33.0"
-EXTRA = "pip install 'k3compile[vllm]'"
+from .vllm_version import (EXTRA, SUPPORTED_SERIES, TESTED_VERSION, UnsupportedVllmVersion, check_version,
+                           require_vllm)
+
+__all__ = ["K3VllmPass", "make_pass", "install_config_hook", "uninstall_config_hook", "VLLM_VERSION",
+           "TESTED_VERSION", "SUPPORTED_SERIES", "EXTRA", "UnsupportedVllmVersion", "check_version"]
 
 log = logging.getLogger("k3compile")
 
-
-class UnsupportedVllmVersion(ImportError):
-    """The installed vLLM is not a version whose compilation contract this hook implements."""
-
-
-def check_version(version: str) -> None:
-    m = re.match(r"(\d+)\.(\d+)", str(version))
-    if m is None or (int(m.group(1)), int(m.group(2))) not in SUPPORTED_SERIES:
-        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES)
-        raise UnsupportedVllmVersion(
-            f"k3compile's vLLM hook supports vLLM {supported} (tested with {TESTED_VERSION}); "
-            f"found vLLM {version}. Install a supported version: {EXTRA} (vllm=={TESTED_VERSION})",
-            name="vllm")
-
-
-def _require_vllm() -> str:
-    try:
-        import vllm
-    except ImportError as e:
-        raise ImportError(f"k3compile's vLLM hook needs vLLM, an optional dependency of k3compile: {EXTRA} "
-                          f"(installs vllm=={TESTED_VERSION})", name="vllm") from e
-    version = getattr(vllm, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-        version = dist_version("vllm")
-    check_version(version)
-    return version
-
-
-VLLM_VERSION = _require_vllm()
+VLLM_VERSION = require_vllm()  # ImportError naming the extra, or UnsupportedVllmVersion
 
 from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context  # noqa: E402
 
