@@ -12,8 +12,9 @@
   `(normed, residual) = torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, epsilon)` (look-alike
   when vLLM is not installed; it rounds like vLLM's CUDA kernel).
 - "vllm_c_v1" / "vllm_c_v2": "vllm", with that add + norm as vLLM's in-place CUDA op
-  `torch.ops._C.fused_add_rms_norm(input!, residual!, weight, epsilon)` (a look-alike with the schema
-  of vLLM 0.33's `_C` library, which does not load without CUDA), so the graph holds it wrapped in
+  `torch.ops._C.fused_add_rms_norm(input!, residual!, weight, epsilon)` and every other RMSNorm as
+  `torch.ops._C.rms_norm(result!, input, weight, epsilon)` (look-alikes with the schemas of vLLM 0.33's
+  `_C` library, which does not load without CUDA), so the graph holds them wrapped in
   `auto_functionalized` (v1, as vLLM configures Inductor) or `auto_functionalized_v2` (torch's default).
 """
 from __future__ import annotations
@@ -90,9 +91,9 @@ def _register_vllm_add_norm_lookalikes() -> None:
             return _K3_RMS_NORM(updated, weight, epsilon), updated
 
         fused_add_rms_norm.register_fake(lambda x, r, w, eps, vs=None: (torch.empty_like(x), torch.empty_like(x)))
-    if not hasattr(torch.ops, "_C") or not hasattr(torch.ops._C, "fused_add_rms_norm"):
-        global _C_LIB
-        _C_LIB = torch.library.Library("_C", "FRAGMENT")
+    global _C_LIB
+    _C_LIB = _C_LIB or torch.library.Library("_C", "FRAGMENT")
+    if not hasattr(torch.ops._C, "fused_add_rms_norm"):
         _C_LIB.define("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()")
 
         def c_fused_add_rms_norm(input, residual, weight, epsilon):
@@ -102,6 +103,14 @@ def _register_vllm_add_norm_lookalikes() -> None:
 
         _C_LIB.impl("fused_add_rms_norm", c_fused_add_rms_norm, "CompositeExplicitAutograd")
         _C_LIB._register_fake("fused_add_rms_norm", lambda input, residual, weight, epsilon: None)
+    if not hasattr(torch.ops._C, "rms_norm"):
+        _C_LIB.define("rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()")
+
+        def c_rms_norm(result, input, weight, epsilon):
+            result.copy_(_K3_RMS_NORM(input, weight, epsilon))
+
+        _C_LIB.impl("rms_norm", c_rms_norm, "CompositeExplicitAutograd")
+        _C_LIB._register_fake("rms_norm", lambda result, input, weight, epsilon: None)
 
 
 _C_LIB = None
@@ -119,6 +128,12 @@ def _attnres_fused(fused_add):
 
 def _fused_add_vllm_ir(x, residual, weight, eps):
     return torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def _rms_norm_c(x, weight, eps):
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, eps)
+    return out
 
 
 def _fused_add_c(x, residual, weight, eps):
@@ -155,5 +170,7 @@ def apply(style: str) -> None:
         layers.attnres_mix = _attnres_fused(_fused_add_vllm_ir if style == "vllm_add_norm" else _fused_add_c)
         if style != "vllm_add_norm":
             torch._inductor.config.enable_auto_functionalized_v2 = style == "vllm_c_v2"
+            layers.rms_norm = _rms_norm_c
+            functional.__dict__["rms_norm"] = _rms_norm_c
     elif style != "reference":
         raise ValueError(style)

@@ -57,5 +57,6 @@ class K3Pass:
         if pre:
             report.expected -= len(pre)
             report.notes.append(f"{len(pre)} site(s) {pre[0][1].reason}, not counted as expected: "
-                                + ", ".join(getattr(a, "name", str(a)) for a, _ in pre))
+                                + ", ".join(f"{getattr(a, 'name', a)} (at {getattr(m.node, 'name', m.node)})"
+                                            for a, m in pre))
         return sites

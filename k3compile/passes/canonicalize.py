@@ -139,7 +139,7 @@ class _OpCall:
         return self.items.get(i, [])
 
     def new(self, name: str) -> list[Node]:
-        if self.node.target not in (_AF, _AF2):
+        if self.node.target not in (_AF, _AF2) or name not in self.mutated:
             return []
         first = max(1, self.n_out)  # auto_functionalized returns (op result(s)..., new values...)
         if self.node.target is _AF:
@@ -148,11 +148,16 @@ class _OpCall:
         return [] if idx is None else self.items.get(first + idx, [])
 
 
+def _other_readers(n: Node, handled: list[Node]) -> bool:
+    """Does any output of `n` other than `handled` have users (a result this rewrite does not replace)?"""
+    return any(u not in handled and u.users for u in n.users)
+
+
 def _add_rms_norm(graph: Graph, c: _OpCall, x, res, w, eps, normed: list[Node], res_out: list[Node]) -> bool:
     """Replace `normed` readers by RMSNorm(res + x) * w and `res_out` readers by res + x."""
     if not (isinstance(x, Node) and isinstance(res, Node)) or dtype(x) != dtype(res) or shape(x) != shape(res):
         return False  # e.g. an fp32 residual stream: not the K3 form
-    if not isinstance(eps, (int, float)):
+    if not isinstance(eps, (int, float)) or _other_readers(c.node, normed + res_out):
         return False
     with graph.inserting_before(c.node):
         upd = _call(graph, aten.add.Tensor, (res, x), val(res))
@@ -187,9 +192,11 @@ def _rewrite_norm_call(graph: Graph, n: Node) -> bool:
         return _add_rms_norm(graph, c, c.arg("input"), c.arg("residual"), c.arg("weight"), c.arg("epsilon"),
                              c.new("input"), c.new("residual"))
     # _C::rms_norm(result!, input, weight, epsilon): result becomes RMSNorm(input)
-    if c.new("input") or not isinstance(c.arg("input"), Node) or not isinstance(c.arg("epsilon"), (int, float)):
+    if not isinstance(c.arg("input"), Node) or not isinstance(c.arg("epsilon"), (int, float)):
         return False
     readers = c.new("result")
+    if _other_readers(n, readers):
+        return False
     with graph.inserting_before(n):
         out = _rms_norm_nodes(graph, c.arg("input"), c.arg("weight"), float(c.arg("epsilon")))
     for g in readers:

@@ -19,8 +19,8 @@ from .graph import CONVERT_OPS, VIEW_OPS, Fail, is_call
 from .structure import op_name
 
 VLLM_FUSED_ALLREDUCE_OPS = {
-    "vllm::flashinfer_trtllm_fused_allreduce_norm": "FlashInfer all-reduce + residual add + RMSNorm",
-    "vllm::rocm_aiter_fused_allreduce_rmsnorm": "AITER all-reduce + residual add + RMSNorm",
+    "vllm::flashinfer_trtllm_fused_allreduce_norm": "FlashInfer all-reduce + (residual add +) RMSNorm",
+    "vllm::rocm_aiter_fused_allreduce_rmsnorm": "AITER all-reduce + (residual add +) RMSNorm",
     "vllm::rocm_aiter_fused_allreduce_rmsnorm_quant_per_group": "AITER all-reduce + RMSNorm + quant",
     "vllm::rocm_aiter_fused_allreduce_rmsnorm_quant_per_group_with_bf16_norm": "AITER all-reduce + RMSNorm + quant",
 }
