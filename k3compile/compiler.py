@@ -11,6 +11,8 @@ rewritten graph op by op (no codegen; for tests and debugging, like `aot_eager`)
 from __future__ import annotations
 
 
+import warnings
+
 import torch
 
 from .options import K3Options
@@ -20,7 +22,63 @@ from .report import CompileReport, record
 _COUNTER = [0]
 
 
+def _bake_module_floats(gm: torch.fx.GraphModule, example_inputs) -> list[tuple[int, float]]:
+    """`dynamic=True` makes dynamo pass float module attributes (RMSNorm eps, SiTU betas) as graph
+    inputs read with `.item()`, so no pattern can see them as constants. Put each value back as a
+    constant and return (input index, value) pairs; the caller guards on them at run time."""
+    baked = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, (n, ex) in enumerate(zip(placeholders, example_inputs)):
+        ga = n.meta.get("grapharg")
+        src = getattr(ga, "source", None)
+        if not (isinstance(ex, torch.Tensor) and ex.dim() == 0 and ex.dtype == torch.float64
+                and type(src).__name__ == "AttrSource" and n.users
+                and all(u.op == "call_method" and u.target == "item" for u in n.users)):
+            continue
+        value = float(ex)
+        for u in list(n.users):
+            u.replace_all_uses_with(value)  # type: ignore[arg-type]
+            gm.graph.erase_node(u)
+        baked.append((i, value))
+    if baked:
+        gm.recompile()
+    return baked
+
+
+def _guarded(compiled, fallback, baked: list[tuple[int, float]], name: str):
+    """Run `compiled` while the baked module floats keep their values; else the unrewritten graph."""
+    warned = []
+    boxed = getattr(compiled, "_boxed_call", False)  # Inductor's convention: one list argument
+
+    def run(*args):
+        vals = args[0] if boxed else args
+        for i, v in baked:
+            if float(vals[i]) != v:
+                if not warned:
+                    warned.append(1)
+                    warnings.warn(f"k3: {name}: a float module attribute changed after compile "
+                                  f"(input {i}: {v} -> {float(vals[i])}); running the graph without K3 passes")
+                return fallback(*vals)
+        return compiled(*args)
+
+    run._boxed_call = boxed
+    return run
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mode: str | None = None):
+    fallback = None
+    if opts.bake_module_floats and any(isinstance(e, torch.Tensor) and e.dim() == 0 for e in example_inputs):
+        import copy
+        original = copy.deepcopy(gm)
+        baked = _bake_module_floats(gm, example_inputs)
+        if baked:
+            fallback = original.forward
+            compiled = _compile_graph(gm, example_inputs, opts, torch_mode)
+            return _guarded(compiled, fallback, baked, f"graph{_COUNTER[0]}")
+    return _compile_graph(gm, example_inputs, opts, torch_mode)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, torch_mode: str | None = None):
     _COUNTER[0] += 1
     mgr = PassManager(opts, name=f"graph{_COUNTER[0]}")
     if opts.mode == "eager":

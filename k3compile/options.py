@@ -16,10 +16,14 @@ PASS_ORDER = (
     "fuse_oproj_allreduce",
     "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
 )
-# Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive. The GPU lowering
-# fills this from benchmarks; until then every pass applies at every M. Outside the range a pass
-# is skipped (static M) or its op runs the unfused reference path (dynamic M).
+# Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
+# benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
+# o-proj and the latent tail beat the best of eager and Inductor at every measured M (1..256);
+# the sharded router only up to M=16 (equal at 64, slower at 256). Outside its range a pass is
+# skipped when M is static; in a dynamic-M graph the ops switch by M at run time
+# (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
+DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class K3Options:
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
     prefetch: bool = True
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
+    # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
+    # in as constants, guarded at run time (a changed value runs the graph without the K3 passes)
+    bake_module_floats: bool = True
     verbose: bool = False  # print the match report after each compile
 
     @classmethod

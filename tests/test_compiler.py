@@ -71,6 +71,36 @@ def test_differently_written_layers_fully_match(style):
         _expect_full_match(r["passes"], tp=2)
 
 
+def test_dynamic_true_bakes_module_floats_and_guards_them():
+    """dynamic=True passes eps and the SiTU betas as graph inputs; the backend bakes them back in
+    (so every site matches), runs M=2..5 in one graph, and a changed eps still gives eager's answer."""
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4)
+    m = K3Model(cfg)
+    f = torch.compile(m, backend=k3compile.backend(mode="eager"), dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for M in (2, 3, 5):
+        ids = torch.randint(0, cfg.vocab, (M, 1), generator=g)
+        out, ref = f(ids, m.new_cache(M)), m(ids, m.new_cache(M))
+        assert torch.equal(out, ref), M
+    reps = k3compile.reports()
+    assert len(reps) == 1 and reps[0].structure["m"] == "dynamic"
+    for p in reps[0].passes:
+        assert p.skipped or p.matched == p.expected > 0, p.line()
+    assert not any(p.near_misses for p in reps[0].passes)
+    m.layers["1"].attn.eps = 1e-2  # dynamo recompiles on this; our own guard is the second line
+    ids = torch.randint(0, cfg.vocab, (3, 1), generator=g)
+    out = f(ids, m.new_cache(3))
+    assert torch.equal(out, m(ids, m.new_cache(3)))
+
+
+def test_baked_float_guard_falls_back_when_a_value_changes():
+    from k3compile.compiler import _guarded
+    run = _guarded(lambda x, eps: ("compiled", x), lambda x, eps: ("fallback", x), [(1, 1e-5)], "g")
+    assert run(1, torch.tensor(1e-5, dtype=torch.float64)) == ("compiled", 1)
+    with pytest.warns(UserWarning, match=r"a float module attribute changed after compile \(input 1: 1e-05 -> 0.001\)"):
+        assert run(2, torch.tensor(1e-3, dtype=torch.float64)) == ("fallback", 2)
+
+
 def test_report_is_printed_and_counts_sites(capsys):
     m = K3Model(K3Config.tiny(dtype="bfloat16", num_layers=4))
     f = torch.compile(m, backend=k3compile.backend(mode="eager", verbose=True), fullgraph=True)
@@ -192,10 +222,18 @@ def test_prefill_sized_graph_stays_correct():
     m = K3Model(cfg)
     ids = torch.randint(0, cfg.vocab, (2, 512))  # M = 1024 tokens in one graph
     ref = m(ids, m.new_cache(2))
-    f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
+    every_m = {p: (1, 1 << 30) for p in PASS_ORDER}  # the rewrite itself must hold at any M
+    f = torch.compile(m, backend=k3compile.backend(mode="eager", m_ranges=every_m), fullgraph=True)
     out = f(ids, m.new_cache(2))
     assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     assert k3compile.last_report().get("fuse_oproj_allreduce").matched == 4
+    torch._dynamo.reset()  # a pass skipped by its M range leaves the graph as it was
+    f = torch.compile(m, backend=k3compile.backend(mode="eager", m_ranges={"fuse_oproj_allreduce": (1, 256)}),
+                      fullgraph=True)
+    assert torch.equal(f(ids, m.new_cache(2)), ref)
+    rep = k3compile.last_report()
+    assert "M=1024 is outside this pass's batch range [1, 256]" in rep.get("fuse_oproj_allreduce").skipped
+    assert rep.get("fold_moe_finalize").matched == 3
 
 
 def test_bad_options_are_rejected():

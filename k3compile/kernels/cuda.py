@@ -1,8 +1,156 @@
-"""CUDA implementations of `k3::` ops. So far: the side-stream shared expert and its join.
-The fused GEMM + communication kernels come with the GPU lowering."""
+"""CUDA implementations of the `k3::` ops (imported lazily by `registry` on first CUDA use).
+
+- oproj_allreduce_residual: cuBLAS GEMM, then one Triton kernel: copy of the partial into this
+  rank's symmetric buffer, barrier, peer loads over NVLink (one-shot all-reduce), residual add,
+  AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers.
+- moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
+  one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
+  up-projection shard into this rank's columns.
+- router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows), then one
+  Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
+  Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
+- all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
+- L2 prefetch: on the side stream, started before the communication kernel, joined after it.
+- mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
+- shared_expert_async / stream_join: the side-stream shared expert.
+
+Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
+one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
+M within `ONESHOT_M` (measured); otherwise the op takes its NCCL path (GEMM, NCCL
+collective, our norm kernel), and `runtime.symm.status()` says why symmetric memory is absent.
+K3_KERNELS=0 turns every kernel off.
+"""
+from __future__ import annotations
+
+import torch
+
 from ..model.functional import situ_mlp
-from ..runtime import streams
+from ..runtime import streams, symm
+from . import launch
 from .registry import register
+
+
+# M range [lo, hi] where the one-shot symmetric-memory path is used; outside it the op runs its
+# "NCCL path" (GEMM + in-place NCCL + our norm kernel; the router: the replicated GEMMs). From
+# bench/ops_bench.py (2 x H200; bench/results/ops_bench_h200x2.json, BENCHMARKS.md): one-shot won
+# at every measured M (1..256) for the o-proj and the latent tail, at M <= 16 for the router, and
+# at M >= 4 for the plain all-reduce (at M=1 NCCL was 3-7% faster).
+ONESHOT_M = {"oproj_allreduce_residual": (1, 1 << 30), "moe_latent_tail": (1, 1 << 30),
+             "router_latent_sharded": (1, 16), "all_reduce_prefetch": (2, 1 << 30)}
+
+
+def _nccl_all_reduce_(t: torch.Tensor, group: str) -> torch.Tensor:
+    """In-place NCCL all-reduce through c10d (capturable; no functional-collective copy)."""
+    import torch.distributed as dist
+    dist.all_reduce(t, group=dist.distributed_c10d._resolve_process_group(group))
+    return t
+
+
+def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int = 0):
+    """(ok, peers): peers is None at TP=1; ok is False when the group cannot use symmetric memory
+    (or M is above the op's one-shot range)."""
+    if not group:
+        return True, None
+    if op is not None and not ONESHOT_M[op][0] <= m <= ONESHOT_M[op][1]:
+        return False, None
+    ws = symm.workspace(group, device)
+    if ws is None or not ws.fits(nbytes):
+        if ws is not None:
+            symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
+        return False, None
+    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.buf.numel(), ws.programs)
+
+
+def _prefetcher(weights: list[torch.Tensor]):
+    """start() -> join(): L2 prefetch of `weights` on the side stream while the caller communicates."""
+    def start():
+        if not weights:
+            return lambda: None
+        side = streams.side_stream(weights[0].device)
+        cur = torch.cuda.current_stream(weights[0].device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for w in weights:
+                if w.is_contiguous():
+                    launch.l2_prefetch(w)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        return lambda: cur.wait_event(ev)
+    return start
+
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    return (x.dim() == 2 and residual.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype
+            and residual.dtype == x.dtype and len(blocks) <= 8 and residual.is_contiguous()
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+
+
+@register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
+def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    M, N = residual.shape
+    ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
+    if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
+        y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
+        return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
+    return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
+
+
+def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+    return (y.dim() == 3 and y.dtype in _FLOAT and y.is_contiguous() and shared_partial.dtype == y.dtype
+            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2])
+
+
+@register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
+def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+    M, _, L = y.shape
+    ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
+    if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
+        routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
+        _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
+        out = shared_partial.clone()
+        n = w_up.shape[0]
+        (out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]).addmm_(ln, w_up.t())
+        return out
+    return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
+
+
+def _ok_router(x, w_router, w_down, rank, tp, group):
+    return (x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype and w_down.dtype == x.dtype
+            and bool(group) and (w_router.shape[0] + w_down.shape[0]) % tp == 0)
+
+
+@register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
+def _router(x, w_router, w_down, rank, tp, group):
+    S = (w_router.shape[0] + w_down.shape[0]) // tp
+    ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size(), "router_latent_sharded", x.shape[0])
+    if not ok or peers.world != tp or peers.rank != rank:
+        # above the one-shot range the replicated GEMMs are faster than any gather
+        return torch.mm(x, w_router.t()), torch.mm(x, w_down.t())
+    return launch.router_latent(x, w_router, w_down, peers)
+
+
+def _ok_ar(x, group, prefetch):
+    return x.dim() == 2 and x.dtype in _FLOAT and x.is_contiguous() and bool(group)
+
+
+@register("all_reduce_prefetch", "cuda", "symm_oneshot_triton", _ok_ar)
+def _all_reduce(x, group, prefetch):
+    ok, peers = _peers(group, x.device, x.numel() * x.element_size(), "all_reduce_prefetch", x.shape[0])
+    if not ok:
+        return _nccl_all_reduce_(x.clone(), group)
+    return launch.all_reduce(x, peers, _prefetcher(prefetch))
+
+
+def _ok_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return x.dtype in _FLOAT and launch.mxfp4_experts_ok(x, topk_ids, w13)
+
+
+@register("mxfp4_experts", "cuda", "triton_mxfp4", _ok_experts)
+def _experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
 
 
 @register("shared_expert_async", "cuda", "side_stream")

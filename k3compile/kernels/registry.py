@@ -51,3 +51,19 @@ def pick(op: str, device: str, *args, **kwargs) -> Kernel | None:
 
 def registered(op: str | None = None) -> dict[tuple[str, str], list[str]]:
     return {key: [k.name for k in ks] for key, ks in _KERNELS.items() if op is None or key[0] == op}
+
+
+def describe(device: str, group: str | None) -> str | None:
+    """One line for the match report: which communication path the CUDA kernels will take for
+    `group` (None off CUDA, or when K3_KERNELS=0 leaves every op on its reference)."""
+    if device != "cuda":
+        return None
+    if os.environ.get("K3_KERNELS", "1") == "0":
+        return "kernels: off (K3_KERNELS=0); every k3 op runs its PyTorch reference"
+    if not group:
+        return "kernels: CUDA kernels, TP=1 (no communication)"
+    from ..runtime import symm
+    why = symm.unavailable_reason(group)
+    if why is None:
+        return "kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges)"
+    return f"kernels: NCCL path for every communication op ({why})"

@@ -52,6 +52,20 @@ def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
     return torch.empty_like(shared_partial)
 
 
+@torch.library.custom_op("k3::mxfp4_experts", mutates_args=())
+def mxfp4_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor, w2: Tensor,
+                  w2_scale: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """`k3model::mxfp4_experts` lowered: the same contract (unweighted [N, k, L] outputs), with a
+    dispatch point for the MXFP4 expert kernels; the reference is the model's own op."""
+    return _run("mxfp4_experts", torch.ops.k3model.mxfp4_experts.default,
+                x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
+
+
+@mxfp4_experts.register_fake
+def _(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    return x.new_empty(topk_ids.shape[0], topk_ids.shape[1], x.shape[1])
+
+
 # ----------------------------------------------------------------- 3. sharded router + latent projection
 @torch.library.custom_op("k3::router_latent_sharded", mutates_args=())
 def router_latent_sharded(x: Tensor, w_router: Tensor, w_down: Tensor, rank: int, tp: int,
@@ -105,6 +119,7 @@ def _(x, group, prefetch):
 OPS = {
     "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
     "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
+    "mxfp4_experts": torch.ops.k3.mxfp4_experts.default,
     "router_latent_sharded": torch.ops.k3.router_latent_sharded.default,
     "shared_expert_async": torch.ops.k3.shared_expert_async.default,
     "stream_join": torch.ops.k3.stream_join.default,

@@ -9,11 +9,15 @@ unfinalised [N, top_k, latent] expert results):
     final_partial = slice_scatter(clone(shared_partial), slice(...) + tail, 1, r*n, (r+1)*n)   # TP>1
 Emits:
     final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
+and lowers the matched layer's expert op, k3model::mxfp4_experts, to k3::mxfp4_experts (same
+arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. A site whose latent all-reduce + RMSNorm vLLM already fused (`patterns.vllm_forms`)
 is left as vLLM fused it, listed in a note and not counted as expected.
 """
 from __future__ import annotations
+
+import torch
 
 from ..ops import OPS
 from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
@@ -22,6 +26,9 @@ from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_wei
 from ..patterns.vllm_forms import prefused
 from .base import K3Pass
 from .common import emit, last_of, replace, users_through_views
+
+
+_MODEL_EXPERTS = torch.ops.k3model.mxfp4_experts.default
 
 
 def _only_user(n, what):
@@ -46,6 +53,8 @@ class FoldMoeFinalize(K3Pass):
                     s["group"], [])
             fused = emit(graph, last_of(graph, [s["final"], w_up]), OPS["moe_latent_tail"], args)
             replace(graph, s["final"], fused)
+            if s["y"].target is _MODEL_EXPERTS:
+                s["y"].target = OPS["mxfp4_experts"]
             report.matched += 1
 
     def match(self, e, info, norms):

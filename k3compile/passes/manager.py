@@ -134,6 +134,9 @@ class PassManager(CustomGraphPass):
             pr.nodes_after = len(graph.nodes)
             if self.dump:
                 self.graphs.append((name, _readable(graph)))
+        kernels = _kernel_note(graph, info) if report.is_k3 else None
+        if kernels:
+            report.passes[-1].notes.append(kernels)
         report.seconds = time.perf_counter() - t0
         self.last = report
         record(report)
@@ -158,6 +161,16 @@ class PassManager(CustomGraphPass):
         if lo <= s and e <= hi:
             return None
         return f"compile range [{s}, {e}] is not inside this pass's batch range [{lo}, {hi}]"
+
+
+def _kernel_note(graph: Graph, info) -> str | None:
+    """Which kernels the rewritten ops will run (GPU graphs only)."""
+    from ..ops import describe_kernels
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor):
+            return describe_kernels(v.device.type, info.group)
+    return None
 
 
 def _readable(graph: Graph) -> str:

@@ -1,0 +1,236 @@
+"""Per-layer benchmark: one KDA and one MLA decoder layer (with LatentMoE) at real K3 widths.
+
+Each rank builds only the chosen layer (meta device, then random weights on its GPU: the
+full-size seeded init would need 80 GB of host memory per expert tensor), with `nb` AttnRes
+blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens, and times one decode
+step of that layer, CUDA-graphed, for:
+  eager     - the layer as written (cuBLAS, NCCL, the model's MXFP4 expert op, fla/reference KDA)
+  inductor  - torch.compile(backend="inductor")
+  k3        - torch.compile(backend="k3") with every pass
+  k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate)
+plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
+step must read: every non-expert weight, the distinct experts' MXFP4 bytes, the KV cache and KDA
+state), and peak memory per variant (the symmetric workspace is reported beside it: it does not
+come from PyTorch's caching allocator).
+
+Shape sets: `tp2` runs the real config at TP=world; `tp8` divides the sharded widths (heads,
+expert / shared / dense intermediate) by 8 / world, so that each of the world ranks holds what a
+TP=8 rank holds while communicating over `world` GPUs.
+
+    python bench/layer_bench.py --layer kda --shapes tp8 --ms 1,4,16,64,256 [--ablate] --out r.json
+    python bench/layer_bench.py --smoke     # tiny config on CPU, no graphs: checks the plumbing
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert")
+
+
+def _config(shapes: str, world: int, smoke: bool):
+    from k3compile.model import K3Config
+    if smoke:
+        return K3Config.tiny(dtype="bfloat16", max_seq=64)
+    cfg = K3Config.kimi_k3(dtype="bfloat16", max_seq=4096)
+    if shapes == "tp8":
+        f = 8 // world
+        import dataclasses
+        cfg = dataclasses.replace(cfg, kda_heads=cfg.kda_heads // f, mla_heads=cfg.mla_heads // f,
+                                  expert_inter=cfg.expert_inter // f, shared_inter=cfg.shared_inter // f,
+                                  dense_inter=cfg.dense_inter // f)
+    return cfg
+
+
+def _layer_id(cfg, kind: str) -> int:
+    """A mid-depth layer of that kind (so AttnRes has blocks), never the dense layer 0."""
+    ids = cfg.mla_layers if kind == "mla" else cfg.kda_layers
+    mid = [i for i in ids if i >= min(cfg.num_layers // 2, cfg.num_layers - 1) and not cfg.is_dense(i)]
+    return (mid or [i for i in ids if not cfg.is_dense(i)])[0]
+
+
+def _materialise(module, device, gen):
+    """Random weights in place of the meta ones: normal / sqrt(fan-in), norms near 1, MXFP4 codes
+    uniform, block scales 2^-9..2^-4 (unit-scale activations stay unit-scale)."""
+    import torch
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.dtype == torch.uint8:
+                lo, hi = (118, 124) if "scale" in name else (0, 256)
+                t.copy_(torch.randint(lo, hi, t.shape, generator=gen, device=device, dtype=torch.uint8))
+            elif "norm" in name or name.endswith((".g", "_g")) or t.dim() == 1:
+                t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=gen, device=device))
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen, device=device) * t.shape[-1] ** -0.5)
+
+
+def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: int) -> int:
+    total = 0
+    for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        nbytes = t.numel() * t.element_size()
+        if name.split(".")[-1] in ("w13", "w13_scale", "w2", "w2_scale"):
+            nbytes = nbytes // t.shape[0] * distinct_experts  # only the experts the batch routes to
+        total += nbytes
+    if layer.is_mla:
+        total += M * ctx * (cfg.kv_lora + cfg.qk_rope) * 2
+    else:
+        total += 2 * M * (cfg.kda_heads // tp_size) * cfg.kda_head_dim ** 2 * 4  # fp32 state read + written
+    return total
+
+
+def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
+    import torch
+
+    import k3compile
+    from k3compile.model import K3Model, TPInfo
+    from k3compile.runtime import symm
+    from bench.ops_bench import _hbm_bandwidth, _time_graph
+
+    dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    torch._dynamo.config.cache_size_limit = 256
+    cfg = _config(shapes, world, smoke)
+    idx = _layer_id(cfg, kind)
+    tp = TPInfo.current()
+    model = K3Model(cfg, tp, meta=True, layers=[idx])
+    gen = torch.Generator(device=dev).manual_seed(0)  # the same weights where replicated
+    _materialise(model, dev, gen)
+    layer = model.layers[str(idx)]
+    nb = cfg.blocks_before(idx)
+    bw = _hbm_bandwidth() if not smoke else 1e12
+    rows = []
+
+    for M in ms:
+        cache = model.new_cache(M, max_seq=ctx + 8)
+        cache.seq_lens.fill_(ctx)
+        prefix = torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16)
+        delta = torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16)
+        blocks = [torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16) for _ in range(nb)]
+
+        snapshot = [t.clone() for t in cache.tensors()]
+
+        def restore():  # every variant's checked call starts from the same cache state
+            for t, v in zip(cache.tensors(), snapshot):
+                t.copy_(v)
+
+        def step(prefix, delta, *blocks):
+            return layer(prefix, delta, list(blocks), cache, M, 1)
+
+        mode = "eager" if smoke else "inductor"
+        variants = {"eager": step,
+                    "inductor": torch.compile(step, backend="inductor", fullgraph=True),
+                    "k3": torch.compile(step, backend=k3compile.backend(mode=mode), fullgraph=True)}
+        if ablate:
+            for p in PASSES:
+                variants[f"k3-{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, skip=[p]), fullgraph=True)
+                variants[f"k3+{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, passes=[p]),
+                                                    fullgraph=True)
+        res, peak, kernels, errs, reports = {}, {}, {}, {}, {}
+        ref = None
+        for name, fn in variants.items():
+            k3compile.clear_reports()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            restore()
+            out = fn(prefix, delta, *blocks)
+            ref = out if name == "eager" else ref
+            errs[name] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+                             for a, b in zip(out, ref))
+            rep = k3compile.last_report()
+            if rep is not None:
+                reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
+            if smoke:
+                continue
+            res[name] = _time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
+            peak[name] = torch.cuda.max_memory_allocated()
+            kernels[name] = _count_kernels(lambda: fn(prefix, delta, *blocks))
+        distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
+        fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
+        row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
+                   kernels=kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
+                   floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct)
+        if res:
+            base = min(res["eager"], res["inductor"])
+            row["speedup_vs_baseline"] = base / res["k3"]
+            row["k3_vs_floor"] = res["k3"] / row["floor_us"]
+        rows.append(row)
+        if rank == 0:
+            print(f"{kind} {shapes} M={M:<4} " + " ".join(f"{k}={v:8.1f}us" for k, v in res.items())
+                  + (f"  k3 x{row['speedup_vs_baseline']:.2f} vs best baseline, {row['k3_vs_floor']:.2f}x floor "
+                     f"({row['floor_us']:.1f}us); kernels {kernels}" if res else "")
+                  + f"  err {errs}  passes {reports.get('k3')}", flush=True)
+    return dict(rows=rows, hbm_bytes_per_s=bw, symm=symm.status(),
+                gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)
+
+
+def _distinct_experts(layer, prefix, delta, blocks, cache, M):
+    """How many distinct experts this batch routes to (the bytes the expert op must read)."""
+    import torch
+    seen = []
+    op = torch.ops.k3model.mxfp4_experts.default
+
+    def hook(mode_op, args):
+        if mode_op is op:
+            seen.append(int(torch.unique(args[1]).numel()))
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            hook(func, args)
+            return func(*args, **(kwargs or {}))
+    state = [t.clone() for t in cache.tensors()]
+    with Spy():
+        layer(prefix, delta, list(blocks), cache, M, 1)
+    for t, s in zip(cache.tensors(), state):
+        t.copy_(s)
+    return seen[0] if seen else 0
+
+
+def _count_kernels(fn) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layer", choices=["kda", "mla"], default="kda")
+    ap.add_argument("--shapes", choices=["tp2", "tp8"], default="tp8")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ms", default="1,4,16,64,256")
+    ap.add_argument("--ctx", type=int, default=1024, help="MLA: cached tokens attended to")
+    ap.add_argument("--ablate", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from k3compile.distributed import run_ranks
+    t = time.time()
+    ms = [int(m) for m in a.ms.split(",")]
+    world = 1 if a.smoke else a.world
+    res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, a.ablate, a.smoke,
+                    **({} if a.smoke else {"backend": "nccl"}))
+    out = dict(res[0], command="python bench/layer_bench.py " + " ".join(sys.argv[1:]),
+               date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t, commit=os.environ.get("K3_COMMIT", "unknown"))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Compile the Triton kernels for sm_90 on a machine without a GPU (catches compile errors that
+the CPU interpreter does not see, and lets tests inspect the PTX).
+
+    python -m k3compile.kernels.aot_check [--quick]
+"""
+from __future__ import annotations
+
+import inspect
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import triton_comm as K
+from . import triton_moe as KM
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _sig(fn, types: dict, consts: dict) -> tuple[dict, dict]:
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in consts:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = types.get(name, "*bf16")
+    return sig, consts
+
+
+def compile_one(fn, types: dict, consts: dict):
+    sig, consts = _sig(fn, types, consts)
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET)
+
+
+def variants():
+    """(name, kernel, scalar types, constexprs) for every shape family the ops launch."""
+    ints = {"ptrs": "*i64", "pads": "*i64", "epoch": "*i32", "HALF": "i64", "M": "i32", "N": "i32",
+            "eps": "fp32", "S": "i32", "E": "i32", "L": "i32", "SP": "i32", "w": "*fp32", "nbytes": "i64",
+            "base": "*u8"}
+    out = []
+    for world in (1, 2, 8):
+        for nb in (0, 3):
+            for has_res, has_norm in ((1, 1), (0, 0), (0, 1)):
+                out.append((f"ar_residual_norm w{world} nb{nb} res{has_res} norm{has_norm}", K.ar_residual_norm_kernel,
+                            ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
+                                       BLOCK_N=8192, DTYPE=tl.bfloat16)))
+        out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
+                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16)))
+        if world > 1:
+            out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
+                        dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16)))
+    out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
+    moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
+               beta="fp32", lbeta="fp32", out="*bf16", L="i32")
+    out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
+    out.append(("mxfp4_down", KM.mxfp4_down_kernel, moe, dict(I=384, BL=32, BKB=64)))
+    return out
+
+
+# PTX each kernel family must contain: the barrier's system-scope CAS, the bulk L2 prefetch
+EXPECT = {"ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
+          "latent_tail w2": ["atom.global.release.sys.cas"],
+          "gather w2": ["atom.global.acquire.sys.cas"], "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"]}
+
+
+def main(argv=None) -> int:
+    import sys
+    quick = "--quick" in (argv if argv is not None else sys.argv[1:])
+    bad = 0
+    for name, fn, types, consts in variants():
+        if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2",
+                                           "l2_prefetch", "mxfp4"))):
+            continue
+        ptx = compile_one(fn, types, consts).asm["ptx"]
+        missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
+        bad += bool(missing)
+        print(f"{name}: {'MISSING ' + ', '.join(missing) if missing else 'ok'} ({len(ptx)} chars of PTX)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

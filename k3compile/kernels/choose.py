@@ -1,0 +1,56 @@
+"""CuTe or the default path (cuBLAS / Triton), per op and M.
+
+`CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU. It is
+empty: no CuTe kernel has been timed on a GPU yet (issue 6's benchmark), so every op keeps its
+default path unless forced. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0` turns
+it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
+When CuTe was chosen but cannot run (no artifact for the shape, not CUDA, wrong dtype, loader
+error) the op falls back to its default path and `fallbacks()` says why (once per reason).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUTE_M: dict[str, tuple[int, int]] = {}   # filled from GPU benchmark runs; empty = never by default
+_WHY: dict[str, str] = {}
+
+
+def wanted(op: str, m: int) -> bool:
+    flag = os.environ.get("K3_CUTE", "")
+    if flag == "0":
+        return False
+    if flag not in ("", "0"):
+        return True
+    lo, hi = CUTE_M.get(op, (1, 0))
+    return lo <= m <= hi
+
+
+def fallbacks() -> dict[str, str]:
+    """op/shape -> why a wanted CuTe kernel did not run."""
+    return dict(_WHY)
+
+
+def _artifact_dir():
+    from .cute.build import default_dir
+    return default_dir()
+
+
+def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.t() through the CuTe skinny GEMM where wanted and possible, else torch.mm."""
+    m = x.shape[0]
+    if x.is_cuda and x.dim() == 2 and wanted(op, m):
+        key = f"{op} N={w.shape[0]} K={x.shape[1]} M={m}"
+        if x.dtype != torch.bfloat16 or w.dtype != x.dtype:
+            _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
+        else:
+            try:
+                from .cute import loader
+                art, why = loader.find(_artifact_dir(), "oproj_gemm", w.shape[0], x.shape[1], m)
+                if art is not None:
+                    return art.launch_gemm(x.contiguous(), w.contiguous())
+                _WHY.setdefault(key, why)
+            except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
+                _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
+    return torch.mm(x, w.t())

@@ -1,0 +1,20 @@
+"""CuTe DSL kernels for sm_90a, compiled ahead of time (issue 6).
+
+- `skinny_gemm.py`: the decode o-proj / up-projection GEMM (swap-AB, TMA + wgmma, S-stage
+  mbarrier pipeline). Imports the DSL: only `build.py` and the JIT path import it.
+- `build.py`: `python -m k3compile.kernels.cute.build [--out DIR]` compiles every kernel for
+  sm_90a on a machine with no GPU (fake tensors) into a cubin + PTX + JSON manifest per variant,
+  cached by (kernel source, shapes / tile config, DSL version).
+- `loader.py`: loads a cubin with the CUDA driver and launches it (no DSL at run time).
+- `choose.py` (in `kernels/`): CuTe or the default path per op and M.
+
+Nothing here imports the DSL at package import time.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+
+def dsl_available() -> bool:
+    """True when nvidia-cutlass-dsl is importable (needed only to build or JIT, not to launch)."""
+    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cutlass.cute") is not None

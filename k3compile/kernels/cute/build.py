@@ -1,0 +1,180 @@
+"""Ahead-of-time build of the CuTe DSL kernels for sm_90a, on a machine without a GPU.
+
+    python -m k3compile.kernels.cute.build [--out DIR] [--force] [--only NAME]
+
+For every variant in `variants()` it runs `cute.compile` on fake tensors
+(`cute.runtime.make_fake_tensor`, `CUTE_DSL_ARCH=sm_90a`, `--keep-ptx --keep-cubin`) and writes
+into DIR (default `$K3_CUTE_DIR` or `~/.cache/k3compile/cute`):
+  NAME.cubin   the sm_90a binary the loader hands to cuModuleLoadData
+  NAME.ptx     its PTX (CI checks it for wgmma / TMA instructions)
+  NAME.json    the manifest: kernel symbol, block, grid rule, dynamic shared memory, the kernel's
+               parameter list (size and alignment of each parameter, parsed from the PTX entry,
+               and what the loader puts there: a TMA descriptor, a pointer, an int), the TMA
+               descriptors' encoding, and the cache key.
+A variant whose manifest holds the same key is not rebuilt: the key hashes the kernel's source
+file, this file, the variant's shapes and tile config, the DSL version and the target arch.
+
+Export route (issue 6 asked to evaluate three):
+- `export_to_c` (.o + .h): the object's host launcher calls the CUDA *runtime* through
+  `libcuda_dialect_runtime_static.a` shipped in the DSL wheel (cudaLibraryLoadData,
+  cudaLaunchKernelEx...), so using it from Python means linking a shared library against the
+  DSL's static runtime and a libcudart of the matching major version (the wheel is the cu12
+  flavour; the GPU machine's torch is cu13), plus a C shim for the argument structs. Works, but
+  drags a toolchain and a CUDA-runtime version into the run time.
+- TVM-FFI export (`--enable-tvm-ffi`): needs the `apache-tvm-ffi` package at run time on the GPU
+  machine, which cannot install packages.
+- cubin + our launcher (chosen): the artifact is the cubin (tens of KB) and a JSON manifest; the
+  loader needs only the CUDA driver (`cuda.bindings.driver`, else ctypes on libcuda.so.1) and
+  torch. What the DSL's host code did (encode the TMA descriptors, pick grid and shared memory)
+  the loader redoes from the manifest; the build checks the manifest against the PTX entry's
+  parameter list, so a DSL change in the kernel ABI fails the build instead of the launch.
+JIT path: `SkinnyGemmSm90` can be passed to `cute.compile` with real (from_dlpack) tensors where
+the DSL and a GPU are present; that path is not wired into dispatch and has not been run.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARCH = "sm_90a"
+HERE = Path(__file__).resolve().parent
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("K3_CUTE_DIR") or Path.home() / ".cache" / "k3compile" / "cute")
+
+
+def variants() -> list[dict]:
+    """Every (kernel, shapes, tile config) the ops launch. o-proj: N = 7168 (hidden), K = 1536
+    (TP=8) / 6144 (TP=2); MT = token tile (M rounded up to 8, 16, 32, 64)."""
+    out = []
+    for k in (1536, 6144):
+        for mt in (8, 16, 32, 64):
+            out.append(dict(name=f"skinny_gemm_bf16_n7168_k{k}_mt{mt}", kernel="skinny_gemm", op="oproj_gemm",
+                            n=7168, k=k, mt=mt, stages=8, dtype="bf16"))
+    return out
+
+
+def dsl_version() -> str:
+    from importlib.metadata import version
+    return version("nvidia-cutlass-dsl")
+
+
+def cache_key(v: dict) -> str:
+    h = hashlib.sha256()
+    for f in (HERE / f"{v['kernel']}.py", HERE / "build.py"):
+        h.update(f.read_bytes())
+    h.update(json.dumps(v, sort_keys=True).encode())
+    h.update(dsl_version().encode())
+    h.update(ARCH.encode())
+    return h.hexdigest()[:32]
+
+
+_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(b8|u32|u64|s32|f32|b32|b64)\s+(\w+?)(?:\[(\d+)\])?\s*[,)]")
+
+
+def ptx_entry_params(ptx: str) -> tuple[str, list[dict]]:
+    """(entry symbol, [{size, align}]) of the single .entry in `ptx`."""
+    m = re.search(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S)
+    if not m:
+        raise ValueError("no .entry in PTX")
+    params = []
+    for align, ty, _name, count in _PARAM.findall(m.group(2) + ")"):
+        width = {"b8": 1, "u32": 4, "s32": 4, "f32": 4, "b32": 4, "u64": 8, "b64": 8}[ty]
+        size = width * int(count or 1)
+        params.append(dict(size=size, align=int(align or width)))
+    return m.group(1), params
+
+
+def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
+    n, k, mt, st = v["n"], v["k"], v["mt"], v["stages"]
+    # what the loader puts in each parameter, in the order of the kernel's signature
+    kinds = [dict(kind="tma", tensor="w", box=[64, 64]), dict(kind="tma", tensor="x", box=[64, mt]),
+             dict(kind="ptr", tensor="out"), dict(kind="i32", name="m_valid")]
+    if len(params) < len(kinds) or [p["size"] for p in params[:4]] != [128, 128, 8, 4]:
+        raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
+                         f"[tma 128, tma 128, ptr 8, i32 4, ...]: the DSL changed the kernel ABI")
+    for p in params[len(kinds):]:   # empty structs (tiled MMA, layouts): one pad byte each
+        if p["size"] != 1:
+            raise ValueError(f"{v['name']}: unexpected trailing kernel parameter {p}")
+        kinds.append(dict(kind="pad"))
+    # dynamic smem: 2 x stages mbarriers (padded to the 1024-byte aligned sA), sA, sB, +1 KiB for
+    # the allocator aligning the dynamic-smem base to 1024
+    smem = 1024 + st * 64 * 64 * 2 + st * mt * 64 * 2 + 1024
+    return dict(symbol=symbol, block=[128, 1, 1], grid=["n/64", 1, 1], smem=smem,
+                params=[dict(p, **kd) for p, kd in zip(params, kinds)],
+                # TMA descriptors: 2-D, bf16, K innermost, 128-byte swizzle (the smem layout
+                # S<3,4,3> the kernel's make_smem_layout_a/b picks), zero fill out of bounds
+                tma=dict(dtype="bf16", swizzle=128, interleave="none", l2_promotion=256, oob_fill="zero"),
+                shapes=dict(n=n, k=k, mt=mt), m_max=mt)
+
+
+def compile_variant(v: dict, out: Path) -> dict:
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+    from .skinny_gemm import SkinnyGemmSm90
+
+    n, k, mt = v["n"], v["k"], v["mt"]
+    w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
+    x = make_fake_tensor(cutlass.BFloat16, (mt, k), (k, 1), assumed_align=16)
+    o = make_fake_tensor(cutlass.BFloat16, (n, mt), (1, n), assumed_align=16)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        fn = cute.compile(SkinnyGemmSm90(mt, v["stages"]), w, x, o, cutlass.Int32(mt), cuda.CUstream(0),
+                          options=f"--gpu-arch {ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}")
+        dt = time.time() - t0
+        ptx, cubin = fn.__ptx__, fn.__cubin__
+    if not isinstance(ptx, str) or not isinstance(cubin, bytes) or not ptx.strip():
+        raise RuntimeError(f"{v['name']}: the DSL returned no PTX / cubin ({type(ptx)}, {type(cubin)})")
+    symbol, params = ptx_entry_params(ptx)
+    man = _skinny_gemm_manifest(v, symbol, params)
+    man.update(variant=v, key=cache_key(v), dsl=dsl_version(), arch=ARCH, compile_s=round(dt, 3))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{v['name']}.cubin").write_bytes(cubin)
+    (out / f"{v['name']}.ptx").write_text(ptx)
+    (out / f"{v['name']}.json").write_text(json.dumps(man, indent=1))
+    return man
+
+
+def build(out: Path | None = None, force: bool = False, only: str | None = None, log=print) -> dict[str, dict]:
+    out = Path(out) if out else default_dir()
+    done = {}
+    for v in variants():
+        if only and only not in v["name"]:
+            continue
+        mf = out / f"{v['name']}.json"
+        if not force and mf.exists() and (out / f"{v['name']}.cubin").exists():
+            old = json.loads(mf.read_text())
+            if old.get("key") == cache_key(v):
+                log(f"{v['name']}: cached")
+                done[v["name"]] = old
+                continue
+        man = compile_variant(v, out)
+        size = (out / f"{v['name']}.cubin").stat().st_size
+        log(f"{v['name']}: built in {man['compile_s']} s, cubin {size} bytes, smem {man['smem']}")
+        done[v["name"]] = man
+    return done
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--force", action="store_true")
+    ap.add_argument("--only", default=None)
+    a = ap.parse_args(argv)
+    build(a.out, a.force, a.only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Load and launch the AOT-built CuTe kernels without the DSL: cubin + JSON manifest (`build.py`).
+
+The CUDA driver is reached through ctypes on libcuda.so.1 (cuModuleLoadData, cuModuleGetFunction,
+cuFuncSetAttribute, cuTensorMapEncodeTiled, cuLaunchKernel): the driver library is on every GPU
+machine, so launching needs nothing installed beyond torch (the GPU machine cannot install
+cuda-bindings or the DSL). Kernels launch on torch's current stream, so they are captured by
+CUDA graphs like any other kernel.
+
+What the DSL's host code did at launch, this module redoes from the manifest: encode the two TMA
+descriptors (2-D, bf16, K innermost, 128-byte swizzle; the row count is the real M so rows past
+M are zero-filled), pack the kernel parameters in the order and sizes of the PTX entry
+(`pack_params`, unit-tested on CPU with a fake encoder), size the grid and dynamic shared memory.
+Importing this module touches no GPU and no CUDA library.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+# CUtensorMap enums (cuda.h)
+TMA_DTYPE = {"bf16": 10, "fp16": 6, "fp32": 7, "u8": 0}           # CU_TENSOR_MAP_DATA_TYPE_*
+TMA_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                         # CU_TENSOR_MAP_SWIZZLE_*
+TMA_L2 = {0: 0, 64: 1, 128: 2, 256: 3}                             # CU_TENSOR_MAP_L2_PROMOTION_*
+TMA_OOB = {"zero": 0, "nan": 1}
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1}
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class TmaSpec:
+    """Arguments of one cuTensorMapEncodeTiled call (dims innermost first, strides in bytes)."""
+    dtype: int
+    addr: int
+    dims: tuple[int, int]
+    strides: tuple[int]
+    box: tuple[int, int]
+    swizzle: int
+    l2: int
+    oob: int
+
+
+def tma_spec(man: dict, p: dict, addr: int, rows: int, cols: int) -> TmaSpec:
+    t = man["tma"]
+    eb = ELEM_BYTES[t["dtype"]]
+    if addr % 16 or (cols * eb) % 16:
+        raise ValueError(f"TMA needs 16-byte aligned base and row pitch (addr {addr:#x}, {cols} x {eb} B)")
+    return TmaSpec(TMA_DTYPE[t["dtype"]], addr, (cols, rows), (cols * eb,), tuple(p["box"]),
+                   TMA_SWIZZLE[t["swizzle"]], TMA_L2[t["l2_promotion"]], TMA_OOB[t["oob_fill"]])
+
+
+def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], out: int, m_valid: int,
+                encode_tma) -> list[bytes]:
+    """Kernel parameter values in signature order, each exactly the size the PTX entry declares.
+    w, x = (device address, rows, cols) of the row-major bf16 weight [N, K] and tokens [M, K];
+    out = address of the row-major output [M, N]; encode_tma(TmaSpec) -> 128 bytes."""
+    tensors = {"w": w, "x": x}
+    vals = []
+    for p in man["params"]:
+        kind = p["kind"]
+        if kind == "tma":
+            blob = encode_tma(tma_spec(man, p, *tensors[p["tensor"]]))
+        elif kind == "ptr":
+            blob = struct.pack("<Q", out)
+        elif kind == "i32":
+            blob = struct.pack("<i", m_valid)
+        elif kind == "pad":
+            blob = b"\0" * p["size"]
+        else:
+            raise ValueError(f"unknown parameter kind {kind!r}")
+        if len(blob) != p["size"]:
+            raise ValueError(f"parameter {kind} packs to {len(blob)} bytes, the kernel expects {p['size']}")
+        vals.append(blob)
+    return vals
+
+
+def grid(man: dict, n: int) -> tuple[int, int, int]:
+    g = [((n + 63) // 64) if d == "n/64" else int(d) for d in man["grid"]]
+    return g[0], g[1], g[2]
+
+
+class _Params:
+    """ctypes storage for cuLaunchKernel's void** kernelParams; each value 64-byte aligned and
+    kept alive by this object."""
+
+    def __init__(self, blobs: list[bytes]):
+        self._bufs = []
+        self.array = (ctypes.c_void_p * len(blobs))()
+        for i, b in enumerate(blobs):
+            raw = ctypes.create_string_buffer(len(b) + 64)
+            addr = (ctypes.addressof(raw) + 63) & ~63
+            ctypes.memmove(addr, b, len(b))
+            self._bufs.append(raw)
+            self.array[i] = addr
+
+
+class Driver:
+    """The few driver entry points we need, through ctypes."""
+
+    def __init__(self, lib: str = "libcuda.so.1"):
+        self.cu = ctypes.CDLL(lib)
+        for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel",
+                     "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent"):
+            getattr(self.cu, name).restype = ctypes.c_int
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            s = ctypes.c_char_p()
+            self.cu.cuGetErrorString(rc, ctypes.byref(s))
+            raise RuntimeError(f"{what}: CUDA error {rc} ({(s.value or b'?').decode()})")
+
+    def load(self, cubin: bytes, symbol: str, smem: int):
+        ctx = ctypes.c_void_p()
+        self.check(self.cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            raise RuntimeError("no current CUDA context (initialise torch.cuda on this device first)")
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self._keep = getattr(self, "_keep", []) + [cubin]
+        self.check(self.cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+        self.check(self.cu.cuModuleGetFunction(ctypes.byref(fn), mod, symbol.encode()), "cuModuleGetFunction")
+        self.check(self.cu.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                   "cuFuncSetAttribute(max dynamic smem)")
+        return fn
+
+    def encode_tma(self, s: TmaSpec) -> bytes:
+        m = (ctypes.c_uint8 * 192)()
+        base = (ctypes.addressof(m) + 63) & ~63
+        u64 = ctypes.c_uint64 * 2
+        u32 = ctypes.c_uint32 * 2
+        self.check(self.cu.cuTensorMapEncodeTiled(
+            ctypes.c_void_p(base), ctypes.c_int(s.dtype), ctypes.c_uint32(2), ctypes.c_void_p(s.addr),
+            u64(*s.dims), (ctypes.c_uint64 * 1)(*s.strides), u32(*s.box), u32(1, 1),
+            ctypes.c_int(0), ctypes.c_int(s.swizzle), ctypes.c_int(s.l2), ctypes.c_int(s.oob)),
+            f"cuTensorMapEncodeTiled({s})")
+        return ctypes.string_at(base, 128)
+
+    def launch(self, fn, grid, block, smem: int, stream: int, params: _Params) -> None:
+        self.check(self.cu.cuLaunchKernel(fn, *grid, *block, ctypes.c_uint(smem), ctypes.c_void_p(stream),
+                                          params.array, None), "cuLaunchKernel")
+
+
+class Artifact:
+    """One AOT-built variant: manifest + cubin, loaded lazily per device."""
+
+    def __init__(self, manifest_path: Path):
+        self.path = Path(manifest_path)
+        self.man = json.loads(self.path.read_text())
+        self.cubin = self.path.with_suffix(".cubin").read_bytes()
+        self._fn: dict[int, object] = {}
+
+    def launch_gemm(self, x, w, out=None, driver: Driver | None = None):
+        """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (bf16, contiguous, M <= m_max)."""
+        import torch
+        drv = driver or _driver()
+        M, K = x.shape
+        N = w.shape[0]
+        sh = self.man["shapes"]
+        if (N, K) != (sh["n"], sh["k"]) or M > self.man["m_max"] or x.dtype != torch.bfloat16 or w.dtype != x.dtype:
+            raise ValueError(f"artifact {self.path.stem} is for N={sh['n']} K={sh['k']} M<={self.man['m_max']} bf16; "
+                             f"got N={N} K={K} M={M} {x.dtype}")
+        if not (x.is_contiguous() and w.is_contiguous()):
+            raise ValueError("x and w must be contiguous")
+        if out is None:
+            out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        if dev not in self._fn:
+            with torch.cuda.device(dev):
+                self._fn[dev] = drv.load(self.cubin, self.man["symbol"], self.man["smem"])
+        blobs = pack_params(self.man, w=(w.data_ptr(), N, K), x=(x.data_ptr(), M, K), out=out.data_ptr(),
+                            m_valid=M, encode_tma=drv.encode_tma)
+        params = _Params(blobs)
+        drv.launch(self._fn[dev], grid(self.man, N), tuple(self.man["block"]), self.man["smem"],
+                   torch.cuda.current_stream(x.device).cuda_stream, params)
+        return out
+
+
+_DRV: Driver | None = None
+
+
+def _driver() -> Driver:
+    global _DRV
+    if _DRV is None:
+        _DRV = Driver()
+    return _DRV
+
+
+def find(art_dir: Path, op: str, n: int, k: int, m: int) -> tuple[Artifact | None, str]:
+    """The smallest-tile artifact for (op, N, K) that covers M, or (None, why)."""
+    art_dir = Path(art_dir)
+    if not art_dir.is_dir():
+        return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
+    best = None
+    for mf in sorted(art_dir.glob("*.json")):
+        try:
+            man = json.loads(mf.read_text())
+        except ValueError:
+            continue
+        v, sh = man.get("variant", {}), man.get("shapes", {})
+        if v.get("op") == op and sh.get("n") == n and sh.get("k") == k and m <= man.get("m_max", 0):
+            if not mf.with_suffix(".cubin").exists():
+                continue
+            if best is None or man["m_max"] < best[1]:
+                best = (mf, man["m_max"])
+    if best is None:
+        return None, f"no CuTe artifact for {op} N={n} K={k} M={m} in {art_dir}"
+    return Artifact(best[0]), ""

@@ -1,0 +1,146 @@
+"""Skinny bf16 GEMM for decode on sm_90a (CuTe DSL): out[M, N] = x[M, K] @ w[N, K]^T, M <= 64.
+
+Swap-AB: the weight is wgmma's A operand (64 rows of N per CTA, the instruction's M), the tokens
+are its B operand (the instruction's N = MT in {8, 16, 32, 64}), so a decode batch of M tokens is
+not padded to a 64-row tile: a CTA reads a 64 x K slab of the weight once (the op is bound by those
+bytes) and multiplies it with all MT token rows. Both operands are K-major in global memory; TMA
+loads 64 x BK (weight) and MT x BK (tokens) tiles with the 128-byte swizzle into an S-stage
+mbarrier pipeline (PipelineTmaAsync); one warpgroup issues wgmma.mma_async (fp32 accumulators)
+on stage s while TMA fills the next stages. Warp 0 of the same warpgroup issues the TMA loads (not
+warp-specialised: with one 64-row CTA per SM-slot the producer has nothing to overlap that the
+deep pipeline does not already cover). Rows of x beyond M are zero-filled by TMA (the descriptor's
+row count is the real M) and not stored: the epilogue stores accumulators straight from registers
+to out with a row predicate m < m_valid.
+
+Grid: N / 64 CTAs (112 for N = 7168). The DSL is imported by whoever imports this module; the
+package itself never imports it (see `k3compile.kernels.cute.__init__`).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+BN = 64       # weight rows per CTA (wgmma M)
+BK = 64       # K per stage: 4 wgmma K-steps of 16 (bf16), 128-byte rows -> 128B swizzle
+
+
+class SkinnyGemmSm90:
+    def __init__(self, mt: int = 16, stages: int = 8):
+        assert mt in (8, 16, 32, 64), mt
+        self.mt = mt
+        self.stages = stages
+        self.tile = (BN, mt, BK)
+        self.threads = 128
+        self.acc_dtype = cutlass.Float32
+
+    @cute.jit
+    def __call__(self, w: cute.Tensor, x: cute.Tensor, out_t: cute.Tensor, m_valid: cutlass.Int32,
+                 stream: cuda.CUstream):
+        """w: (N, K) K-major; x: (MT, K) K-major; out_t: out viewed as (N, MT), stride (1, N)."""
+        ab = w.element_type
+        self.ab = ab
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            ab, ab, utils.LayoutEnum.from_tensor(w).sm90_mma_major_mode(),
+            utils.LayoutEnum.from_tensor(x).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
+            tiler_mn=(BN, self.mt))
+        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.from_tensor(w), self.tile, ab, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(x), self.tile, ab, self.stages)
+        tma_a, g_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(a_smem, (None, None, 0)), (BN, BK))
+        tma_b, g_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(b_smem, (None, None, 0)), (self.mt, BK))
+
+        @cute.struct
+        class Smem:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_smem)], 1024]
+
+        self.smem_t = Smem
+        n_tiles = cute.ceil_div(w.shape[0], BN)
+        self.kernel(tma_a, g_a, tma_b, g_b, out_t, m_valid, tiled_mma, a_smem, b_smem).launch(
+            grid=(n_tiles, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               mC: cute.Tensor, m_valid: cutlass.Int32, tiled_mma: cute.TiledMma,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_t)
+        tx = cute.size_in_bytes(self.ab, cute.slice_(a_smem, (None, None, 0))) + \
+            cute.size_in_bytes(self.ab, cute.slice_(b_smem, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+
+        coord = (bidx, 0, None)
+        gA = cute.local_tile(mA, self.tile, coord, proj=(1, None, 1))   # (BN, BK, k_tiles)
+        gB = cute.local_tile(mB, self.tile, coord, proj=(None, 1, 1))   # (MT, BK, k_tiles)
+        gC = cute.local_tile(mC, self.tile, coord, proj=(1, 1, None))   # (BN, MT)
+        cC = cute.local_tile(cute.make_identity_tensor(mC.shape), self.tile, coord, proj=(1, 1, None))
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        thr = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr.partition_B(sB))
+        tCgC = thr.partition_C(gC)
+        tCcC = thr.partition_C(cC)
+        acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+        cute.arch.sync_threads()
+
+        k_tiles = cute.size(gA, mode=[2])
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if warp == 0:
+            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
+                pipe.producer_acquire(prod)
+                bar = pipe.producer_get_barrier(prod)
+                cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                pipe.producer_commit(prod)
+                prod.advance()
+
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        kblocks = cute.size(tCrA, mode=[2])
+        for _ in cutlass.range(k_tiles, unroll=1):
+            pipe.consumer_wait(cons)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(kblocks, unroll_full=True):
+                c = (None, None, kb, cons.index)
+                cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            pipe.consumer_release(cons)
+            cons.advance()
+            if warp == 0 and prod.count < k_tiles:
+                pipe.producer_acquire(prod)
+                bar = pipe.producer_get_barrier(prod)
+                cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                pipe.producer_commit(prod)
+                prod.advance()
+
+        # epilogue: registers -> out, rows m >= m_valid dropped
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if tCcC[i][1] < m_valid:
+                tCgC[i] = acc[i].to(mC.element_type)

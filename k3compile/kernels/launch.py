@@ -1,0 +1,194 @@
+"""Launchers of the Triton communication kernels, independent of where the peers' buffers live.
+
+`Peers` names this rank's view of a symmetric buffer: every rank's address, every rank's signal
+pad, this rank's index and the world size. On the GPU it comes from `runtime.symm.Workspace`;
+CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the other ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import choose
+from . import triton_comm as K
+from ..runtime.symm import MAX_PROGRAMS
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclass
+class Peers:
+    ptrs: torch.Tensor   # int64 [world]: every rank's buffer address
+    pads: torch.Tensor   # int64 [world]: every rank's signal-pad address
+    epoch: torch.Tensor  # int32 [2]: this rank's buffer-half selector and arrival counter
+    rank: int
+    world: int
+    nbytes: int          # buffer size (two halves)
+    programs: int        # most programs per kernel (signal-pad slots / world)
+
+    def half(self, dtype: torch.dtype) -> int:
+        """Elements of `dtype` in one buffer half."""
+        return self.nbytes // 2 // torch.empty((), dtype=dtype).element_size()
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def _programs(n: int, peers: "Peers | None") -> int:
+    return max(1, min(n, peers.programs if peers is not None else MAX_PROGRAMS))
+
+
+def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.Tensor | None,
+                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float):
+    """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
+    when g is None). `local` is this rank's [M, N] partial; peers None means TP=1."""
+    M, N = local.shape
+    dt = local.dtype
+    upd = torch.empty(M, N, dtype=dt, device=local.device)
+    nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
+    bs = list(blocks) + [upd] * (8 - len(blocks))
+    BLOCK = triton.next_power_of_2(N)
+    K.ar_residual_norm_kernel[(_programs(M, peers),)](
+        peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
+        peers.half(dt) if peers else 0, local,
+        residual if residual is not None else local, upd, nrm,
+        g if g is not None else local, w_norm if w_norm is not None else local,
+        w_qk if w_qk is not None else local, *bs, M, N, eps,
+        RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
+        HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt],
+        num_warps=_warps(BLOCK))
+    return upd, nrm
+
+
+def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: torch.Tensor,
+                shared_partial: torch.Tensor, eps: float):
+    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial."""
+    M, TOPK, L = y.shape
+    SP = shared_partial.shape[-1]
+    dt = y.dtype
+    ln = torch.empty(M, L, dtype=dt, device=y.device)
+    out = torch.empty_like(shared_partial)
+    local = torch.empty(M, L, dtype=dt, device=y.device) if peers is None else ln
+    BLOCK = triton.next_power_of_2(L)
+    K.latent_tail_kernel[(_programs(M, peers),)](
+        y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local,
+        peers.epoch if peers else local, peers.half(dt) if peers else 0, local,
+        g, ln, shared_partial, out, M, L, SP, eps,
+        TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
+        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], num_warps=_warps(BLOCK))
+    return ln, out
+
+
+def router_latent_split(E: int, L: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """(S, a, S1): this rank's column block [a, a+S) of [router | latent] and its router width S1."""
+    S = (E + L) // tp
+    a = rank * S
+    return S, a, min(max(E - a, 0), S)
+
+
+def gather_router_latent(shard: torch.Tensor, peers: Peers, M: int, E: int, L: int):
+    S, _, _ = router_latent_split(E, L, peers.world, peers.rank)
+    router = torch.empty(M, E, dtype=shard.dtype, device=shard.device)
+    latent = torch.empty(M, L, dtype=shard.dtype, device=shard.device)
+    BLOCK = 1024
+    K.gather_router_latent_kernel[(_programs(triton.cdiv(M * (E + L), BLOCK), peers),)](
+        peers.ptrs, peers.pads, peers.epoch, peers.half(shard.dtype), shard, router, latent, M, S, E, L,
+        RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, DTYPE=_TL[shard.dtype], num_warps=4)
+    return router, latent
+
+
+def l2_prefetch(t: torch.Tensor, lanes: int = 128) -> None:
+    nbytes = t.numel() * t.element_size()
+    if nbytes < 4096:
+        return
+    K.l2_prefetch_kernel[(triton.cdiv(nbytes // 4096, lanes),)](t.view(-1).view(torch.uint8), nbytes,
+                                                                LANES=lanes, num_warps=lanes // 32)
+
+
+# ------------------------------------------------------------------ whole ops (device-agnostic)
+def _no_prefetch():
+    return lambda: None
+
+
+def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+    """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
+    runs between the two and returns the function that joins the prefetch."""
+    part = choose.gemm("oproj", x, w)  # CuTe where kernels/choose.py says so, else torch.mm
+    join = start_prefetch()
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    join()
+    return upd, nrm
+
+
+def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps, rank,
+             start_prefetch=_no_prefetch):
+    """The latent-tail op: finalize + all-reduce + norm kernel, then addmm into this rank's columns."""
+    join = start_prefetch()
+    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
+    join()
+    n = w_up.shape[0]
+    cols = out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]
+    cols.addmm_(ln, w_up.t())
+    return out
+
+
+def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
+    """This rank's rows of [W_r; W_down] times x: [M*S], the router piece then the latent piece."""
+    M = x.shape[0]
+    E, L = w_router.shape[0], w_down.shape[0]
+    S, a, S1 = router_latent_split(E, L, tp, rank)
+    shard = torch.empty(M * S, dtype=x.dtype, device=x.device)
+    if S1:
+        torch.mm(x, w_router[a:a + S1].t(), out=shard[:M * S1].view(M, S1))
+    if S1 < S:
+        lo = max(a, E) - E
+        torch.mm(x, w_down[lo:lo + S - S1].t(), out=shard[M * S1:].view(M, S - S1))
+    return shard
+
+
+def router_latent(x, w_router, w_down, peers: Peers):
+    """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
+    shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
+    return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
+
+
+def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
+    join = start_prefetch()
+    out, _ = ar_residual_norm(x, peers, None, None, None, None, [], 0.0)
+    join()
+    return out
+
+
+def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
+    return next((b for b in options if n % b == 0), 0)
+
+
+def mxfp4_experts_ok(x, topk_ids, w13) -> bool:
+    """Shapes the MXFP4 expert kernels take: row bytes split into 16-byte scale blocks, I % 16 == 0."""
+    L, I = x.shape[1], w13.shape[1] // 2
+    return (x.dim() == 2 and x.is_contiguous() and _divisor(L // 2) > 0 and _divisor(I // 2, (64, 32, 16)) > 0
+            and I % 16 == 0 and L % 32 == 0)
+
+
+def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float):
+    """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract)."""
+    from . import triton_moe as KM
+    N, K = topk_ids.shape
+    L, I = x.shape[1], w13.shape[1] // 2
+    P = N * K
+    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out
+    mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
+    ids = topk_ids.reshape(-1).contiguous()
+    BI = 16
+    KM.mxfp4_gate_up_kernel[(P, I // BI)](x, ids, w13, w13_scale, mid, K, I, L, float(beta), float(linear_beta),
+                                          BI=BI, BKB=_divisor(L // 2), num_warps=4)
+    BL = 32
+    KM.mxfp4_down_kernel[(P, L // BL)](mid, ids, w2, w2_scale, out, I, L, BL=BL,
+                                       BKB=_divisor(I // 2, (64, 32, 16)), num_warps=4)
+    return out

@@ -1,0 +1,242 @@
+"""Triton kernels for the communication tails of the fused `k3::` ops (one-shot, P2P over NVLink).
+
+Every kernel copies this rank's partial into its symmetric buffer, meets the peers at one
+per-program barrier on the signal pads (`pads`: program p on this rank signals program p on
+every peer, then waits for all of them; slots reset themselves: signal = CAS 0->1 on the peer,
+wait = CAS 1->0 locally), then reads each rank's partial from that rank's buffer (`ptrs`, a
+device table of addresses). The buffer has two halves; `epoch` (a device int pair in the
+workspace) says which one this call uses, and the last program to finish flips it. A peer
+therefore writes the other half in its next call, and can come back to this half only after
+this rank has reached that next call's barrier, i.e. has finished reading: no closing barrier
+is needed. Everything lives in device memory, so the kernels replay under CUDA graphs (every
+rank runs the same sequence of communication kernels, so the epochs stay in step).
+With WORLD == 1 there is no barrier and no buffer: `local` is read directly.
+
+The same kernels run on CPU under TRITON_INTERPRET=1 with simulated peers (tests/test_kernels.py).
+Rounding follows the references: the all-reduce result is rounded to the model dtype, the
+residual add is done in fp32 and rounded, the norms in fp32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _barrier(pads, slot0, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """All programs with the same id on every rank meet here (slots slot0*WORLD .. +WORLD)."""
+    tl.debug_barrier()  # this program's earlier stores happen before its signal
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            peer = tl.load(pads + p).to(tl.pointer_type(tl.uint32))
+            while tl.atomic_cas(peer + slot0 * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    mine = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            while tl.atomic_cas(mine + slot0 * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _epoch_end(epoch):
+    """The last program of this kernel to get here flips the buffer half for the next call."""
+    tl.debug_barrier()
+    done = tl.atomic_add(epoch + 1, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(epoch + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xor(epoch, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _sum_peers(ptrs, base, local, off, mask, WORLD: tl.constexpr, DTYPE: tl.constexpr):
+    """sum over ranks of buffer[base + off] (fp32), each read in the model dtype.
+    WORLD == 1 reads `local + off` (no address table)."""
+    if WORLD == 1:
+        acc = tl.load(local + off, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros(off.shape, tl.float32)
+        for p in tl.static_range(WORLD):
+            src = tl.load(ptrs + p).to(tl.pointer_type(DTYPE)) + base
+            acc += tl.load(src + off, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _rms(xf, mask, N, eps):
+    """xf * rsqrt(mean(xf^2) + eps) over the valid lanes."""
+    ms = tl.sum(tl.where(mask, xf * xf, 0.0), axis=0) / N
+    return xf * (1.0 / tl.sqrt(ms + eps))
+
+
+@triton.jit
+def _mix_source(src, mask, wmix, N, eps, m, s, acc, DTYPE: tl.constexpr):
+    """One AttnRes source into the running (max, sum, weighted acc) of an online softmax."""
+    logit = tl.sum(tl.where(mask, _rms(src, mask, N, eps).to(DTYPE).to(tl.float32) * wmix, 0.0), axis=0)
+    m_new = tl.maximum(m, logit)
+    scale = tl.exp(m - m_new)
+    e = tl.exp(logit - m_new)
+    return m_new, s * scale + e, acc * scale + e * src
+
+
+@triton.jit
+def _block_row(b, row, offs, mask, N):
+    return tl.load(b + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _half(epoch, HALF, WORLD: tl.constexpr):
+    """Element offset of the buffer half this call uses."""
+    h = tl.zeros((), tl.int64)
+    if WORLD > 1:
+        h = tl.load(epoch).to(tl.int64) * HALF
+    return h
+
+
+@triton.jit
+def ar_residual_norm_kernel(
+    ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk,
+    b0, b1, b2, b3, b4, b5, b6, b7,
+    M, N, eps,
+    RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
+    when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
+    `local` is this rank's [M, N] partial; rows are spread over the programs."""
+    pid = tl.program_id(0)
+    npid = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    base = _half(epoch, HALF, WORLD)
+    if WORLD > 1:
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+        for row in range(pid, M, npid):
+            tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
+        _barrier(pads, pid, RANK, WORLD)
+    if HAS_NORM:
+        gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        if NB > 0:
+            wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
+                tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, npid):
+        y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        if HAS_RES:
+            y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
+        tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
+        if HAS_NORM:
+            mixed = y
+            if NB > 0:
+                m = tl.full((), float("-inf"), tl.float32)
+                s = tl.zeros((), tl.float32)
+                acc = tl.zeros([BLOCK_N], tl.float32)
+                m, s, acc = _mix_source(_block_row(b0, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 1:
+                    m, s, acc = _mix_source(_block_row(b1, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 2:
+                    m, s, acc = _mix_source(_block_row(b2, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 3:
+                    m, s, acc = _mix_source(_block_row(b3, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 4:
+                    m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 5:
+                    m, s, acc = _mix_source(_block_row(b5, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 6:
+                    m, s, acc = _mix_source(_block_row(b6, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                if NB > 7:
+                    m, s, acc = _mix_source(_block_row(b7, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+                m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
+                mixed = (acc / s).to(DTYPE).to(tl.float32)
+            out = _rms(mixed, mask, N, eps) * gw
+            tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
+    if WORLD > 1:
+        _epoch_end(epoch)
+
+
+@triton.jit
+def latent_tail_kernel(
+    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
+    M, N, SP, eps,
+    TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
+    mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
+    out = sp (the up-projection GEMM then adds into this rank's columns of out).
+    `local` is scratch [M, N] at WORLD == 1."""
+    pid = tl.program_id(0)
+    npid = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    base = _half(epoch, HALF, WORLD)
+    if WORLD == 1:
+        mine = local
+    else:
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+    for row in range(pid, M, npid):
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k in tl.static_range(TOPK):
+            wk = tl.load(w + row * TOPK + k).to(tl.float32)
+            acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
+        for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
+            o2 = c + tl.arange(0, 1024)
+            m2 = o2 < SP
+            tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
+    if WORLD > 1:
+        _barrier(pads, pid, RANK, WORLD)
+    else:
+        tl.debug_barrier()
+    gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, npid):
+        r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
+    if WORLD > 1:
+        _epoch_end(epoch)
+
+
+@triton.jit
+def gather_router_latent_kernel(
+    ptrs, pads, epoch, HALF, shard, router, latent, M, S, E, L,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M*S] result
+    laid out as two row-major pieces, the router part [M, S1] then the latent part [M, S - S1]
+    (S1_p = clamp(E - p*S, 0, S) for rank p, whose columns are [p*S, (p+1)*S) of [router|latent]).
+    Writes router [M, E] and latent [M, L]."""
+    pid = tl.program_id(0)
+    npid = tl.num_programs(0)
+    base = _half(epoch, HALF, WORLD)
+    mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+    for start in range(pid * BLOCK, M * S, npid * BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(mine + i, tl.load(shard + i, mask=i < M * S), mask=i < M * S)
+    _barrier(pads, pid, RANK, WORLD)
+    total = M * (E + L)
+    for start in range(pid * BLOCK, total, npid * BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        valid = i < total
+        row = i // (E + L)
+        c = i % (E + L)
+        p = c // S
+        j = c % S
+        s1 = tl.minimum(tl.maximum(E - p * S, 0), S)
+        off = tl.where(j < s1, row * s1 + j, M * s1 + row * (S - s1) + (j - s1))
+        src = tl.load(ptrs + p, mask=valid, other=0).to(tl.pointer_type(DTYPE)) + base
+        v = tl.load(src + off, mask=valid, other=0.0)
+        tl.store(router + row * E + c, v, mask=valid & (c < E))
+        tl.store(latent + row * L + (c - E), v, mask=valid & (c >= E))
+    _epoch_end(epoch)
+
+
+@triton.jit
+def l2_prefetch_kernel(base, nbytes, LANES: tl.constexpr):
+    """Pull [base, base + nbytes) into L2: each lane issues one 4 KiB bulk prefetch (Hopper
+    `cp.async.bulk.prefetch.L2`); lanes past the end re-prefetch the first chunk, and a last
+    partial chunk (< 4 KiB) is left out."""
+    pid = tl.program_id(0)
+    off = (pid * LANES + tl.arange(0, LANES)).to(tl.int64) * 4096
+    off = tl.where(off + 4096 <= nbytes, off, 0)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;",
+                              "=r,l", [base + off], dtype=tl.int32, is_pure=False, pack=1)

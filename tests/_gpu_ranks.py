@@ -1,0 +1,85 @@
+"""Rank functions for the GPU kernel tests (importable by spawned processes)."""
+from __future__ import annotations
+
+import torch
+
+
+def _graphed(fn, *args):
+    """fn(*args) captured in a CUDA graph, replayed once; returns the replay's output."""
+    fn(*args)  # warm-up outside capture (allocates the symmetric workspace)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(*args)
+    g.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
+    """Every k3 op through its CUDA kernel (eager and CUDA-graphed) vs the op's PyTorch reference
+    (NCCL for the communication); returns per case the max |diff| / max |ref| and what ran."""
+    import torch.distributed as dist
+
+    import k3compile.ops  # noqa: F401
+    from k3compile.kernels import registry
+    from k3compile.ops import reference as ref
+    from k3compile.runtime import symm
+
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name if world > 1 else None
+    bf = torch.bfloat16
+    H, Ko, L, TOPK, E = 7168, 12288 // 8, 3584, 16, 896
+    out: dict = {}
+
+    def rnd(*shape, seed, scale=1.0, shared=True):
+        g = torch.Generator(device=dev).manual_seed(seed * 97 + (0 if shared else 1000 + rank))
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+    def case(name, fn_k3, fn_ref, args):
+        r = fn_ref(*args)
+        k = fn_k3(*args)
+        kg = _graphed(fn_k3, *args)
+        rs, ks, kgs = (r if isinstance(r, tuple) else (r,)), (k if isinstance(k, tuple) else (k,)), \
+            (kg if isinstance(kg, tuple) else (kg,))
+        out[name] = dict(err=max(rel(a, b) for a, b in zip(ks, rs) if b.numel()),
+                         err_graphed=max(rel(a, b) for a, b in zip(kgs, rs) if b.numel()))
+
+    for M in Ms:
+        for nb in (0, 3):
+            x = rnd(M, Ko, seed=M, shared=False)
+            w = rnd(H, Ko, seed=2, scale=Ko ** -0.5)
+            res = rnd(M, H, seed=3)
+            blocks = [rnd(M, H, seed=10 + i) for i in range(nb)]
+            wn, wq, gm = (rnd(H, seed=20 + i).abs() + 0.5 for i in range(3))
+            case(f"oproj M={M} blocks={nb}",
+                 lambda *a: torch.ops.k3.oproj_allreduce_residual(*a, 1e-5, group, []),
+                 lambda *a: ref.oproj_allreduce_residual(*a, 1e-5, group),
+                 (x, w, res, blocks, wn, wq, gm))
+        y = rnd(M, TOPK, L, seed=M + 1, shared=False)
+        tw = torch.softmax(torch.randn(M, TOPK, device=dev), -1)
+        sp = rnd(M, H, seed=5, shared=False)
+        gl = rnd(L, seed=6).abs() + 0.5
+        wup = rnd(H // world, L, seed=7 + rank, scale=L ** -0.5)
+        case(f"tail M={M}",
+             lambda *a: torch.ops.k3.moe_latent_tail(*a, 1e-5, rank, group, []),
+             lambda *a: ref.moe_latent_tail(*a, 1e-5, rank, group),
+             (y, tw, sp, gl, wup))
+        if world > 1:
+            xr = rnd(M, H, seed=8)
+            wr, wd = rnd(E, H, seed=9, scale=H ** -0.5), rnd(L, H, seed=11, scale=H ** -0.5)
+            case(f"router_latent M={M}",
+                 lambda *a: torch.ops.k3.router_latent_sharded(*a, rank, world, group),
+                 lambda *a: ref.router_latent_sharded(*a, rank, world, group),
+                 (xr, wr, wd))
+            xa = rnd(M, H, seed=12, shared=False)
+            pre = [w]
+            case(f"all_reduce M={M}",
+                 lambda *a: torch.ops.k3.all_reduce_prefetch(*a, group, pre),
+                 lambda *a: ref.all_reduce(*a, group).clone(), (xa,))
+    out["_kernels"] = {f"{k[0]}": v for k, v in registry.registered().items() if k[1] == "cuda"}
+    out["_symm"] = symm.status()
+    return out

@@ -1,0 +1,148 @@
+"""CuTe DSL kernels (issue 6), CPU side.
+
+- AOT build: every variant compiles for sm_90a with no GPU; its PTX holds wgmma.mma_async
+  (m64nMTk16 bf16) and the TMA load cp.async.bulk.tensor; the manifest's parameter list matches
+  the PTX entry; the cubin is small; a second build hits the cache and a source change misses it.
+  Needs nvidia-cutlass-dsl: skipped without it, except under CI (CI=true), where a missing DSL
+  fails, so CI cannot pass these tests without running them.
+- Loader (no DSL, no GPU): parameter packing against a built manifest with a fake TMA encoder,
+  artifact lookup, and dispatch falling back with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from k3compile.kernels import choose
+from k3compile.kernels.cute import dsl_available, loader
+
+if not dsl_available():
+    if os.environ.get("CI"):
+        pytest.fail("nvidia-cutlass-dsl is not installed but CI must run the CuTe AOT tests "
+                    "(.ci/run installs the 'cute' extra)", pytrace=False)
+    pytest.skip("nvidia-cutlass-dsl not installed (pip install -e '.[cute]')", allow_module_level=True)
+
+from k3compile.kernels.cute import build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cute_art")
+    mans = build.build(out, log=lambda *_: None)
+    return out, mans
+
+
+def test_every_variant_compiles_with_wgmma_and_tma(built):
+    out, mans = built
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 8
+    for name, man in mans.items():
+        ptx = (out / f"{name}.ptx").read_text()
+        mt = man["shapes"]["mt"]
+        assert ".target sm_90a" in ptx, name
+        assert f"wgmma.mma_async.sync.aligned.m64n{mt}k16.f32.bf16.bf16" in ptx, name
+        assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx, name
+        assert "mbarrier" in ptx and "wgmma.wait_group" in ptx, name
+        symbol, params = build.ptx_entry_params(ptx)
+        assert symbol == man["symbol"]
+        assert [(p["size"], p["align"]) for p in params] == [(p["size"], p["align"]) for p in man["params"]]
+        cubin = (out / f"{name}.cubin").read_bytes()
+        assert cubin[:4] == b"\x7fELF" and 1000 < len(cubin) < 200_000, (name, len(cubin))
+        assert man["smem"] <= 227 * 1024
+
+
+def test_cache_hits_and_misses(built, monkeypatch):
+    out, mans = built
+    logs = []
+    build.build(out, only="k1536_mt16", log=logs.append)
+    assert logs == ["skinny_gemm_bf16_n7168_k1536_mt16: cached"]
+    v = next(v for v in build.variants() if v["name"].endswith("k1536_mt16"))
+    assert build.cache_key(v) == mans[v["name"]]["key"]
+    assert build.cache_key(dict(v, stages=4)) != build.cache_key(v)
+    monkeypatch.setattr(build, "dsl_version", lambda: "0.0-other")
+    assert build.cache_key(v) != mans[v["name"]]["key"]
+
+
+def test_ptx_param_parser():
+    ptx = (".visible .entry k(\n\t.param .align 64 .b8 k_param_0[128],\n\t.param .align 8 .b8 k_param_1[8],\n"
+           "\t.param .u32 k_param_2,\n\t.param .align 1 .b8 k_param_3[1]\n)\n{")
+    assert build.ptx_entry_params(ptx) == ("k", [dict(size=128, align=64), dict(size=8, align=8),
+                                                 dict(size=4, align=4), dict(size=1, align=1)])
+
+
+def test_pack_params_against_built_manifest(built):
+    out, mans = built
+    man = mans["skinny_gemm_bf16_n7168_k6144_mt32"]
+    seen = []
+
+    def fake_encode(spec):
+        seen.append(spec)
+        return bytes([len(seen)]) * 128
+
+    w, x, o = 0x7F0000000000, 0x7F0000100000, 0x7F0000200000
+    blobs = loader.pack_params(man, w=(w, 7168, 6144), x=(x, 20, 6144), out=o, m_valid=20, encode_tma=fake_encode)
+    assert [len(b) for b in blobs] == [p["size"] for p in man["params"]] == [128, 128, 8, 4, 1]
+    assert blobs[0] == b"\x01" * 128 and blobs[1] == b"\x02" * 128
+    assert struct.unpack("<Q", blobs[2])[0] == o and struct.unpack("<i", blobs[3])[0] == 20
+    sw, sx = seen
+    # weight [N=7168, K] row-major: dims innermost first, row pitch in bytes, 64 x 64 box
+    assert (sw.addr, sw.dims, sw.strides, sw.box) == (w, (6144, 7168), (6144 * 2,), (64, 64))
+    # tokens: the real M rows (TMA zero-fills up to the 32-row box)
+    assert (sx.addr, sx.dims, sx.strides, sx.box) == (x, (6144, 20), (6144 * 2,), (64, 32))
+    assert sw.dtype == loader.TMA_DTYPE["bf16"] == 10 and sw.swizzle == 3 and sw.oob == 0
+    assert loader.grid(man, 7168) == (112, 1, 1)
+    with pytest.raises(ValueError, match="16-byte"):
+        loader.pack_params(man, w=(w + 2, 7168, 6144), x=(x, 20, 6144), out=o, m_valid=20, encode_tma=fake_encode)
+    bad = json.loads(json.dumps(man))
+    bad["params"][2]["size"] = 4
+    with pytest.raises(ValueError, match="expects 4"):
+        loader.pack_params(bad, w=(w, 7168, 6144), x=(x, 20, 6144), out=o, m_valid=20, encode_tma=fake_encode)
+
+
+def test_params_storage_is_aligned():
+    p = loader._Params([b"a" * 128, b"b" * 8])
+    assert all(a % 64 == 0 for a in p.array)
+    import ctypes
+    assert ctypes.string_at(p.array[0], 128) == b"a" * 128 and ctypes.string_at(p.array[1], 8) == b"b" * 8
+
+
+def test_find_picks_smallest_covering_tile(built, tmp_path):
+    out, _ = built
+    for m, mt in ((1, 8), (8, 8), (9, 16), (17, 32), (64, 64)):
+        art, why = loader.find(out, "oproj_gemm", 7168, 1536, m)
+        assert art is not None and art.man["m_max"] == mt, (m, why)
+    art, why = loader.find(out, "oproj_gemm", 7168, 1536, 65)
+    assert art is None and "M=65" in why
+    assert loader.find(tmp_path / "nope", "oproj_gemm", 7168, 1536, 1)[1].startswith("no CuTe artifact directory")
+
+
+def test_dispatch_default_is_torch_and_forced_falls_back_with_reason(monkeypatch, tmp_path):
+    assert choose.CUTE_M == {}
+    monkeypatch.delenv("K3_CUTE", raising=False)
+    assert not choose.wanted("oproj", 1)
+    monkeypatch.setenv("K3_CUTE", "1")
+    assert choose.wanted("oproj", 1)
+    monkeypatch.setenv("K3_CUTE", "0")
+    monkeypatch.setitem(choose.CUTE_M, "oproj", (1, 64))
+    assert not choose.wanted("oproj", 1)
+    monkeypatch.delenv("K3_CUTE")
+    assert choose.wanted("oproj", 64) and not choose.wanted("oproj", 65)
+    # on CPU the CuTe path is never taken: the result is torch.mm's
+    x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    torch.testing.assert_close(choose.gemm("oproj", x, w), torch.mm(x, w.t()))
+    # a wanted call on a "CUDA" tensor with no artifact falls back to torch.mm with the reason
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
+    choose._WHY.clear()
+
+    class FakeCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+    xc = x.as_subclass(FakeCuda)
+    got = choose.gemm("oproj", xc, w)
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
+    why = choose.fallbacks()
+    assert list(why) == ["oproj N=8 K=16 M=3"] and "no CuTe artifact directory" in why["oproj N=8 K=16 M=3"]

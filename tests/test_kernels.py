@@ -1,0 +1,201 @@
+"""The Triton communication kernels on CPU (TRITON_INTERPRET=1), with the other ranks simulated.
+
+Each test plays rank r of a TP group: the peers' symmetric buffers are ordinary tensors filled
+with what those ranks' GEMMs would have written, and the peers' barrier signals are set in this
+rank's signal pad beforehand. The whole op (`kernels.launch.oproj` etc.) must equal the op's
+PyTorch reference over the same partials; afterwards this rank's pad must be back to zero and
+each peer's pad must hold exactly this rank's signals. fp32 is checked to 1e-5, fp16 to 1e-2
+(the references round the all-reduce result and the residual the same way). Not bf16: the
+interpreter truncates fp32 -> bf16 where the GPU rounds to nearest, so bf16 runs in the GPU suite.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("these tests simulate peers on CPU; the GPU suite tests the kernels on CUDA",
+                allow_module_level=True)
+
+from k3compile.kernels import launch  # noqa: E402
+from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
+from k3compile.runtime.symm import max_programs  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+
+
+class SimGroup:
+    """Rank `rank` of `world`, every buffer and signal pad a CPU tensor."""
+
+    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048):
+        self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
+        self.bufs = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32) for _ in range(world)]
+        self.epoch = torch.zeros(2, dtype=torch.int32)
+        self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs]),
+                                  torch.tensor([p.data_ptr() for p in self.pads]), self.epoch, rank, world,
+                                  self.nbytes, max_programs(pad_bytes, world))
+
+    def view(self, p, dtype, *shape, half=None):
+        """Rank p's buffer half (default: the one the next call uses), as [*shape] of dtype."""
+        n = 1
+        for s in shape:
+            n *= s
+        off = (int(self.epoch[0]) if half is None else half) * self.peers.half(dtype)
+        return self.bufs[p].view(dtype)[off:off + n].view(*shape)
+
+    def arm(self, programs: int):
+        """The peers' signals to this rank, as if they had reached the barrier first."""
+        for pid in range(programs):
+            for p in range(self.world):
+                if p != self.rank:
+                    self.pads[self.rank][pid * self.world + p] = 1
+
+    def check_signals(self, programs: int, epoch_before: int):
+        assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
+        for p in range(self.world):
+            if p == self.rank:
+                continue
+            want = torch.zeros_like(self.pads[p])
+            for pid in range(programs):
+                want[pid * self.world + self.rank] = 1
+            assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
+            self.pads[p].zero_()  # the peer consumes them
+        assert self.epoch.tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
+
+
+def _weights(N, dtype, g):
+    return [(torch.rand(N, generator=g) + 0.5).to(dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,rank,nb,M", [(1, 0, 0, 3), (1, 0, 2, 2), (2, 1, 0, 3), (2, 0, 3, 2), (4, 2, 1, 1)])
+def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M):
+    g = torch.Generator().manual_seed(world * 10 + nb)
+    K, N = 24, 48
+    xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
+    w = (torch.randn(N, K, generator=g) / 4).to(dtype)
+    res = torch.randn(M, N, generator=g).to(dtype)
+    blocks = [torch.randn(M, N, generator=g).to(dtype) for _ in range(nb)]
+    w_norm, w_qk, gam = _weights(N, dtype, g)
+    sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
+    if sim:
+        for p in range(world):  # the peers' GEMMs
+            if p != rank:
+                torch.mm(xs[p], w.t(), out=sim.view(p, dtype, M, N))
+        sim.arm(M)
+    upd, nrm = launch.oproj(xs[rank], w, sim.peers if sim else None, res, blocks, w_norm, w_qk, gam, 1e-5)
+    if sim:
+        sim.check_signals(M, 0)  # and this rank's partial was copied in for the peers:
+        torch.testing.assert_close(sim.view(rank, dtype, M, N, half=0), F.linear(xs[rank], w))
+    y = sum(F.linear(x, w).float() for x in xs).to(dtype)  # the all-reduced partials, rounded once
+    ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
+    torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
+    torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
+
+
+def test_oproj_without_norm_and_plain_all_reduce():
+    g = torch.Generator().manual_seed(1)
+    M, N = 2, 40
+    sim = SimGroup(2, 0, M * N * 4)
+    other = torch.randn(M, N, generator=g)
+    sim.view(1, torch.float32, M, N).copy_(other)
+    x = torch.randn(M, N, generator=g)
+    sim.arm(M)
+    out = launch.all_reduce(x, sim.peers)
+    torch.testing.assert_close(out, x + other)
+    sim.check_signals(M, 0)
+    torch.testing.assert_close(sim.view(0, torch.float32, M, N, half=0), x)  # copied in for the peers
+    # o-proj without a following norm: normed is empty, updated = residual + all-reduce
+    w = torch.randn(N, 8, generator=g)
+    xs = [torch.randn(M, 8, generator=g) for _ in range(2)]
+    torch.mm(xs[1], w.t(), out=sim.view(1, torch.float32, M, N))
+    sim.arm(M)
+    res = torch.randn(M, N, generator=g)
+    upd, nrm = launch.oproj(xs[0], w, sim.peers, res, [], None, None, None, 1e-5)
+    assert nrm.numel() == 0
+    torch.testing.assert_close(upd, res + xs[0] @ w.t() + xs[1] @ w.t(), atol=1e-5, rtol=1e-5)
+    sim.check_signals(M, 1)  # the second call used the other half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,rank,M", [(1, 0, 3), (2, 1, 2), (4, 3, 5)])
+def test_moe_latent_tail(dtype, world, rank, M):
+    g = torch.Generator().manual_seed(M + world)
+    TOPK, L, H = 3, 64, 96
+    n = H // world
+    ys = [torch.randn(M, TOPK, L, generator=g).to(dtype) for _ in range(world)]
+    ws = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
+    sp = torch.randn(M, H, generator=g).to(dtype)
+    gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
+    w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
+    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+    if sim:
+        for p in range(world):  # the peers' finalized partials, written by their own kernels
+            if p != rank:
+                sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
+        sim.arm(M)
+    out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
+    routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
+    ref = sp.clone()
+    ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
+                                       + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    if sim:
+        sim.check_signals(M, 0)
+        mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
+        torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
+
+
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])
+def test_router_latent_gather(world, rank):
+    g = torch.Generator().manual_seed(world + rank)
+    M, H, E, L = 3, 32, 20, 44  # 64 columns: at TP=4 rank 1's block straddles router and latent
+    x = torch.randn(M, H, generator=g)
+    wr, wd = torch.randn(E, H, generator=g), torch.randn(L, H, generator=g)
+    S = (E + L) // world
+    sim = SimGroup(world, rank, M * S * 4)
+    for p in range(world):  # each peer's shard, copied into its own buffer by its own kernel
+        if p != rank:
+            sim.view(p, torch.float32, M * S).copy_(launch.router_latent_shard(x, wr, wd, world, p))
+    programs = min(sim.peers.programs, -(-M * (E + L) // 1024))
+    sim.arm(programs)
+    router, latent = launch.router_latent(x, wr, wd, sim.peers)
+    torch.testing.assert_close(router, x @ wr.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(latent, x @ wd.t(), atol=1e-5, rtol=1e-5)
+    sim.check_signals(programs, 0)
+
+
+@pytest.mark.parametrize("N,K,E,I,L", [(1, 2, 4, 64, 64), (3, 4, 8, 32, 128), (2, 2, 3, 96, 96)])
+def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L):
+    """The two MXFP4 expert kernels (gate-up + SiTU, down) vs the model's reference op, fp32
+    activations, random codes and scales (every E2M1 code, scales 2^-4 .. 2^3)."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(N * 100 + L)
+    x = torch.randn(N, L, generator=g)
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    assert launch.mxfp4_experts_ok(x, ids, w13)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_kernel_path_is_described_for_the_report(monkeypatch):
+    from k3compile.kernels.registry import describe
+    assert describe("cpu", "0") is None  # CPU graphs run the references; nothing to say
+    assert describe("cuda", None) == "kernels: CUDA kernels, TP=1 (no communication)"
+    # without CUDA the report must say the communication falls back to NCCL, and why
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert describe("cuda", "0") == "kernels: NCCL path for every communication op (no CUDA)"
+    monkeypatch.setenv("K3_KERNELS", "0")
+    assert describe("cuda", "0").startswith("kernels: off (K3_KERNELS=0)")
