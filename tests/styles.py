@@ -8,12 +8,22 @@
 - "vllm": vLLM's op forms, `torch.ops.vllm.all_reduce(x, group_name)` and
   `torch.ops.vllm_ir.rms_norm(x, weight, epsilon)` (look-alike ops with vLLM's schemas, registered
   here when vLLM is not installed).
+- "vllm_add_norm": "vllm", and the AttnRes residual add + norm (no blocks yet) written as vLLM's
+  `(normed, residual) = torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, epsilon)` (look-alike
+  when vLLM is not installed; it rounds like vLLM's CUDA kernel).
+- "vllm_c_v1" / "vllm_c_v2": "vllm", with that add + norm as vLLM's in-place CUDA op
+  `torch.ops._C.fused_add_rms_norm(input!, residual!, weight, epsilon)` and every other RMSNorm as
+  `torch.ops._C.rms_norm(result!, input, weight, epsilon)` (look-alikes with the schemas of vLLM 0.33's
+  `_C` library, which does not load without CUDA), so the graph holds them wrapped in
+  `auto_functionalized` (v1, as vLLM configures Inductor) or `auto_functionalized_v2` (torch's default).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from k3compile.model.functional import rms_norm as _K3_RMS_NORM  # the model's own, before apply() rebinds it
 
 
 def _linear_matmul(x, w, bias=None):
@@ -69,6 +79,68 @@ def _register_vllm_lookalikes() -> None:
         rms_norm.register_fake(lambda x, weight, epsilon, variance_size=None: torch.empty_like(x))
 
 
+def _register_vllm_add_norm_lookalikes() -> None:
+    if not hasattr(torch.ops, "vllm_ir") or not hasattr(torch.ops.vllm_ir, "fused_add_rms_norm"):
+        @torch.library.custom_op("vllm_ir::fused_add_rms_norm", mutates_args=())
+        def fused_add_rms_norm(x: torch.Tensor, x_residual: torch.Tensor, weight: torch.Tensor | None,
+                               epsilon: float, variance_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            # rounds like vLLM's CUDA kernel (the sum in the model dtype is normalised), so the
+            # rewritten graph is compared bit-exactly; vLLM's native implementation normalises the
+            # fp32 sum instead (tests/test_vllm.py checks against it in fp32)
+            updated = x_residual + x
+            return _K3_RMS_NORM(updated, weight, epsilon), updated
+
+        fused_add_rms_norm.register_fake(lambda x, r, w, eps, vs=None: (torch.empty_like(x), torch.empty_like(x)))
+    global _C_LIB
+    _C_LIB = _C_LIB or torch.library.Library("_C", "FRAGMENT")
+    if not hasattr(torch.ops._C, "fused_add_rms_norm"):
+        _C_LIB.define("fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor? weight, float epsilon) -> ()")
+
+        def c_fused_add_rms_norm(input, residual, weight, epsilon):
+            # like vLLM's CUDA kernel: the sum rounded to the model dtype is the new residual and is normalised
+            residual.add_(input)
+            input.copy_(_K3_RMS_NORM(residual, weight, epsilon))
+
+        _C_LIB.impl("fused_add_rms_norm", c_fused_add_rms_norm, "CompositeExplicitAutograd")
+        _C_LIB._register_fake("fused_add_rms_norm", lambda input, residual, weight, epsilon: None)
+    if not hasattr(torch.ops._C, "rms_norm"):
+        _C_LIB.define("rms_norm(Tensor! result, Tensor input, Tensor? weight, float epsilon) -> ()")
+
+        def c_rms_norm(result, input, weight, epsilon):
+            result.copy_(_K3_RMS_NORM(input, weight, epsilon))
+
+        _C_LIB.impl("rms_norm", c_rms_norm, "CompositeExplicitAutograd")
+        _C_LIB._register_fake("rms_norm", lambda result, input, weight, epsilon: None)
+
+
+_C_LIB = None
+
+
+def _attnres_fused(fused_add):
+    from k3compile.model import functional
+
+    def mix(prefix, delta, blocks, w_norm, w_qk, g_out, eps):
+        if delta is not None and not blocks:
+            return fused_add(delta, prefix, g_out, eps)  # (normalised output, updated residual)
+        return functional.attnres_mix(prefix, delta, blocks, w_norm, w_qk, g_out, eps)
+    return mix
+
+
+def _fused_add_vllm_ir(x, residual, weight, eps):
+    return torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def _rms_norm_c(x, weight, eps):
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, eps)
+    return out
+
+
+def _fused_add_c(x, residual, weight, eps):
+    torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)  # x <- normed, residual <- residual + x
+    return x, residual
+
+
 def _all_reduce_vllm(x, tp):
     return x if tp.size == 1 else torch.ops.vllm.all_reduce(x, tp.group_name)
 
@@ -92,5 +164,13 @@ def apply(style: str) -> None:
         layers.all_reduce = _all_reduce_vllm
         layers.rms_norm = _rms_norm_vllm
         functional.__dict__["rms_norm"] = _rms_norm_vllm
+    elif style in ("vllm_add_norm", "vllm_c_v1", "vllm_c_v2"):
+        apply("vllm")
+        _register_vllm_add_norm_lookalikes()
+        layers.attnres_mix = _attnres_fused(_fused_add_vllm_ir if style == "vllm_add_norm" else _fused_add_c)
+        if style != "vllm_add_norm":
+            torch._inductor.config.enable_auto_functionalized_v2 = style == "vllm_c_v2"
+            layers.rms_norm = _rms_norm_c
+            functional.__dict__["rms_norm"] = _rms_norm_c
     elif style != "reference":
         raise ValueError(style)

@@ -41,13 +41,24 @@ class K3Pass:
 
     @staticmethod
     def collect(anchors, match, report: PassReport) -> list:
-        """match(anchor) for every anchor; Fails become near-misses, the rest are returned."""
+        """match(anchor) for every anchor; Fails become near-misses, the rest are returned.
+
+        A site vLLM already fused (`patterns.vllm_forms.Prefused`) is neither: it is left alone,
+        does not count towards `report.expected`, and is listed in one note."""
         from ..patterns.graph import Fail
-        sites = []
+        from ..patterns.vllm_forms import Prefused
+        sites, pre = [], []
         for a in anchors:
             m = match(a)
-            if isinstance(m, Fail):
+            if isinstance(m, Prefused):
+                pre.append((a, m))
+            elif isinstance(m, Fail):
                 report.miss(a, m.node, m.reason)
             else:
                 sites.append(m)
+        if pre:
+            report.expected -= len(pre)
+            report.notes.append(f"{len(pre)} site(s) {pre[0][1].reason}, not counted as expected: "
+                                + ", ".join(f"{getattr(a, 'name', a)} (at {getattr(m.node, 'name', m.node)})"
+                                            for a, m in pre))
         return sites

@@ -2,18 +2,40 @@
 
 - `aten.copy(dst, src)` with equal shape and dtype -> `src` (what functionalisation leaves of an
   in-place `dist.all_reduce(x)` / `x.copy_(y)`).
-- vLLM's `torch.ops.vllm.all_reduce(x, group_name)` -> `wait_tensor(_c10d_functional.all_reduce(x, "sum", group_name))`.
+- vLLM's `torch.ops.vllm.all_reduce(x, group_name)` -> `wait_tensor(_c10d_functional.all_reduce(x, "sum", g))`,
+  where `g` is the c10d name of the device group behind vLLM's group `group_name` (vLLM names its
+  groups "tp:0", ...; the name is used as is when it is no vLLM group, e.g. already a c10d name).
 - vLLM IR's `torch.ops.vllm_ir.rms_norm(x, weight, epsilon[, variance_size=None])` -> the ATen
   RMSNorm (fp32 math, cast back) that `patterns.graph.match_rms_norm` recognises.
+- vLLM's fused add + RMSNorm, `(normed, residual_out) = fused_add_rms_norm(x, residual, weight, eps)`,
+  in every form it reaches a post-grad graph: `vllm_ir.fused_add_rms_norm` (functional default
+  overload, as vLLM's pre-grad pass leaves it), its `maybe_inplace` overload and the in-place
+  `_C.fused_add_rms_norm(input!, residual!, weight, epsilon)` wrapped in `auto_functionalized` (v1, what
+  vLLM configures) or `auto_functionalized_v2` (stock torch.compile) ->
+  `residual_out = residual + x` (model dtype) and `normed = RMSNorm(residual_out) * weight`, the
+  form the o-proj and AttnRes patterns match. (vLLM's CUDA kernel also normalises the sum rounded
+  to the model dtype; its native IR implementation normalises the fp32 sum, a rounding-level
+  difference within vLLM's own tolerance between providers.)
+- `_C.rms_norm(result!, input, weight, epsilon)` in `auto_functionalized` -> the ATen RMSNorm.
+Forms it cannot rewrite exactly (a variance over a sub-range, mixed dtypes, a mutated argument that
+is a view of another tensor, a donated input still read afterwards) are left as they are.
 Returns how many nodes it rewrote.
 """
 from __future__ import annotations
 
+import operator
+import sys
+
 import torch
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from ..patterns.graph import aten, c10d, dtype, is_call, prims, shape, val
 from ..patterns.structure import op_name
+
+_AF = torch.ops.higher_order.auto_functionalized
+_AF2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
+# auto_functionalized_v2 kwargs that describe a mutated argument as a view of its base
+_VIEW_KEYS = ("_size", "_stride", "_storage_offset", "_slice_dim", "_slice_start", "_slice_end", "_alias")
 
 
 def _vllm_all_reduce():
@@ -23,31 +45,164 @@ def _vllm_all_reduce():
         return None
 
 
+def c10d_group_name(name: str) -> str:
+    """The c10d group name behind vLLM's group `name` ("tp:0" -> its device group's name)."""
+    ps = sys.modules.get("vllm.distributed.parallel_state")  # only if vLLM's groups exist in this process
+    ref = getattr(ps, "_groups", {}).get(name) if ps is not None else None
+    group = ref() if ref is not None else None
+    pg = getattr(group, "device_group", None)
+    return getattr(pg, "group_name", None) or name
+
+
 def _call(graph: Graph, target, args: tuple, like: torch.Tensor, dt: torch.dtype | None = None):
     n = graph.call_function(target, args)
     n.meta["val"] = like if dt is None else like.to(dt)
     return n
 
 
+def _rms_norm_nodes(graph: Graph, x: Node, w, eps: float) -> Node:
+    """Insert (at the current insertion point) RMSNorm(x) * w in fp32, cast back to x's dtype."""
+    xv = val(x)
+    xf = _call(graph, prims.convert_element_type.default, (x, torch.float32), xv, torch.float32)
+    fv = val(xf)
+    sq = _call(graph, aten.pow.Tensor_Scalar, (xf, 2), fv)
+    mean = _call(graph, aten.mean.dim, (sq, [-1], True), fv.mean(-1, keepdim=True))
+    add = _call(graph, aten.add.Tensor, (mean, eps), val(mean))
+    r = _call(graph, aten.rsqrt.default, (add,), val(mean))
+    y = _call(graph, aten.mul.Tensor, (xf, r), fv)
+    if w is not None:
+        wf = _call(graph, prims.convert_element_type.default, (w, torch.float32), val(w), torch.float32)
+        y = _call(graph, aten.mul.Tensor, (y, wf), fv)
+    return _call(graph, prims.convert_element_type.default, (y, xv.dtype), xv)
+
+
 def _decompose_rms_norm(graph: Graph, n) -> bool:
     x, w, eps = (list(n.args) + [None, None, None])[:3]
     eps = n.kwargs.get("epsilon", eps)
+    w = n.kwargs.get("weight", w)
     if len(n.args) > 3 and n.args[3] is not None or n.kwargs.get("variance_size") is not None:
         return False  # variance over a sub-range: not the K3 RMSNorm
-    xv = val(x)
     with graph.inserting_before(n):
-        xf = _call(graph, prims.convert_element_type.default, (x, torch.float32), xv, torch.float32)
-        fv = val(xf)
-        sq = _call(graph, aten.pow.Tensor_Scalar, (xf, 2), fv)
-        mean = _call(graph, aten.mean.dim, (sq, [-1], True), fv.mean(-1, keepdim=True))
-        add = _call(graph, aten.add.Tensor, (mean, eps), val(mean))
-        r = _call(graph, aten.rsqrt.default, (add,), val(mean))
-        y = _call(graph, aten.mul.Tensor, (xf, r), fv)
-        if w is not None:
-            wf = _call(graph, prims.convert_element_type.default, (w, torch.float32), val(w), torch.float32)
-            y = _call(graph, aten.mul.Tensor, (y, wf), fv)
-        out = _call(graph, prims.convert_element_type.default, (y, xv.dtype), xv)
+        out = _rms_norm_nodes(graph, x, w, eps)
     n.replace_all_uses_with(out)
+    graph.erase_node(n)
+    return True
+
+
+# ----------------------------------------------------------------- calls of (possibly mutating) custom ops
+class _OpCall:
+    """A call of a custom op as it appears post-grad: direct, or wrapped in auto_functionalized v1/v2.
+
+    `arg(name)` gives the op's argument by schema name; `out(i)` the getitem nodes reading the
+    op's i-th result; `new(name)` the getitem nodes reading the new value of mutated argument
+    `name`. `ok` is False when the call cannot be read exactly (a mutated view, a non-getitem user)."""
+
+    def __init__(self, n: Node):
+        self.node, self.ok = n, True
+        self.op = n.args[0] if n.target in (_AF, _AF2) else n.target
+        schema = self.op._schema
+        self.args: dict = {}
+        if n.target is _AF:
+            self.args = dict(n.kwargs)
+        elif _AF2 is not None and n.target is _AF2:
+            bases = n.kwargs.get("_all_bases", [])
+            self.base_of: dict = {}
+            for a in schema.arguments:
+                if a.alias_info is not None and a.alias_info.is_write:
+                    idx = n.kwargs.get(f"_{a.name}_base_index")
+                    if any(f"_{a.name}{k}" in n.kwargs for k in _VIEW_KEYS):  # a view of its base: not read here
+                        self.ok = False
+                    self.args[a.name] = None if idx is None else bases[idx]
+                    self.base_of[a.name] = idx
+                elif a.name in n.kwargs:
+                    self.args[a.name] = n.kwargs[a.name]
+        else:
+            for a, v in zip(schema.arguments, n.args):
+                self.args[a.name] = v
+            self.args.update(n.kwargs)
+        for a in schema.arguments:  # defaults
+            if a.name not in self.args and a.has_default_value():
+                self.args[a.name] = a.default_value
+        self.n_out = len(schema.returns)
+        self.mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        self.items: dict[int, list[Node]] = {}
+        for u in n.users:
+            if is_call(u, operator.getitem) and isinstance(u.args[1], int):
+                self.items.setdefault(u.args[1], []).append(u)
+            else:
+                self.ok = False
+
+    def arg(self, name: str):
+        return self.args.get(name)
+
+    def out(self, i: int) -> list[Node]:
+        return self.items.get(i, [])
+
+    def new(self, name: str) -> list[Node]:
+        if self.node.target not in (_AF, _AF2) or name not in self.mutated:
+            return []
+        first = max(1, self.n_out)  # auto_functionalized returns (op result(s)..., new values...)
+        if self.node.target is _AF:
+            return self.items.get(first + self.mutated.index(name), [])
+        idx = self.base_of.get(name)
+        return [] if idx is None else self.items.get(first + idx, [])
+
+
+def _other_readers(n: Node, handled: list[Node]) -> bool:
+    """Does any output of `n` other than `handled` have users (a result this rewrite does not replace)?"""
+    return any(u not in handled and u.users for u in n.users)
+
+
+def _add_rms_norm(graph: Graph, c: _OpCall, x, res, w, eps, normed: list[Node], res_out: list[Node]) -> bool:
+    """Replace `normed` readers by RMSNorm(res + x) * w and `res_out` readers by res + x."""
+    if not (isinstance(x, Node) and isinstance(res, Node)) or dtype(x) != dtype(res) or shape(x) != shape(res):
+        return False  # e.g. an fp32 residual stream: not the K3 form
+    if not isinstance(eps, (int, float)) or _other_readers(c.node, normed + res_out):
+        return False
+    with graph.inserting_before(c.node):
+        upd = _call(graph, aten.add.Tensor, (res, x), val(res))
+        out = _rms_norm_nodes(graph, upd, w, float(eps)) if normed else None
+    for g in normed:
+        g.replace_all_uses_with(out)
+    for g in res_out:
+        g.replace_all_uses_with(upd)
+    for g in list(c.node.users):
+        graph.erase_node(g)
+    graph.erase_node(c.node)
+    return True
+
+
+def _rewrite_norm_call(graph: Graph, n: Node) -> bool:
+    name = op_name(n)
+    if name not in ("vllm_ir::fused_add_rms_norm", "_C::fused_add_rms_norm", "_C::rms_norm"):
+        return False
+    c = _OpCall(n)
+    if not c.ok:
+        return False
+    if name == "vllm_ir::fused_add_rms_norm":
+        if c.arg("variance_size") is not None:
+            return False
+        if c.new("x") or c.new("x_residual"):  # maybe_inplace donates its inputs: contents undefined after
+            return False
+        return _add_rms_norm(graph, c, c.arg("x"), c.arg("x_residual"), c.arg("weight"), c.arg("epsilon"),
+                             c.out(0), c.out(1))
+    if n.target not in (_AF, _AF2):
+        return False  # an in-place _C op outside auto_functionalized: not a functional graph
+    if name == "_C::fused_add_rms_norm":  # input becomes the normed output, residual the new residual
+        return _add_rms_norm(graph, c, c.arg("input"), c.arg("residual"), c.arg("weight"), c.arg("epsilon"),
+                             c.new("input"), c.new("residual"))
+    # _C::rms_norm(result!, input, weight, epsilon): result becomes RMSNorm(input)
+    if not isinstance(c.arg("input"), Node) or not isinstance(c.arg("epsilon"), (int, float)):
+        return False
+    readers = c.new("result")
+    if _other_readers(n, readers):
+        return False
+    with graph.inserting_before(n):
+        out = _rms_norm_nodes(graph, c.arg("input"), c.arg("weight"), float(c.arg("epsilon")))
+    for g in readers:
+        g.replace_all_uses_with(out)
+    for g in list(n.users):
+        graph.erase_node(g)
     graph.erase_node(n)
     return True
 
@@ -56,6 +211,8 @@ def canonicalize(graph: Graph) -> int:
     changed = 0
     vllm_ar = _vllm_all_reduce()
     for n in list(graph.nodes):
+        if getattr(n, "_erased", False):  # a getitem of a call rewritten below
+            continue
         if is_call(n, aten.copy.default) and len(n.args) >= 2:
             dst, src = n.args[:2]
             if shape(dst) is not None and shape(dst) == shape(src) and dtype(dst) == dtype(src):
@@ -63,9 +220,10 @@ def canonicalize(graph: Graph) -> int:
                 graph.erase_node(n)
                 changed += 1
         elif vllm_ar is not None and is_call(n, vllm_ar):
-            x, group = n.args[:2]
+            x = n.args[0] if n.args else n.kwargs["tensor"]
+            group = n.args[1] if len(n.args) > 1 else n.kwargs["group_name"]
             with graph.inserting_before(n):
-                ar = graph.call_function(c10d.all_reduce.default, (x, "sum", group))
+                ar = graph.call_function(c10d.all_reduce.default, (x, "sum", c10d_group_name(group)))
                 ar.meta["val"] = val(n)
                 w = graph.call_function(c10d.wait_tensor.default, (ar,))
                 w.meta["val"] = val(n)
@@ -73,5 +231,7 @@ def canonicalize(graph: Graph) -> int:
             graph.erase_node(n)
             changed += 1
         elif op_name(n) == "vllm_ir::rms_norm" and _decompose_rms_norm(graph, n):
+            changed += 1
+        elif _rewrite_norm_call(graph, n):
             changed += 1
     return changed

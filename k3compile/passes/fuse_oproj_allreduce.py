@@ -8,7 +8,9 @@ Emits:
     updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. A site whose GEMM is not followed by exactly this chain is a near-miss,
-reported with the node where matching stopped.
+reported with the node where matching stopped. A site whose all-reduce vLLM already fused
+(FlashInfer/AITER all-reduce + residual + RMSNorm, `patterns.vllm_forms`) is left as vLLM fused it,
+listed in a note and not counted as expected.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..patterns.attnres import match_attnres_from_norm
 from ..patterns.graph import (Fail, c10d, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
                               is_weight_like, strip, weight_out_in, describe)
 from ..patterns.graph import why_not_rms_norm
+from ..patterns.vllm_forms import prefused
 from .base import K3Pass
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
 
@@ -70,6 +73,9 @@ class FuseOprojAllreduce(K3Pass):
             if info.tp > 1:
                 ar = [u for u in users if is_call(u, c10d.all_reduce.default)]
                 if len(users) != 1 or not ar:
+                    pre = prefused(gemm)  # vLLM's FlashInfer/AITER fusion took this all-reduce
+                    if pre is not None:
+                        return pre
                     return Fail(gemm, f"o-proj output does not go straight into an all-reduce "
                                       f"(users: {', '.join(describe(u) for u in users)})")
                 w = list(ar[0].users)

@@ -68,7 +68,7 @@ def _source_hash() -> str:
 
 class PassManager(CustomGraphPass):
     def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
-                 dump: bool = False, observer=None):
+                 dump: bool = False, observer=None, compile_range: tuple[int, int] | None = None):
         """dump=True records (pass, readable graph before it, readable graph after it) in `graphs`
         for every pass that runs. `observer(stage, pass_name, graph)` is called with stage "input"
         (the graph as received, pass_name None), then "before" and "after" around every pass that
@@ -78,6 +78,9 @@ class PassManager(CustomGraphPass):
         self.name = name
         self.dump = dump
         self.observer = observer
+        # [lo, hi] tokens the graph is compiled for (vLLM's compile range); a pass whose batch range
+        # (options.m_ranges) does not contain it is skipped. None: no range known (plain torch.compile).
+        self.compile_range = compile_range
         self.last: CompileReport | None = None
         self.graphs: list[tuple[str, str, str]] = []  # (pass, readable graph before, after) when dump=True
 
@@ -118,7 +121,7 @@ class PassManager(CustomGraphPass):
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
                 continue
-            reason = p.skip_reason(info, self.opts)
+            reason = p.skip_reason(info, self.opts) or self._range_reason(name)
             if reason:
                 pr.skipped = reason
                 continue
@@ -165,6 +168,15 @@ class PassManager(CustomGraphPass):
             if self.opts.strict:
                 raise K3StrictError(f"k3: expected sites did not match: {msg}")
             warnings.warn(f"k3: expected sites did not match: {msg}", stacklevel=2)
+
+    def _range_reason(self, name: str) -> str | None:
+        if self.compile_range is None:
+            return None
+        lo, hi = self.opts.m_ranges.get(name, (1, 1 << 30))
+        s, e = self.compile_range
+        if lo <= s and e <= hi:
+            return None
+        return f"compile range [{s}, {e}] is not inside this pass's batch range [{lo}, {hi}]"
 
 
 def _kernel_note(graph: Graph, info) -> str | None:

@@ -22,6 +22,7 @@ import torch
 from ..ops import OPS
 from ..patterns.graph import (Fail, aten, c10d, describe, is_call, is_weight_like, match_all_reduce, match_linear,
                               scalar, shape, strip, val, weight_out_in)
+from ..patterns.vllm_forms import count_vllm_fused_allreduces
 from .base import K3Pass
 from .common import emit, forward_gemm, last_of, replace
 
@@ -58,6 +59,9 @@ class OverlapSharedExpert(K3Pass):
         if info.tp > 1 and opts.prefetch:
             n = self.place_prefetch(graph, opts.prefetch_bytes)
             report.notes.append(f"L2 prefetch attached to {n} communication ops")
+            k = count_vllm_fused_allreduces(graph)
+            if k:
+                report.notes.append(f"{k} all-reduce(s) already fused by vLLM (FlashInfer/AITER) get no L2 prefetch")
 
     def match(self, e):
         lat = e.args[0]

@@ -1,0 +1,1 @@
+"""Hooks into serving frameworks (each module imports its framework only when used)."""
