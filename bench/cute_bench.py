@@ -12,13 +12,14 @@ bytes / measured HBM bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ops_bench import _hbm_bandwidth, _time_graph  # noqa: E402
+from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph  # noqa: E402
 
 N = 7168
 
@@ -53,6 +54,8 @@ def _triton_gemm():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--rotate", type=int, default=1,
+                    help="cycle through this many weight copies (> 60 MB L2 in all: cold weights, as in a model)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -65,16 +68,18 @@ def main():
     g = torch.Generator("cuda").manual_seed(0)
     for shape, K in (("tp8", 1536), ("tp2", 6144)):
         w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+        copies = [w] + [w.clone() for _ in range(a.rotate - 1)]
+        nxt = itertools.cycle(copies).__next__  # each captured call reads the next copy
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
             ref = x.float() @ w.float().t()
             nbytes = (N * K + M * K + M * N) * 2
-            row = dict(shapes=shape, M=M, N=N, K=K, bytes=nbytes, floor_us=nbytes / bw * 1e6, us={}, err={})
+            row = dict(shapes=shape, rotate=a.rotate, M=M, N=N, K=K, bytes=nbytes, floor_us=nbytes / bw * 1e6, us={}, err={})
             art, why = loader.find(default_dir(), "oproj_gemm", N, K, M)
-            variants = {"cublas": lambda: torch.mm(x, w.t()), "triton": lambda: tri(x, w)}
+            variants = {"cublas": lambda: torch.mm(x, nxt().t()), "triton": lambda: tri(x, nxt())}
             if art is not None:
                 row["cute_artifact"] = art.path.stem
-                variants["cute"] = lambda: art.launch_gemm(x, w)
+                variants["cute"] = lambda: art.launch_gemm(x, nxt())
             else:
                 row["cute_missing"] = why
             for name, fn in variants.items():
@@ -90,9 +95,9 @@ def main():
                 row["cute_vs_cublas"] = us["cublas"] / us["cute"]
                 row["cute_vs_triton"] = us.get("triton", float("nan")) / us["cute"]
             rows.append(row)
-            print(f"gemm {shape} M={M:<3} " + " ".join(f"{k}={v:7.2f}us" for k, v in us.items())
+            print(f"gemm {shape} rotate={a.rotate} M={M:<3} " + " ".join(f"{k}={v:7.2f}us" for k, v in us.items())
                   + f" floor={row['floor_us']:.2f}us err={row['err']}", flush=True)
-    out = dict(rows=rows, hbm_bytes_per_s=bw, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    out = dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                command="python bench/cute_bench.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
                commit=os.environ.get("K3_COMMIT", "unknown"))
     if a.out:

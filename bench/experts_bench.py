@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ops_bench import _hbm_bandwidth, _time_graph  # noqa: E402
+from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph  # noqa: E402
 
 L, E, TOPK = 3584, 896, 16
 
@@ -61,7 +61,7 @@ def main():
             print(f"experts {shape} M={M:<4} distinct={distinct:<4} k3={t_k3:8.1f}us ref={t_ref or float('nan'):9.1f}us "
                   f"{nbytes / 1e6:7.1f} MB  {row['k3_bytes_per_s'] / 1e12:.2f} TB/s = {row['hbm_share'] * 100:.0f}% of "
                   f"{bw / 1e12:.2f} TB/s  err {err:.2e}", flush=True)
-    out = dict(rows=rows, hbm_bytes_per_s=bw, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    out = dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                command="python bench/experts_bench.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
                commit=os.environ.get("K3_COMMIT", "unknown"))
     if a.out:

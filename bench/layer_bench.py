@@ -4,7 +4,8 @@ Each rank builds only the chosen layer (meta device, then random weights on its 
 full-size seeded init would need 80 GB of host memory per expert tensor), with `nb` AttnRes
 blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens, and times one decode
 step of that layer, CUDA-graphed, for:
-  eager     - the layer as written (cuBLAS, NCCL, the model's MXFP4 expert op, fla/reference KDA)
+  eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
+              kernel, the model's PyTorch KDA decode step)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3") with every pass
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate)
@@ -17,7 +18,7 @@ Shape sets: `tp2` runs the real config at TP=world; `tp8` divides the sharded wi
 expert / shared / dense intermediate) by 8 / world, so that each of the world ranks holds what a
 TP=8 rank holds while communicating over `world` GPUs.
 
-    python bench/layer_bench.py --layer kda --shapes tp8 --ms 1,4,16,64,256 [--ablate] --out r.json
+    python bench/layer_bench.py --layer kda --shapes tp8 --ms 1,4,16,64,256 [--ablate 1,16] --out r.json
     python bench/layer_bench.py --smoke     # tiny config on CPU, no graphs: checks the plumbing
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
     import k3compile
     from k3compile.model import K3Model, TPInfo
     from k3compile.runtime import symm
-    from bench.ops_bench import _hbm_bandwidth, _time_graph
+    from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph
 
     dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
     if dev.type == "cuda":
@@ -105,6 +106,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
     layer = model.layers[str(idx)]
     nb = cfg.blocks_before(idx)
     bw = _hbm_bandwidth() if not smoke else 1e12
+    if dev.type == "cuda":
+        _best_standalone_experts()
     rows = []
 
     for M in ms:
@@ -127,12 +130,12 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
         variants = {"eager": step,
                     "inductor": torch.compile(step, backend="inductor", fullgraph=True),
                     "k3": torch.compile(step, backend=k3compile.backend(mode=mode), fullgraph=True)}
-        if ablate:
+        if M in ablate:
             for p in PASSES:
                 variants[f"k3-{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, skip=[p]), fullgraph=True)
                 variants[f"k3+{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, passes=[p]),
                                                     fullgraph=True)
-        res, peak, kernels, errs, reports = {}, {}, {}, {}, {}
+        res, peak, kernels, errs, reports, top_kernels = {}, {}, {}, {}, {}, {}
         ref = None
         for name, fn in variants.items():
             k3compile.clear_reports()
@@ -151,11 +154,13 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
                 continue
             res[name] = _time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
             peak[name] = torch.cuda.max_memory_allocated()
-            kernels[name] = _count_kernels(lambda: fn(prefix, delta, *blocks))
+            kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
+            if name in ("eager", "inductor", "k3"):
+                top_kernels[name] = top  # us of device time per kernel name, one replay (profiled)
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
-                   kernels=kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
+                   kernels=kernels, top_kernels=top_kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct)
         if res:
             base = min(res["eager"], res["inductor"])
@@ -167,8 +172,22 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
                   + (f"  k3 x{row['speedup_vs_baseline']:.2f} vs best baseline, {row['k3_vs_floor']:.2f}x floor "
                      f"({row['floor_us']:.1f}us); kernels {kernels}" if res else "")
                   + f"  err {errs}  passes {reports.get('k3')}", flush=True)
-    return dict(rows=rows, hbm_bytes_per_s=bw, symm=symm.status(),
+    return dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)
+
+
+def _best_standalone_experts():
+    """The baselines run the model's expert op on our Triton MXFP4 kernel (the fastest standalone
+    one we have), not on the model's capture-safe PyTorch path, which dequantises every pair's
+    expert to fp32 and is 9-10x slower (BENCHMARKS.md): otherwise k3's lead would mostly be that
+    kernel. k3 calls the same kernel through k3::mxfp4_experts, so what remains is the passes."""
+    import torch
+
+    from k3compile.kernels import launch
+
+    def cuda_impl(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+        return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
+    torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
 
 
 def _distinct_experts(layer, prefix, delta, blocks, cache, M):
@@ -205,7 +224,12 @@ def _count_kernels(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         g.replay()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in evs:
+        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return len(evs), [[n, round(t, 2)] for n, t in top]
 
 
 def main():
@@ -215,7 +239,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ms", default="1,4,16,64,256")
     ap.add_argument("--ctx", type=int, default=1024, help="MLA: cached tokens attended to")
-    ap.add_argument("--ablate", action="store_true")
+    ap.add_argument("--ablate", default="", help="the M values that get the per-pass ablation rows, e.g. 1,16")
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -223,7 +247,8 @@ def main():
     t = time.time()
     ms = [int(m) for m in a.ms.split(",")]
     world = 1 if a.smoke else a.world
-    res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, a.ablate, a.smoke,
+    ablate = {int(m) for m in a.ablate.split(",") if m}
+    res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke,
                     **({} if a.smoke else {"backend": "nccl"}))
     out = dict(res[0], command="python bench/layer_bench.py " + " ".join(sys.argv[1:]),
                date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t, commit=os.environ.get("K3_COMMIT", "unknown"))

@@ -92,7 +92,16 @@ def test_pack_params_against_built_manifest(built):
     assert (sw.addr, sw.dims, sw.strides, sw.box) == (w, (6144, 7168), (6144 * 2,), (64, 64))
     # tokens: the real M rows (TMA zero-fills up to the 32-row box)
     assert (sx.addr, sx.dims, sx.strides, sx.box) == (x, (6144, 20), (6144 * 2,), (64, 32))
-    assert sw.dtype == loader.TMA_DTYPE["bf16"] == 10 and sw.swizzle == 3 and sw.oob == 0
+    assert sw.dtype == loader.TMA_DTYPE["bf16"] and sw.swizzle == 3 and sw.oob == 0
+    # the enum values come from the driver's own bindings where installed (the cute extra brings
+    # them), else from cuda.h; a wrong one (bf16 was once FLOAT32_FTZ = 10) fails only on the GPU
+    try:
+        from cuda.bindings import driver as cud
+        names = {"bf16": "BFLOAT16", "fp16": "FLOAT16", "fp32": "FLOAT32", "u8": "UINT8"}
+        want = {k: int(getattr(cud.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{n}")) for k, n in names.items()}
+    except ImportError:
+        want = {"bf16": 9, "fp16": 6, "fp32": 7, "u8": 0}
+    assert loader.TMA_DTYPE == want
     assert loader.grid(man, 7168) == (112, 1, 1)
     with pytest.raises(ValueError, match="16-byte"):
         loader.pack_params(man, w=(w + 2, 7168, 6144), x=(x, 20, 6144), out=o, m_valid=20, encode_tma=fake_encode)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # CUtensorMap enums (cuda.h)
-TMA_DTYPE = {"bf16": 10, "fp16": 6, "fp32": 7, "u8": 0}           # CU_TENSOR_MAP_DATA_TYPE_*
+TMA_DTYPE = {"bf16": 9, "fp16": 6, "fp32": 7, "u8": 0}           # CU_TENSOR_MAP_DATA_TYPE_*
 TMA_SWIZZLE = {0: 0, 32: 1, 64: 2, 128: 3}                         # CU_TENSOR_MAP_SWIZZLE_*
 TMA_L2 = {0: 0, 64: 1, 128: 2, 256: 3}                             # CU_TENSOR_MAP_L2_PROMOTION_*
 TMA_OOB = {"zero": 0, "nan": 1}

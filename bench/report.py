@@ -1,0 +1,109 @@
+"""Tables (Markdown) and plots (PNG) from the per-layer benchmark's JSON results.
+
+    python bench/report.py bench/results/layer_*.json --png-dir bench/results/plots > table.md
+
+Per result file (one layer kind x shape set): a Markdown table of eager / Inductor / k3 per M with
+k3's speed-up over the faster baseline, the floor and k3's distance from it, kernels per step and
+peak memory; an ablation table where the file has ablation variants; and two PNGs: latency vs M
+per mode (log-log), and the per-pass ablation at each ablated M (needs matplotlib: `pip install
+matplotlib`; tables are written without it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MODES = ("eager", "inductor", "k3")
+
+
+def _name(d: dict) -> str:
+    r = d["rows"][0]
+    return f"{r['layer']}_{r['shapes']}_w{r['world']}"
+
+
+def table(d: dict) -> str:
+    r0 = d["rows"][0]
+    out = [f"**{r0['layer'].upper()} layer {r0['layer_id']}, {r0['shapes']} per-rank shapes on {r0['world']} GPUs** "
+           f"(AttnRes blocks {r0['blocks']}, MLA context {r0['ctx']}; commit {d.get('commit')}, {d.get('date')}, "
+           f"{d.get('gpu')}; `{d.get('command')}`)", "",
+           "| M | eager us | Inductor us | k3 us | k3 vs best baseline | floor us | k3 / floor | kernels e/i/k3 "
+           "| peak MiB e/i/k3 | k3 err vs eager |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        us, kn, pk = r["us"], r["kernels"], r["peak_bytes"]
+        out.append(f"| {r['M']} | {us['eager']:.1f} | {us['inductor']:.1f} | {us['k3']:.1f} | "
+                   f"{r['speedup_vs_baseline']:.2f}x | {r['floor_us']:.1f} | {r['k3_vs_floor']:.2f}x | "
+                   f"{kn['eager']}/{kn['inductor']}/{kn['k3']} | "
+                   + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g} |")
+    abl = [r for r in d["rows"] if any(k.startswith("k3-") for k in r["us"])]
+    if abl:
+        out += ["", "Ablation (us; `-p`: every pass but p, `+p`: p alone; lower is better):", "",
+                "| M | pass | k3 (all) | all but this pass | this pass alone | no pass helps by |",
+                "|---|---|---|---|---|---|"]
+        for r in abl:
+            us = r["us"]
+            for p in sorted({k[3:] for k in us if k.startswith("k3-")}):
+                out.append(f"| {r['M']} | {p} | {us['k3']:.1f} | {us['k3-' + p]:.1f} | {us['k3+' + p]:.1f} | "
+                           f"{us['k3-' + p] - us['k3']:+.1f} |")
+    return "\n".join(out)
+
+
+def plots(d: dict, png_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    png_dir.mkdir(parents=True, exist_ok=True)
+    name, rows, made = _name(d), d["rows"], []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ms = [r["M"] for r in rows]
+    for m in MODES:
+        ax.plot(ms, [r["us"][m] for r in rows], marker="o", label=m)
+    ax.plot(ms, [r["floor_us"] for r in rows], ls="--", color="grey", label="floor (bytes / HBM BW)")
+    ax.set(xscale="log", yscale="log", xlabel="M (tokens per step)", ylabel="us per layer step",
+           title=f"{name}: latency vs M (CUDA graphs)")
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.legend()
+    fig.tight_layout()
+    made.append(png_dir / f"{name}_latency.png")
+    fig.savefig(made[-1], dpi=110)
+    plt.close(fig)
+    abl = [r for r in rows if any(k.startswith("k3-") for k in r["us"])]
+    if abl:
+        fig, axes = plt.subplots(1, len(abl), figsize=(6 * len(abl), 4), squeeze=False)
+        for ax, r in zip(axes[0], abl):
+            us = r["us"]
+            ps = sorted({k[3:] for k in us if k.startswith("k3-")})
+            x = range(len(ps))
+            ax.bar([i - 0.2 for i in x], [us["k3-" + p] for p in ps], 0.4, label="all passes but this one")
+            ax.bar([i + 0.2 for i in x], [us["k3+" + p] for p in ps], 0.4, label="this pass alone")
+            ax.axhline(us["k3"], color="k", ls="--", label="all passes")
+            ax.axhline(min(us["eager"], us["inductor"]), color="r", ls=":", label="best baseline")
+            ax.set_xticks(list(x), [p.replace("_", "\n") for p in ps], fontsize=7)
+            ax.set(ylabel="us per layer step", title=f"{name} M={r['M']}: per-pass ablation")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        made.append(png_dir / f"{name}_ablation.png")
+        fig.savefig(made[-1], dpi=110)
+        plt.close(fig)
+    return made
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--png-dir", type=Path, default=None)
+    a = ap.parse_args()
+    for f in a.files:
+        d = json.loads(f.read_text())
+        print(table(d) + "\n")
+        if a.png_dir is not None:
+            try:
+                for p in plots(d, a.png_dir):
+                    print(f"![{p.stem}]({p.as_posix()})\n")
+            except ImportError:
+                print("(no plots: matplotlib is not installed)\n")
+
+
+if __name__ == "__main__":
+    main()
