@@ -14,7 +14,8 @@ bandwidth share = bytes / time / measured HBM bandwidth (a 1 GiB device copy, re
                                   [--tiles JSON] [--shapes tp8,tp2] [--out results.json]
 
 --tiles: {"variant": [override, ...]} (keys of launch._mxfp4_tiles: BN, BKB_GU, BN_D, BKB_D, BT for
-dot; BI, BKB_GU, BL, BKB_D for v1/v2b; num_warps, num_stages for all); --sweep adds SWEEP's.
+dot; BI, BKB_GU, BL, BKB_D for v1/v2b; LOOP for dot/v2b; num_warps, num_stages for all); --sweep
+adds SWEEP's.
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ L, E, TOPK = 3584, 896, 16
 SHAPES = {"tp8": 384, "tp2": 1536}
 # tile overrides tried by --sweep (on top of each variant's defaults, which always run)
 SWEEP = {
-    "dot": [dict(BN=32), dict(BN=16), dict(BKB_GU=128), dict(BKB_GU=32), dict(BN_D=32), dict(num_stages=2),
-            dict(num_stages=3), dict(num_warps=8, BN=128, BN_D=128), dict(BN=32, num_stages=3)],
+    "dot": [dict(BN=32), dict(BN=16), dict(BKB_GU=128), dict(BKB_GU=32), dict(BN_D=32),
+            dict(num_warps=8, BN=128, BN_D=128), dict(LOOP=1, num_stages=3),
+            dict(LOOP=1, num_stages=4), dict(LOOP=1, num_stages=4, BKB_GU=128), dict(LOOP=1, num_stages=3, BN=32)],
     "v2b": [dict(BKB_GU=128), dict(BKB_GU=64), dict(num_stages=2), dict(num_warps=2),
-            dict(num_warps=8), dict(BI=32), dict(BL=16), dict(BL=64), dict(BKB_D=32)],
+            dict(num_warps=8), dict(BI=32), dict(BL=16), dict(BL=64), dict(BKB_D=32), dict(LOOP=1, num_stages=3),
+            dict(LOOP=1, num_stages=4, BKB_GU=128), dict(LOOP=1, num_stages=3, BI=32)],
     "v1": [dict(num_warps=2), dict(num_warps=8)],
 }
 TOL = {"dot": 2e-2}  # dot rounds activations to bf16; others are fp32 up to the model dtype

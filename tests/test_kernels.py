@@ -196,6 +196,27 @@ def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L, variant):
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("variant,tiles", [("dot", dict(LOOP=1, BKB_GU=16, BN=16, BN_D=32)),
+                                           ("v2b", dict(LOOP=1, BKB_GU=32, BI=32, BL=16)),
+                                           ("v1", dict(num_warps=2))])
+def test_mxfp4_expert_tiles_match_reference(variant, tiles):
+    """Tile overrides (and the runtime tl.range k loop, LOOP=1) give the same results."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(7)
+    N, K, E, I, L = 2, 3, 5, 64, 128
+    x = torch.randn(N, L, generator=g).bfloat16().float()
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant=variant, tiles=tiles)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant, tiles=tiles)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    tol = 1e-2 if variant == "dot" else 1e-4
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def test_mxfp4_variant_selection(monkeypatch):
     x = torch.zeros(1, 3584)
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)

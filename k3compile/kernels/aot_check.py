@@ -62,10 +62,15 @@ def variants():
     out.append(("mxfp4_down", KM.mxfp4_down_kernel, moe, dict(I=384, BL=32, BKB=64)))
     for I in (384, 1536):  # TP=8, TP=2
         out.append((f"mxfp4_dot_gate_up I{I}", KM.mxfp4_gate_up_dot_kernel, moe,
-                    dict(K=16, L=3584, BN=64, BKB=64, BT=16)))
-        out.append((f"mxfp4_dot_down I{I}", KM.mxfp4_down_dot_kernel, moe, dict(I=I, BN=64, BKB=64, BT=16)))
-        out.append((f"mxfp4_v2b_gate_up I{I}", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=256)))
-        out.append((f"mxfp4_v2b_down I{I}", KM.mxfp4_down_v2b_kernel, moe, dict(I=I, BL=32, BKB=64)))
+                    dict(K=16, L=3584, BN=64, BKB=64, BT=16, LOOP=0)))
+        out.append((f"mxfp4_dot_down I{I}", KM.mxfp4_down_dot_kernel, moe, dict(I=I, BN=64, BKB=64, BT=16, LOOP=0)))
+        out.append((f"mxfp4_v2b_gate_up I{I}", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=256, LOOP=0)))
+        out.append((f"mxfp4_v2b_down I{I}", KM.mxfp4_down_v2b_kernel, moe, dict(I=I, BL=32, BKB=64, LOOP=0)))
+    # the pipelined k loop (LOOP=1; num_stages comes from the launch, Triton's default here)
+    out.append(("mxfp4_dot_gate_up loop", KM.mxfp4_gate_up_dot_kernel, moe, dict(K=16, L=3584, BN=64, BKB=64, BT=16,
+                                                                                  LOOP=1)))
+    out.append(("mxfp4_v2b_gate_up loop", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128,
+                                                                                  LOOP=1)))
     return out
 
 

@@ -183,18 +183,19 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     """Tile sizes and launch options of one variant for these shapes (defaults, overridden by
     `tiles`), or None when the shapes do not fit.
       gate_up: rows per program (BI/BN, of gate and of up each), bytes per k step BKB_GU;
-      down:    rows per program BL/BN_D, bytes per k step BKB_D; num_warps, num_stages."""
+      down:    rows per program BL/BN_D, bytes per k step BKB_D; num_warps, num_stages (None:
+      Triton's default); dot and v2b: LOOP (0 unrolled k loop, 1 pipelined tl.range loop)."""
     t = dict(tiles or {})
     if variant == "dot":
         # dot_scaled tiles: k steps of >= 32 elements (16 bytes, one scale), rows a multiple of 16
         d = dict(BN=_divisor(I, (64, 32, 16)), BKB_GU=_divisor(L // 2, (64, 32, 16)), BN_D=_divisor(L, (64, 32, 16)),
-                 BKB_D=_divisor(I // 2, (64, 32, 16)), BT=16, num_warps=4, num_stages=1)
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), BT=16, LOOP=0, num_warps=4, num_stages=None)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
-                 BKB_D=_divisor(I // 2, (64, 32, 16)), num_warps=4, num_stages=1)
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
     else:
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2), BL=_divisor(L, (32,)),
-                 BKB_D=_divisor(I // 2, (64, 32, 16)), num_warps=4, num_stages=1)
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), num_warps=4, num_stages=None)
     d.update(t)
     rows_gu, rows_d = (d["BN"], d["BN_D"]) if variant == "dot" else (d["BI"], d["BL"])
     ok = (rows_gu > 0 and rows_d > 0 and d["BKB_GU"] >= 16 and d["BKB_D"] >= 16 and I % rows_gu == 0
@@ -229,7 +230,11 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
         raise ValueError(f"MXFP4 experts variant {variant}: shapes L={L} I={I} do not fit tiles {tiles}")
     mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
-    opts = dict(num_warps=d["num_warps"], num_stages=d["num_stages"])
+    opts = dict(num_warps=d["num_warps"])
+    if d["num_stages"] is not None:
+        opts["num_stages"] = d["num_stages"]
+    if variant != "v1":
+        opts["LOOP"] = d["LOOP"]
     if variant == "dot":
         KM.mxfp4_gate_up_dot_kernel[(P, I // d["BN"])](x, ids, w13, w13_scale, mid, K, I, L, float(beta),
                                                       float(linear_beta), BN=d["BN"], BKB=d["BKB_GU"], BT=d["BT"],

@@ -23,6 +23,8 @@ v2b (`mxfp4_gate_up_v2b_kernel`, `mxfp4_down_v2b_kernel`): v1's structure, but e
     normal number; the multiply/FMA must not flush subnormal *inputs* (PTX without .ftz, which
     aot_check verifies). The 2^(126-100) is folded into the scale exponent, exp2(s - 101). Larger
     byte tiles (BKB) and `num_stages` / `num_warps` are launch parameters for a GPU sweep.
+dot and v2b take LOOP: 0 unrolls the k loop (like v1), 1 makes it a runtime `tl.range` loop that
+Triton software-pipelines with `num_stages` (more bytes in flight per SM).
 
 Each variant has two kernels, one program per (token, slot) pair and row block; each pair reads only its own
 expert's bytes, which is what decode is bound by:
@@ -96,26 +98,36 @@ def mxfp4_down_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexp
 # ---------------------------------------------------------------- variant "dot" (tl.dot_scaled)
 
 @triton.jit
+def _fp4_tc_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB: tl.constexpr, BT: tl.constexpr):
+    col0 = (tl.arange(0, BT) == 0)[None, :]
+    cols = kb + tl.arange(0, BKB)
+    a = tl.load(w_ptr + rows[:, None] * row_bytes + cols[None, :])                              # u8 [R, BKB]
+    s = tl.load(s_ptr + rows[:, None] * row_scales + kb // 16 + tl.arange(0, BKB // 16)[None, :])
+    v = tl.load(v_ptr + 2 * kb + tl.arange(0, 2 * BKB)).to(tl.float32)
+    b = tl.where(col0, v[:, None], 0.0).to(tl.bfloat16)                                         # [2BKB, BT]
+    return tl.dot_scaled(a, s, "e2m1", b, None, "bf16", acc=acc)
+
+
+@triton.jit
 def _fp4_dot_tc(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr,
-                BT: tl.constexpr):
+                BT: tl.constexpr, LOOP: tl.constexpr):
     """sum_k W[rows, k] * v[k] through tl.dot_scaled (swap-AB: weights are the MMA's M side; the
     vector is column 0 of a [2*BKB, BT] bf16 tile, the rest zero). Uses only the dot_scaled
-    signature Triton 3.6 and 3.9 share."""
+    signature Triton 3.6 and 3.9 share. LOOP=0: k loop unrolled (static_range); LOOP=1: a runtime
+    tl.range loop, which Triton software-pipelines (cp.async) with the launch's num_stages."""
     acc = tl.zeros([rows.shape[0], BT], tl.float32)
-    col0 = (tl.arange(0, BT) == 0)[None, :]
-    for kb in tl.static_range(0, KB, BKB):
-        cols = kb + tl.arange(0, BKB)
-        a = tl.load(w_ptr + rows[:, None] * row_bytes + cols[None, :])                          # u8 [R, BKB]
-        s = tl.load(s_ptr + rows[:, None] * row_scales + kb // 16 + tl.arange(0, BKB // 16)[None, :])
-        v = tl.load(v_ptr + 2 * kb + tl.arange(0, 2 * BKB)).to(tl.float32)
-        b = tl.where(col0, v[:, None], 0.0).to(tl.bfloat16)                                     # [2BKB, BT]
-        acc = tl.dot_scaled(a, s, "e2m1", b, None, "bf16", acc=acc)
+    if LOOP == 0:
+        for kb in tl.static_range(0, KB, BKB):
+            acc = _fp4_tc_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB, BT)
+    else:
+        for kb in tl.range(0, KB, BKB):
+            acc = _fp4_tc_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB, BT)
     return tl.sum(acc, 1)
 
 
 @triton.jit
 def mxfp4_gate_up_dot_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
-                             BN: tl.constexpr, BKB: tl.constexpr, BT: tl.constexpr):
+                             BN: tl.constexpr, BKB: tl.constexpr, BT: tl.constexpr, LOOP: tl.constexpr):
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BN
     e = tl.load(ids + p).to(tl.int64)
@@ -123,8 +135,8 @@ def mxfp4_gate_up_dot_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.co
     rows = i0 + tl.arange(0, BN)
     wb = w13 + e * (2 * I) * (L // 2)
     sb = s13 + e * (2 * I) * (L // 32)
-    g = _fp4_dot_tc(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT)
-    u = _fp4_dot_tc(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT)
+    g = _fp4_dot_tc(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT, LOOP)
+    u = _fp4_dot_tc(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT, LOOP)
     tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
     tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
     tl.store(mid + p * I + rows, beta * tg * tl.sigmoid(g) * (lbeta * tu))
@@ -132,13 +144,13 @@ def mxfp4_gate_up_dot_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.co
 
 @triton.jit
 def mxfp4_down_dot_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BN: tl.constexpr, BKB: tl.constexpr,
-                          BT: tl.constexpr):
+                          BT: tl.constexpr, LOOP: tl.constexpr):
     p = tl.program_id(0)
     l0 = tl.program_id(1) * BN
     e = tl.load(ids + p).to(tl.int64)
     rows = l0 + tl.arange(0, BN)
     acc = _fp4_dot_tc(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
-                      mid + p * I, I // 2, BKB, BT)
+                      mid + p * I, I // 2, BKB, BT, LOOP)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
 
 
@@ -160,26 +172,36 @@ def _dq_hi32(b):
 
 
 @triton.jit
-def _fp4_dot_rows32(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr):
+def _fp4_rows32_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB: tl.constexpr):
+    cols = kb + tl.arange(0, BKB)
+    b = tl.load(w_ptr + rows[:, None] * row_bytes + cols[None, :]).to(tl.int32)
+    ve = tl.load(v_ptr + 2 * cols).to(tl.float32) * 1.2676506002282294e30                    # 2^100
+    vo = tl.load(v_ptr + 2 * cols + 1).to(tl.float32) * 1.2676506002282294e30
+    prod = _dq_lo32(b) * ve[None, :] + _dq_hi32(b) * vo[None, :]                               # [R, BKB]
+    blk = tl.sum(tl.reshape(prod, [rows.shape[0], BKB // 16, 16]), 2)                          # [R, BKB/16]
+    s = tl.load(s_ptr + rows[:, None] * row_scales + kb // 16 + tl.arange(0, BKB // 16)[None, :])
+    return acc + tl.sum(blk * tl.exp2(s.to(tl.float32) - 101.0), 1)
+
+
+@triton.jit
+def _fp4_dot_rows32(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr,
+                    LOOP: tl.constexpr):
     """As _fp4_dot_rows, with the fp32-bit dequantisation: products are value * v * 2^-26 (v is
     pre-scaled by 2^100 so that +-0.5 * 2^-126, an fp32 subnormal, times v is normal); the block
-    scale 2^(s-127) * 2^26 = exp2(s - 101)."""
+    scale 2^(s-127) * 2^26 = exp2(s - 101). LOOP as in _fp4_dot_tc."""
     acc = tl.zeros([rows.shape[0]], tl.float32)
-    for kb in tl.static_range(0, KB, BKB):
-        cols = kb + tl.arange(0, BKB)
-        b = tl.load(w_ptr + rows[:, None] * row_bytes + cols[None, :]).to(tl.int32)
-        ve = tl.load(v_ptr + 2 * cols).to(tl.float32) * 1.2676506002282294e30                # 2^100
-        vo = tl.load(v_ptr + 2 * cols + 1).to(tl.float32) * 1.2676506002282294e30
-        prod = _dq_lo32(b) * ve[None, :] + _dq_hi32(b) * vo[None, :]                           # [R, BKB]
-        blk = tl.sum(tl.reshape(prod, [rows.shape[0], BKB // 16, 16]), 2)                      # [R, BKB/16]
-        s = tl.load(s_ptr + rows[:, None] * row_scales + kb // 16 + tl.arange(0, BKB // 16)[None, :])
-        acc += tl.sum(blk * tl.exp2(s.to(tl.float32) - 101.0), 1)
+    if LOOP == 0:
+        for kb in tl.static_range(0, KB, BKB):
+            acc = _fp4_rows32_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB)
+    else:
+        for kb in tl.range(0, KB, BKB):
+            acc = _fp4_rows32_step(acc, w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, kb, BKB)
     return acc
 
 
 @triton.jit
 def mxfp4_gate_up_v2b_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
-                             BI: tl.constexpr, BKB: tl.constexpr):
+                             BI: tl.constexpr, BKB: tl.constexpr, LOOP: tl.constexpr):
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BI
     e = tl.load(ids + p).to(tl.int64)
@@ -187,19 +209,20 @@ def mxfp4_gate_up_v2b_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.co
     rows = i0 + tl.arange(0, BI)
     wb = w13 + e * (2 * I) * (L // 2)
     sb = s13 + e * (2 * I) * (L // 32)
-    g = _fp4_dot_rows32(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB)
-    u = _fp4_dot_rows32(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB)
+    g = _fp4_dot_rows32(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, LOOP)
+    u = _fp4_dot_rows32(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB, LOOP)
     tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
     tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
     tl.store(mid + p * I + rows, beta * tg * tl.sigmoid(g) * (lbeta * tu))
 
 
 @triton.jit
-def mxfp4_down_v2b_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexpr, BKB: tl.constexpr):
+def mxfp4_down_v2b_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexpr, BKB: tl.constexpr,
+                          LOOP: tl.constexpr):
     p = tl.program_id(0)
     l0 = tl.program_id(1) * BL
     e = tl.load(ids + p).to(tl.int64)
     rows = l0 + tl.arange(0, BL)
     acc = _fp4_dot_rows32(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
-                          mid + p * I, I // 2, BKB)
+                          mid + p * I, I // 2, BKB, LOOP)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
