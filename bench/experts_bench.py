@@ -2,12 +2,20 @@
 
 Per-rank shapes of TP=8 (I=384) and TP=2 (I=1536), latent L=3584, 896 experts, top-16, tokens
 routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, events, median):
-  k3         - the Triton kernels (k3::mxfp4_experts' CUDA dispatch);
-  reference  - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
+  <variant>[tiles] - the Triton kernels (k3::mxfp4_experts' CUDA dispatch), one row per variant
+                     (v1, dot, v2b: see k3compile/kernels/triton_moe.py) and tile override;
+  reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
+Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
+that fails to compile or run is recorded with its error and the bench goes on.
 Bytes = the MXFP4 weights and scales of the distinct experts used (what the op must read);
 bandwidth share = bytes / time / measured HBM bandwidth (a 1 GiB device copy, read + write).
 
-    python bench/experts_bench.py [--ms 1,4,16,64,256] [--out results.json]
+    python bench/experts_bench.py [--ms 1,4,16,64,256] [--variants v1,dot,v2b] [--sweep]
+                                  [--tiles JSON] [--shapes tp8,tp2] [--out results.json]
+
+--tiles: {"variant": [override, ...]} (keys of launch._mxfp4_tiles: BN, BKB_GU, BN_D, BKB_D, BT for
+dot; BI, BKB_GU, BL, BKB_D for v1/v2b; LOOP for dot/v2b; num_warps, num_stages for all); --sweep
+adds SWEEP's.
 """
 from __future__ import annotations
 
@@ -21,21 +29,46 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph  # noqa: E402
 
 L, E, TOPK = 3584, 896, 16
+SHAPES = {"tp8": 384, "tp2": 1536}
+# tile overrides tried by --sweep (on top of each variant's defaults, which always run)
+SWEEP = {
+    "dot": [dict(BN=32), dict(BN=16), dict(BKB_GU=128), dict(BKB_GU=32), dict(BN_D=32),
+            dict(num_warps=8, BN=128, BN_D=128), dict(LOOP=1, num_stages=3),
+            dict(LOOP=1, num_stages=4), dict(LOOP=1, num_stages=4, BKB_GU=128), dict(LOOP=1, num_stages=3, BN=32)],
+    "v2b": [dict(BKB_GU=128), dict(BKB_GU=64), dict(num_stages=2), dict(num_warps=2),
+            dict(num_warps=8), dict(BI=32), dict(BL=16), dict(BL=64), dict(BKB_D=32), dict(LOOP=1, num_stages=3),
+            dict(LOOP=1, num_stages=4, BKB_GU=128), dict(LOOP=1, num_stages=3, BI=32)],
+    "v1": [dict(num_warps=2), dict(num_warps=8)],
+}
+TOL = {"dot": 2e-2}  # dot rounds activations to bf16; others are fp32 up to the model dtype
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,64,256")
+    ap.add_argument("--variants", default="v1,dot,v2b")
+    ap.add_argument("--shapes", default="tp8,tp2")
+    ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tile overrides")
+    ap.add_argument("--tiles", default=None, help='JSON {"variant": [overrides, ...]}, added to the cases')
+    ap.add_argument("--no-reference-time", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
 
     from k3compile.kernels import launch
     from k3compile.model.moe_ops import mxfp4_experts_gathered
+    variants = [v for v in a.variants.split(",") if v]
+    extra = json.loads(a.tiles) if a.tiles else {}
+    cases = []
+    for v in variants:
+        cases.append((v, None))
+        for t in (SWEEP.get(v, []) if a.sweep else []) + extra.get(v, []):
+            cases.append((v, t))
     torch.manual_seed(0)
     bw = _hbm_bandwidth()
     rows = []
-    for shape, I in (("tp8", 384), ("tp2", 1536)):
+    for shape in a.shapes.split(","):
+        I = SHAPES[shape]
         w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
         s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
         w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
@@ -46,22 +79,48 @@ def main():
             ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
             distinct = int(torch.unique(ids).numel())
             nbytes = distinct * per_expert
-            k3 = lambda: launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0)  # noqa: E731
-            ref = lambda: mxfp4_experts_gathered(x, ids, w13, s13, w2, s2, 4.0, 25.0)  # noqa: E731
-            out = k3()
             sub = slice(0, min(M, 4))  # the reference on a few tokens (it materialises fp32 weights)
-            want = mxfp4_experts_gathered(x[sub], ids[sub], w13, s13, w2, s2, 4.0, 25.0)
-            err = ((out[sub].float() - want.float()).abs().max() / want.float().abs().max()).item()
-            t_k3 = _time_graph(k3)
-            t_ref = _time_graph(ref, reps=2, iters=5) if M * I <= 16 * 384 else None  # it materialises fp32 weights
-            row = dict(shapes=shape, M=M, I=I, distinct_experts=distinct, bytes=nbytes, k3_us=t_k3,
-                       reference_us=t_ref, err_vs_reference=err, k3_bytes_per_s=nbytes / (t_k3 * 1e-6),
-                       hbm_share=nbytes / (t_k3 * 1e-6) / bw, floor_us=nbytes / bw * 1e6)
-            rows.append(row)
-            print(f"experts {shape} M={M:<4} distinct={distinct:<4} k3={t_k3:8.1f}us ref={t_ref or float('nan'):9.1f}us "
-                  f"{nbytes / 1e6:7.1f} MB  {row['k3_bytes_per_s'] / 1e12:.2f} TB/s = {row['hbm_share'] * 100:.0f}% of "
-                  f"{bw / 1e12:.2f} TB/s  err {err:.2e}", flush=True)
-    out = dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+            want = mxfp4_experts_gathered(x[sub], ids[sub], w13, s13, w2, s2, 4.0, 25.0).float()
+            ref = lambda: mxfp4_experts_gathered(x, ids, w13, s13, w2, s2, 4.0, 25.0)  # noqa: E731
+            t_ref = (_time_graph(ref, reps=2, iters=5)
+                     if M * I <= 16 * 384 and not a.no_reference_time else None)  # it materialises fp32 weights
+            base = dict(shapes=shape, M=M, I=I, distinct_experts=distinct, bytes=nbytes, reference_us=t_ref,
+                        floor_us=nbytes / bw * 1e6)
+            for v, tiles in cases:
+                label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
+                row = dict(base, variant=v, tiles=tiles, label=label)
+                try:
+                    if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
+                        raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")
+                    fn = lambda v=v, tiles=tiles: launch.mxfp4_experts(  # noqa: E731
+                        x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v, tiles=tiles)
+                    out = fn()
+                    torch.cuda.synchronize()
+                    err = ((out[sub].float() - want).abs().max() / want.abs().max()).item()
+                    t = _time_graph(fn)
+                    row.update(k3_us=t, err_vs_reference=err, correct=bool(err <= TOL.get(v, 1e-3)),
+                               k3_bytes_per_s=nbytes / (t * 1e-6), hbm_share=nbytes / (t * 1e-6) / bw)
+                    print(f"experts {shape} M={M:<4} {label:<40} {t:8.1f}us ref={t_ref or float('nan'):9.1f}us "
+                          f"{nbytes / 1e6:7.1f} MB {row['k3_bytes_per_s'] / 1e12:.2f} TB/s = "
+                          f"{row['hbm_share'] * 100:3.0f}% of {bw / 1e12:.2f} TB/s err {err:.2e}"
+                          f"{'' if row['correct'] else ' WRONG'}", flush=True)
+                except Exception as exc:  # a variant that does not compile / run here: record, go on
+                    row.update(error=f"{type(exc).__name__}: {exc}"[:2000])
+                    print(f"experts {shape} M={M:<4} {label:<40} FAILED {row['error'][:300]}", flush=True)
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:
+                        pass
+                rows.append(row)
+    best = {}
+    for r in rows:
+        if r.get("correct") and r["k3_us"] < best.get((r["shapes"], r["M"]), (1e30,))[0]:
+            best[(r["shapes"], r["M"])] = (r["k3_us"], r["label"])
+    for (shape, M), (t, label) in best.items():
+        print(f"best {shape} M={M:<4} {label} {t:.1f}us")
+    out = dict(rows=rows, best={f"{s} M={m}": dict(us=t, label=lab) for (s, m), (t, lab) in best.items()},
+               hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               triton=__import__("triton").__version__,
                command="python bench/experts_bench.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
                commit=os.environ.get("K3_COMMIT", "unknown"))
     if a.out:

@@ -172,10 +172,13 @@ def test_router_latent_gather(world, rank):
     sim.check_signals(programs, 0)
 
 
+@pytest.mark.parametrize("variant", ["v1", "dot", "v2b"])
 @pytest.mark.parametrize("N,K,E,I,L", [(1, 2, 4, 64, 64), (3, 4, 8, 32, 128), (2, 2, 3, 96, 96)])
-def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L):
-    """The two MXFP4 expert kernels (gate-up + SiTU, down) vs the model's reference op, fp32
-    activations, random codes and scales (every E2M1 code, scales 2^-4 .. 2^3)."""
+def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L, variant):
+    """The two MXFP4 expert kernels (gate-up + SiTU, down) of each variant vs the model's reference
+    op, fp32 activations, random codes and scales (every E2M1 code, scales 2^-4 .. 2^3). "dot" rounds
+    its activations (x, and the fp32 SiTU output before the down projection) to bf16, so it is
+    compared with the reference on bf16-rounded x at a bf16 tolerance."""
     from k3compile.model.moe_ops import mxfp4_experts_reference
     g = torch.Generator().manual_seed(N * 100 + L)
     x = torch.randn(N, L, generator=g)
@@ -184,10 +187,51 @@ def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L):
     s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
     w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
     s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
-    assert launch.mxfp4_experts_ok(x, ids, w13)
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant=variant)
+    if variant == "dot":
+        x = x.bfloat16().float()
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
-    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    tol = 1e-2 if variant == "dot" else 1e-4
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("variant,tiles", [("dot", dict(LOOP=1, BKB_GU=16, BN=16, BN_D=32)),
+                                           ("v2b", dict(LOOP=1, BKB_GU=32, BI=32, BL=16)),
+                                           ("v1", dict(num_warps=2))])
+def test_mxfp4_expert_tiles_match_reference(variant, tiles):
+    """Tile overrides (and the runtime tl.range k loop, LOOP=1) give the same results."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(7)
+    N, K, E, I, L = 2, 3, 5, 64, 128
+    x = torch.randn(N, L, generator=g).bfloat16().float()
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant=variant, tiles=tiles)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant, tiles=tiles)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    tol = 1e-2 if variant == "dot" else 1e-4
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_mxfp4_variant_selection(monkeypatch):
+    x = torch.zeros(1, 3584)
+    w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)
+    ids = torch.zeros(1, 16, dtype=torch.int32)
+    monkeypatch.delenv("K3_MXFP4", raising=False)
+    assert launch.mxfp4_variant() == "v1"
+    monkeypatch.setenv("K3_MXFP4", "dot")
+    assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
+    with pytest.raises(ValueError):
+        launch.mxfp4_variant("nope")
+    for v in launch.MXFP4_VARIANTS:  # the real TP=8 / TP=2 shapes fit every variant
+        assert launch.mxfp4_experts_ok(x, ids, w13, variant=v)
+        assert launch.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 1536, 1, dtype=torch.uint8), variant=v)
+    assert not launch.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 40, 1, dtype=torch.uint8), variant="dot")
+    assert not launch.mxfp4_experts_ok(x, ids, w13, variant="dot", tiles=dict(BN=48))
 
 
 def test_kernel_path_is_described_for_the_report(monkeypatch):

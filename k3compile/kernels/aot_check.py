@@ -28,9 +28,14 @@ def _sig(fn, types: dict, consts: dict) -> tuple[dict, dict]:
     return sig, consts
 
 
-def compile_one(fn, types: dict, consts: dict):
+def compile_one(fn, types: dict, consts: dict, aligned: bool = False):
+    """aligned: mark every pointer and integer argument divisible by 16, as Triton's JIT does at
+    run time for such values (16-byte aligned tensors, I and L); without it loads are not
+    vectorised and the PTX misrepresents the memory path."""
     sig, consts = _sig(fn, types, consts)
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
+             if aligned and (t.startswith("*") or t in ("i32", "i64"))}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET)
 
 
 def variants():
@@ -55,13 +60,28 @@ def variants():
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
     out.append(("mxfp4_down", KM.mxfp4_down_kernel, moe, dict(I=384, BL=32, BKB=64)))
+    for I in (384, 1536):  # TP=8, TP=2
+        out.append((f"mxfp4_dot_gate_up I{I}", KM.mxfp4_gate_up_dot_kernel, moe,
+                    dict(K=16, L=3584, BN=64, BKB=64, BT=16, LOOP=0)))
+        out.append((f"mxfp4_dot_down I{I}", KM.mxfp4_down_dot_kernel, moe, dict(I=I, BN=64, BKB=64, BT=16, LOOP=0)))
+        out.append((f"mxfp4_v2b_gate_up I{I}", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=256, LOOP=0)))
+        out.append((f"mxfp4_v2b_down I{I}", KM.mxfp4_down_v2b_kernel, moe, dict(I=I, BL=32, BKB=64, LOOP=0)))
+    # the pipelined k loop (LOOP=1; num_stages comes from the launch, Triton's default here)
+    out.append(("mxfp4_dot_gate_up loop", KM.mxfp4_gate_up_dot_kernel, moe, dict(K=16, L=3584, BN=64, BKB=64, BT=16,
+                                                                                  LOOP=1)))
+    out.append(("mxfp4_v2b_gate_up loop", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128,
+                                                                                  LOOP=1)))
     return out
 
 
 # PTX each kernel family must contain: the barrier's system-scope CAS, the bulk L2 prefetch
 EXPECT = {"ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
           "latent_tail w2": ["atom.global.release.sys.cas"],
-          "gather w2": ["atom.global.acquire.sys.cas"], "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"]}
+          "gather w2": ["atom.global.acquire.sys.cas"], "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
+          "mxfp4_dot": ["mma"]}  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
+# PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
+# flush-to-zero on its float multiplies / FMAs
+FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 
 def main(argv=None) -> int:
@@ -72,8 +92,9 @@ def main(argv=None) -> int:
         if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2",
                                            "l2_prefetch", "mxfp4"))):
             continue
-        ptx = compile_one(fn, types, consts).asm["ptx"]
+        ptx = compile_one(fn, types, consts, aligned=name.startswith("mxfp4")).asm["ptx"]
         missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
+        missing += [f"forbidden {i}" for key, ins in FORBID.items() if name.startswith(key) for i in ins if i in ptx]
         bad += bool(missing)
         print(f"{name}: {'MISSING ' + ', '.join(missing) if missing else 'ok'} ({len(ptx)} chars of PTX)")
     return 1 if bad else 0

@@ -167,28 +167,84 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-def mxfp4_experts_ok(x, topk_ids, w13) -> bool:
-    """Shapes the MXFP4 expert kernels take: row bytes split into 16-byte scale blocks, I % 16 == 0."""
+MXFP4_VARIANTS = ("v1", "dot", "v2b")
+
+
+def mxfp4_variant(variant: str | None = None) -> str:
+    """The expert-kernel variant: the argument, else env K3_MXFP4, else "v1"."""
+    import os
+    v = variant or os.environ.get("K3_MXFP4") or "v1"
+    if v not in MXFP4_VARIANTS:
+        raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")
+    return v
+
+
+def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | None:
+    """Tile sizes and launch options of one variant for these shapes (defaults, overridden by
+    `tiles`), or None when the shapes do not fit.
+      gate_up: rows per program (BI/BN, of gate and of up each), bytes per k step BKB_GU;
+      down:    rows per program BL/BN_D, bytes per k step BKB_D; num_warps, num_stages (None:
+      Triton's default); dot and v2b: LOOP (0 unrolled k loop, 1 pipelined tl.range loop)."""
+    t = dict(tiles or {})
+    if variant == "dot":
+        # dot_scaled tiles: k steps of >= 32 elements (16 bytes, one scale), rows a multiple of 16
+        d = dict(BN=_divisor(I, (64, 32, 16)), BKB_GU=_divisor(L // 2, (64, 32, 16)), BN_D=_divisor(L, (64, 32, 16)),
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), BT=16, LOOP=0, num_warps=4, num_stages=None)
+    elif variant == "v2b":
+        d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
+    else:
+        d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2), BL=_divisor(L, (32,)),
+                 BKB_D=_divisor(I // 2, (64, 32, 16)), num_warps=4, num_stages=None)
+    d.update(t)
+    rows_gu, rows_d = (d["BN"], d["BN_D"]) if variant == "dot" else (d["BI"], d["BL"])
+    ok = (rows_gu > 0 and rows_d > 0 and d["BKB_GU"] >= 16 and d["BKB_D"] >= 16 and I % rows_gu == 0
+          and L % rows_d == 0 and (L // 2) % d["BKB_GU"] == 0 and (I // 2) % d["BKB_D"] == 0
+          and all(n & (n - 1) == 0 for n in (rows_gu, rows_d, d["BKB_GU"], d["BKB_D"])))  # tl.arange: powers of 2
+    return d if ok else None
+
+
+def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict | None = None) -> bool:
+    """Shapes the MXFP4 expert kernels of `variant` take: L % 32 == 0, I % 32 == 0 (row bytes split
+    into 16-byte scale blocks) and row/byte tiles that divide I, L, L/2 and I/2."""
     L, I = x.shape[1], w13.shape[1] // 2
-    return (x.dim() == 2 and x.is_contiguous() and _divisor(L // 2) > 0 and _divisor(I // 2, (64, 32, 16)) > 0
-            and I % 16 == 0 and L % 32 == 0)
+    return (x.dim() == 2 and x.is_contiguous() and L % 32 == 0 and I % 32 == 0
+            and _mxfp4_tiles(mxfp4_variant(variant), L, I, tiles) is not None)
 
 
-def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float):
-    """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract)."""
+def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
+                  variant: str | None = None, tiles: dict | None = None):
+    """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
+    variant: "v1" | "dot" | "v2b" (default env K3_MXFP4, else "v1"; see triton_moe's docstring);
+    tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles)."""
     from . import triton_moe as KM
+    variant = mxfp4_variant(variant)
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
     P = N * K
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
+    d = _mxfp4_tiles(variant, L, I, tiles)
+    if d is None:
+        raise ValueError(f"MXFP4 experts variant {variant}: shapes L={L} I={I} do not fit tiles {tiles}")
     mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
-    BI = 16
-    KM.mxfp4_gate_up_kernel[(P, I // BI)](x, ids, w13, w13_scale, mid, K, I, L, float(beta), float(linear_beta),
-                                          BI=BI, BKB=_divisor(L // 2), num_warps=4)
-    BL = 32
-    KM.mxfp4_down_kernel[(P, L // BL)](mid, ids, w2, w2_scale, out, I, L, BL=BL,
-                                       BKB=_divisor(I // 2, (64, 32, 16)), num_warps=4)
+    opts = dict(num_warps=d["num_warps"])
+    if d["num_stages"] is not None:
+        opts["num_stages"] = d["num_stages"]
+    if variant != "v1":
+        opts["LOOP"] = d["LOOP"]
+    if variant == "dot":
+        KM.mxfp4_gate_up_dot_kernel[(P, I // d["BN"])](x, ids, w13, w13_scale, mid, K, I, L, float(beta),
+                                                      float(linear_beta), BN=d["BN"], BKB=d["BKB_GU"], BT=d["BT"],
+                                                      **opts)
+        KM.mxfp4_down_dot_kernel[(P, L // d["BN_D"])](mid, ids, w2, w2_scale, out, I, L, BN=d["BN_D"],
+                                                     BKB=d["BKB_D"], BT=d["BT"], **opts)
+        return out
+    gu, dn = ((KM.mxfp4_gate_up_v2b_kernel, KM.mxfp4_down_v2b_kernel) if variant == "v2b"
+              else (KM.mxfp4_gate_up_kernel, KM.mxfp4_down_kernel))
+    gu[(P, I // d["BI"])](x, ids, w13, w13_scale, mid, K, I, L, float(beta), float(linear_beta),
+                          BI=d["BI"], BKB=d["BKB_GU"], **opts)
+    dn[(P, L // d["BL"])](mid, ids, w2, w2_scale, out, I, L, BL=d["BL"], BKB=d["BKB_D"], **opts)
     return out
