@@ -37,7 +37,7 @@ class SimGroup:
         self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
         self.bufs = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(world)]
         self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32) for _ in range(world)]
-        self.epoch = torch.zeros(2, dtype=torch.int32)
+        self.epoch = torch.zeros(3, dtype=torch.int32)
         self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs]),
                                   torch.tensor([p.data_ptr() for p in self.pads]), self.epoch, rank, world,
                                   self.nbytes, max_programs(pad_bytes, world))
@@ -51,23 +51,30 @@ class SimGroup:
         return self.bufs[p].view(dtype)[off:off + n].view(*shape)
 
     def arm(self, programs: int):
-        """The peers' signals to this rank, as if they had reached the barrier first."""
+        """The peers' signals to this rank, as if they had reached the barrier first: the next
+        call's sequence number (SEQ barrier) or 1 (CAS handshake)."""
+        v = int(self.epoch[2]) + 1 if launch.SEQ_BARRIER else 1
         for pid in range(programs):
             for p in range(self.world):
                 if p != self.rank:
-                    self.pads[self.rank][pid * self.world + p] = 1
+                    self.pads[self.rank][pid * self.world + p] = v
 
     def check_signals(self, programs: int, epoch_before: int):
-        assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
+        seq = int(self.epoch[2])  # the call just made
+        if launch.SEQ_BARRIER:   # the slots keep the last sequence number; nothing is consumed
+            assert all(int(self.pads[self.rank][pid * self.world + p]) == seq
+                       for pid in range(programs) for p in range(self.world) if p != self.rank)
+        else:
+            assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
         for p in range(self.world):
             if p == self.rank:
                 continue
             want = torch.zeros_like(self.pads[p])
             for pid in range(programs):
-                want[pid * self.world + self.rank] = 1
+                want[pid * self.world + self.rank] = seq if launch.SEQ_BARRIER else 1
             assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
             self.pads[p].zero_()  # the peer consumes them
-        assert self.epoch.tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
+        assert self.epoch[:2].tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
 
 
 def _weights(N, dtype, g):
@@ -122,6 +129,24 @@ def test_oproj_without_norm_and_plain_all_reduce():
     assert nrm.numel() == 0
     torch.testing.assert_close(upd, res + xs[0] @ w.t() + xs[1] @ w.t(), atol=1e-5, rtol=1e-5)
     sim.check_signals(M, 1)  # the second call used the other half
+
+
+@pytest.mark.skipif(not launch.SEQ_BARRIER, reason="the sequence-flag barrier is off (K3_BARRIER_SEQ=0)")
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
+    """The call counter wraps past 2^31 (int32 difference) and a peer that already signalled its
+    next call (value seq + 1) still releases this rank."""
+    g = torch.Generator().manual_seed(3)
+    M, N = 1, 16
+    sim = SimGroup(2, 1, M * N * 4)
+    sim.epoch[2] = 2 ** 31 - 1  # this call is number -2^31 after the wrap
+    other = torch.randn(M, N, generator=g)
+    sim.view(0, torch.float32, M, N).copy_(other)
+    x = torch.randn(M, N, generator=g)
+    sim.pads[1][0 * 2 + 0] = -2 ** 31 + ahead
+    out = launch.all_reduce(x, sim.peers)
+    torch.testing.assert_close(out, x + other)
+    assert int(sim.epoch[2]) == -2 ** 31 and int(sim.pads[0][1]) == -2 ** 31
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -49,12 +49,15 @@ def variants():
             for has_res, has_norm in ((1, 1), (0, 0), (0, 1)):
                 out.append((f"ar_residual_norm w{world} nb{nb} res{has_res} norm{has_norm}", K.ar_residual_norm_kernel,
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
-                                       BLOCK_N=8192, DTYPE=tl.bfloat16)))
+                                       BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
-                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16)))
+                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
         if world > 1:
             out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
-                        dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16)))
+                        dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16, SEQ=1)))
+    # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
+    out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
+                dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
     out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
@@ -75,9 +78,10 @@ def variants():
 
 
 # PTX each kernel family must contain: the barrier's system-scope CAS, the bulk L2 prefetch
-EXPECT = {"ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
-          "latent_tail w2": ["atom.global.release.sys.cas"],
-          "gather w2": ["atom.global.acquire.sys.cas"], "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
+SEQ_PTX = ["sys.release.exch", "sys.acquire"]  # posted system-scope signal, acquiring spin (ld or atom)
+EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2": SEQ_PTX,
+          "cas ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
+          "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
           "mxfp4_dot": ["mma"]}  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
     bad = 0
     for name, fn, types, consts in variants():
-        if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2",
+        if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ",
                                            "l2_prefetch", "mxfp4"))):
             continue
         ptx = compile_one(fn, types, consts, aligned=name.startswith("mxfp4")).asm["ptx"]

@@ -6,6 +6,7 @@ CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the o
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +18,17 @@ from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# the barrier protocol of the communication kernels (triton_comm's docstring): 1 = sequence flags
+# (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
+# process must use the same one (the two leave different values in the signal slots).
+SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
 
 
 @dataclass
 class Peers:
     ptrs: torch.Tensor   # int64 [world]: every rank's buffer address
     pads: torch.Tensor   # int64 [world]: every rank's signal-pad address
-    epoch: torch.Tensor  # int32 [2]: this rank's buffer-half selector and arrival counter
+    epoch: torch.Tensor  # int32 [3]: this rank's buffer-half selector, arrival counter, call count
     rank: int
     world: int
     nbytes: int          # buffer size (two halves)
@@ -59,7 +64,7 @@ def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.T
         g if g is not None else local, w_norm if w_norm is not None else local,
         w_qk if w_qk is not None else local, *bs, M, N, eps,
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
-        HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt],
+        HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
         num_warps=_warps(BLOCK))
     return upd, nrm
 
@@ -79,7 +84,8 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
         peers.epoch if peers else local, peers.half(dt) if peers else 0, local,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
-        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], num_warps=_warps(BLOCK))
+        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
+        num_warps=_warps(BLOCK))
     return ln, out
 
 
@@ -97,7 +103,8 @@ def gather_router_latent(shard: torch.Tensor, peers: Peers, M: int, E: int, L: i
     BLOCK = 1024
     K.gather_router_latent_kernel[(_programs(triton.cdiv(M * (E + L), BLOCK), peers),)](
         peers.ptrs, peers.pads, peers.epoch, peers.half(shard.dtype), shard, router, latent, M, S, E, L,
-        RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, DTYPE=_TL[shard.dtype], num_warps=4)
+        RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, DTYPE=_TL[shard.dtype], SEQ=SEQ_BARRIER,
+        num_warps=4)
     return router, latent
 
 

@@ -2,10 +2,16 @@
 
 Every kernel copies this rank's partial into its symmetric buffer, meets the peers at one
 per-program barrier on the signal pads (`pads`: program p on this rank signals program p on
-every peer, then waits for all of them; slots reset themselves: signal = CAS 0->1 on the peer,
-wait = CAS 1->0 locally), then reads each rank's partial from that rank's buffer (`ptrs`, a
-device table of addresses). The buffer has two halves; `epoch` (a device int pair in the
-workspace) says which one this call uses, and the last program to finish flips it. A peer
+every peer, then waits for all of them), then reads each rank's partial from that rank's buffer
+(`ptrs`, a device table of addresses). Two barrier protocols (`SEQ`):
+  SEQ=1 (default): the signal is a posted release-exchange of the call's sequence number into the
+        peer's slot, the wait spins on this rank's own slot until it holds at least that number
+        (int32 difference, so it wraps). One one-way NVLink trip; a peer at most one call ahead
+        (it cannot pass the next barrier without this rank's next signal) still satisfies `>=`.
+  SEQ=0: a self-resetting handshake, signal = CAS 0->1 on the peer (a round trip, retried until
+        the peer consumed the last signal), wait = CAS 1->0 locally.
+The buffer has two halves; `epoch` (device int32 [3] in the workspace: half, arrivals, sequence)
+says which one this call uses, and the last program to finish flips it and counts the call. A peer
 therefore writes the other half in its next call, and can come back to this half only after
 this rank has reached that next call's barrier, i.e. has finished reading: no closing barrier
 is needed. Everything lives in device memory, so the kernels replay under CUDA graphs (every
@@ -23,29 +29,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _barrier(pads, slot0, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
     """All programs with the same id on every rank meet here (slots slot0*WORLD .. +WORLD)."""
     tl.debug_barrier()  # this program's earlier stores happen before its signal
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            peer = tl.load(pads + p).to(tl.pointer_type(tl.uint32))
-            while tl.atomic_cas(peer + slot0 * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    mine = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            while tl.atomic_cas(mine + slot0 * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
+    if SEQ:
+        seq = tl.load(epoch + 2) + 1  # this call's number (the last program adds 1 at the end)
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                peer = tl.load(pads + p).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(peer + slot0 * WORLD + RANK, seq, sem="release", scope="sys")
+        mine = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                while tl.atomic_add(mine + slot0 * WORLD + p, 0, sem="acquire", scope="sys") - seq < 0:
+                    pass
+    else:
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                peer = tl.load(pads + p).to(tl.pointer_type(tl.uint32))
+                while tl.atomic_cas(peer + slot0 * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                    pass
+        mine = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                while tl.atomic_cas(mine + slot0 * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
+                    pass
     tl.debug_barrier()
 
 
 @triton.jit
 def _epoch_end(epoch):
-    """The last program of this kernel to get here flips the buffer half for the next call."""
+    """The last program of this kernel to get here flips the buffer half for the next call and
+    counts the call (the SEQ barrier's sequence number)."""
     tl.debug_barrier()
     done = tl.atomic_add(epoch + 1, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.atomic_xchg(epoch + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(epoch + 2, 1, sem="relaxed", scope="gpu")
         tl.atomic_xor(epoch, 1, sem="release", scope="gpu")
 
 
@@ -100,7 +120,7 @@ def ar_residual_norm_kernel(
     b0, b1, b2, b3, b4, b5, b6, b7,
     M, N, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -114,7 +134,7 @@ def ar_residual_norm_kernel(
         mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
         for row in range(pid, M, npid):
             tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
-        _barrier(pads, pid, RANK, WORLD)
+        _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
     if HAS_NORM:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
         if NB > 0:
@@ -159,7 +179,7 @@ def latent_tail_kernel(
     y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
@@ -185,7 +205,7 @@ def latent_tail_kernel(
             m2 = o2 < SP
             tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
     if WORLD > 1:
-        _barrier(pads, pid, RANK, WORLD)
+        _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
     else:
         tl.debug_barrier()
     gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
@@ -199,7 +219,7 @@ def latent_tail_kernel(
 @triton.jit
 def gather_router_latent_kernel(
     ptrs, pads, epoch, HALF, shard, router, latent, M, S, E, L,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
 ):
     """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M*S] result
     laid out as two row-major pieces, the router part [M, S1] then the latent part [M, S - S1]
@@ -212,7 +232,7 @@ def gather_router_latent_kernel(
     for start in range(pid * BLOCK, M * S, npid * BLOCK):
         i = start + tl.arange(0, BLOCK)
         tl.store(mine + i, tl.load(shard + i, mask=i < M * S), mask=i < M * S)
-    _barrier(pads, pid, RANK, WORLD)
+    _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
     total = M * (E + L)
     for start in range(pid * BLOCK, total, npid * BLOCK):
         i = start + tl.arange(0, BLOCK)

@@ -37,7 +37,8 @@ class Workspace:
     buf: torch.Tensor          # uint8 [nbytes], this rank's symmetric buffer
     ptrs: torch.Tensor         # int64 [world] on device: every rank's buffer address
     pads: torch.Tensor         # int64 [world] on device: every rank's signal-pad address
-    epoch: torch.Tensor        # int32 [2] on device: which buffer half the next call uses, arrival count
+    epoch: torch.Tensor        # int32 [3] on device: which buffer half the next call uses, arrival count,
+                               # calls so far (the barrier's sequence number)
     programs: int              # most programs one kernel may use (signal-pad slots / world)
     handle: object
 
@@ -104,7 +105,7 @@ def workspace(group: str, device: torch.device) -> Workspace | None:
         ws = Workspace(group, hdl.rank, hdl.world_size, buf,
                        torch.tensor(list(hdl.buffer_ptrs), dtype=torch.int64, device=dev),
                        torch.tensor(list(hdl.signal_pad_ptrs), dtype=torch.int64, device=dev),
-                       torch.zeros(2, dtype=torch.int32, device=dev),
+                       torch.zeros(3, dtype=torch.int32, device=dev),
                        max_programs(pads_bytes, hdl.world_size), hdl)
         buf.zero_()
         torch.cuda.synchronize(dev)

@@ -1,0 +1,44 @@
+#!/bin/bash
+# One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (run from the repo root on the
+# GPU machine; K3_COMMIT names the commit, the device copy's git does not). Each step's output goes
+# to $OUT/r/STEP.log (JSON results beside it) and one summary line (rc, seconds) to
+# $OUT/r/summary.txt; everything comes back as $OUT/results.tgz (the device returns <= 8 files).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export K3_CUTE_DIR=${K3_CUTE_DIR:-$PWD/build/cute}
+R=$OUT/r
+mkdir -p "$R"
+python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1
+nvidia-smi -L > "$R/gpus.txt" 2>&1
+step() {
+  local name=$1 t=$2
+  shift 2
+  local s
+  s=$(date +%s)
+  timeout "$t" "$@" > "$R/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$R/summary.txt"
+}
+LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1}"
+for st in "$@"; do
+  case $st in
+    tests) step gpu_tests 240 python3 -m pytest -m gpu -q -rA tests/ ;;
+    experts) step experts8 150 python3 bench/experts_bench.py --variants v1,dot,v2b --no-reference-time \
+               --shapes tp8 --ms 1,4,16,64 --out "$R/experts_tp8.json"
+             step experts2 100 python3 bench/experts_bench.py --variants v1,dot,v2b --no-reference-time \
+               --shapes tp2 --ms 1,16 --out "$R/experts_tp2.json" ;;
+    sweep8) step sweep8 200 python3 bench/experts_bench.py --variants v1,dot,v2b --sweep --shapes tp8 --ms 1,16 \
+              --no-reference-time --out "$R/experts_sweep_tp8.json" ;;
+    ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
+    ops_cas) step ops_cas 120 env K3_BARRIER_SEQ=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
+    cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
+          step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
+    kda8) step layer_kda_tp8 400 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
+    mla8) step layer_mla_tp8 400 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
+    kda2) step layer_kda_tp2 400 $LB --layer kda --shapes tp2 --out "$R/layer_kda_tp2.json" ;;
+    mla2) step layer_mla_tp2 400 $LB --layer mla --shapes tp2 --out "$R/layer_mla_tp2.json" ;;
+    k3c) step k3c_cuda 90 k3c run --device cuda --tp 2 ;;
+    *) echo "unknown step $st" | tee -a "$R/summary.txt" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$OUT" r
+cat "$R/summary.txt"
