@@ -40,7 +40,10 @@ SWEEP = {
             dict(LOOP=1, num_stages=4, BKB_GU=128), dict(LOOP=1, num_stages=3, BI=32)],
     "v1": [dict(num_warps=2), dict(num_warps=8)],
 }
-TOL = {"dot": 2e-2}  # dot rounds activations to bf16; others are fp32 up to the model dtype
+# max error / max |reference|: the output is rounded to bf16 (2^-9 relative per element) and the
+# sums run in another order, so 1e-3 flagged v1 itself; dot also rounds activations to bf16
+TOL = {"dot": 2e-2}
+TOL_DEFAULT = 1e-2
 
 
 def main():
@@ -98,7 +101,7 @@ def main():
                     torch.cuda.synchronize()
                     err = ((out[sub].float() - want).abs().max() / want.abs().max()).item()
                     t = _time_graph(fn)
-                    row.update(k3_us=t, err_vs_reference=err, correct=bool(err <= TOL.get(v, 1e-3)),
+                    row.update(k3_us=t, err_vs_reference=err, correct=bool(err <= TOL.get(v, TOL_DEFAULT)),
                                k3_bytes_per_s=nbytes / (t * 1e-6), hbm_share=nbytes / (t * 1e-6) / bw)
                     print(f"experts {shape} M={M:<4} {label:<40} {t:8.1f}us ref={t_ref or float('nan'):9.1f}us "
                           f"{nbytes / 1e6:7.1f} MB {row['k3_bytes_per_s'] / 1e12:.2f} TB/s = "

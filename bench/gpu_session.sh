@@ -29,6 +29,7 @@ for st in "$@"; do
     sweep8) step sweep8 200 python3 bench/experts_bench.py --variants v1,dot,v2b --sweep --shapes tp8 --ms 1,16 \
               --no-reference-time --out "$R/experts_sweep_tp8.json" ;;
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
+    ops_cold) step ops_cold 150 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;
     ops_cas) step ops_cas 120 env K3_BARRIER_SEQ=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;

@@ -16,6 +16,7 @@ op must read and the floor (bytes / measured HBM bandwidth).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -69,7 +70,7 @@ def _hbm_bandwidth():
     return max(BW_SEEN.values())  # bytes/s
 
 
-def run(rank, world, ms, shapes):
+def run(rank, world, ms, shapes, cold=1):
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -91,6 +92,11 @@ def run(rank, world, ms, shapes):
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, device=dev) * scale).to(bf)
+
+    def rot(t):
+        """Each call returns the next of `cold` copies of weight t (the same values): with cold > 1
+        the weights a graph reads exceed the L2, as a model's layers do; cold == 1 reuses t."""
+        return itertools.cycle([t] + [t.clone() for _ in range(cold - 1)]).__next__
 
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
@@ -128,7 +134,7 @@ def run(rank, world, ms, shapes):
             outs[name] = fn()
             res[name] = _time_graph(fn)
         errs = {n: check(outs[n], outs["eager"]) for n in outs if n != "eager"}
-        row = dict(op=op, shapes=shape, M=M, world=world, us=res, err_vs_eager=errs, bytes=nbytes,
+        row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, us=res, err_vs_eager=errs, bytes=nbytes,
                    floor_us=nbytes / bw * 1e6)
         base = min(res["eager"], res["inductor"])
         lo, hi = kcuda.ONESHOT_M[kop[op]]
@@ -153,14 +159,16 @@ def run(rank, world, ms, shapes):
             # 1. o-proj + all-reduce + residual + RMSNorm
             x, res_ = rnd(M, K), rnd(M, H)
 
-            def oproj_eager(ar=ar_eager):
-                y = ar(F.linear(x, w_o))
+            wo = rot(w_o)
+
+            def oproj_eager(w, ar=ar_eager):
+                y = ar(F.linear(x, w))
                 upd = res_ + y
                 return upd, rms_norm(upd, g_post, eps)
-            oproj_ind = torch.compile(lambda: oproj_eager(ar_func), backend="inductor")
+            oproj_ind = torch.compile(lambda w: oproj_eager(w, ar_func), backend="inductor")
             bench("oproj_ar_norm", shape, M, H * K * 2 + M * (K + 3 * H) * 2, {
-                "eager": oproj_eager, "inductor": oproj_ind,
-                "k3": lambda: torch.ops.k3.oproj_allreduce_residual(x, w_o, res_, [], None, None, g_post, eps,
+                "eager": lambda: oproj_eager(wo()), "inductor": lambda: oproj_ind(wo()),
+                "k3": lambda: torch.ops.k3.oproj_allreduce_residual(x, wo(), res_, [], None, None, g_post, eps,
                                                                     group, [])},
                 lambda a, b: max(rel(a[0], b[0]), rel(a[1], b[1])))
             # 2. latent tail: finalize + all-reduce + RMSNorm + up shard + add into shared partial
@@ -168,26 +176,30 @@ def run(rank, world, ms, shapes):
             tw = torch.softmax(torch.randn(M, TOPK, device=dev), -1)
             sp = rnd(M, H)
 
-            def tail_eager(ar=ar_eager):
+            wu = rot(w_up)
+
+            def tail_eager(w, ar=ar_eager):
                 routed = ar((y.float() * tw.unsqueeze(-1)).sum(1).to(bf))
-                tail = F.linear(rms_norm(routed, g_lat, eps), w_up)
+                tail = F.linear(rms_norm(routed, g_lat, eps), w)
                 out = sp.clone()
                 out[:, rank * UP:(rank + 1) * UP] += tail
                 return out
-            tail_ind = torch.compile(lambda: tail_eager(ar_func), backend="inductor")
+            tail_ind = torch.compile(lambda w: tail_eager(w, ar_func), backend="inductor")
             bench("latent_tail", shape, M, UP * L * 2 + M * (TOPK * L + 2 * H) * 2, {
-                "eager": tail_eager, "inductor": tail_ind,
-                "k3": lambda: torch.ops.k3.moe_latent_tail(y, tw, sp, g_lat, w_up, eps, rank, group, [])},
+                "eager": lambda: tail_eager(wu()), "inductor": lambda: tail_ind(wu()),
+                "k3": lambda: torch.ops.k3.moe_latent_tail(y, tw, sp, g_lat, wu(), eps, rank, group, [])},
                 rel)
             # 3. router + latent projection: replicated GEMMs vs sharded GEMM + all-gather
             xr = rnd(M, H)
 
-            def router_eager():
-                return F.linear(xr, w_r), F.linear(xr, w_d)
+            wr, wd = rot(w_r), rot(w_d)
+
+            def router_eager(a, b):
+                return F.linear(xr, a), F.linear(xr, b)
             router_ind = torch.compile(router_eager, backend="inductor")
             bench("router_latent", shape, M, (E + L) * H * 2 // world, {
-                "eager": router_eager, "inductor": router_ind,
-                "k3": lambda: torch.ops.k3.router_latent_sharded(xr, w_r, w_d, rank, world, group)},
+                "eager": lambda: router_eager(wr(), wd()), "inductor": lambda: router_ind(wr(), wd()),
+                "k3": lambda: torch.ops.k3.router_latent_sharded(xr, wr(), wd(), rank, world, group)},
                 lambda a, b: max(rel(a[0], b[0]), rel(a[1], b[1])))
             # 4. the MoE output all-reduce
             xa = rnd(M, H)
@@ -203,11 +215,14 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ms", default="1,4,16,64,256")
     ap.add_argument("--shapes", default="tp2,tp8")
+    ap.add_argument("--cold", type=int, default=1,
+                    help="cycle through this many copies of each weight, so that they are read from HBM "
+                         "and not the 60 MB L2, as in a model (8 is > L2 for every op)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from k3compile.distributed import run_ranks
     t = time.time()
-    res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), backend="nccl")
+    res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, backend="nccl")
     out = dict(res[0], command="python bench/ops_bench.py " + " ".join(sys.argv[1:]),
                date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t)
     out["commit"] = os.environ.get("K3_COMMIT", "unknown")  # the device copy's git does not know ours

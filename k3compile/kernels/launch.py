@@ -177,10 +177,17 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
 MXFP4_VARIANTS = ("v1", "dot", "v2b")
 
 
+# v2b's tiles by batch (tokens N <= bound), from the tile sweep on the H200 (BENCHMARKS.md, TP=8
+# shapes: at M=1 num_warps=8 was best, 35.6 us vs 43.9 us; at M=16 the pipelined loop with 32 rows,
+# 378 us vs 519 us). Shapes these tiles do not fit use the variant's defaults.
+MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages": 3, "BI": 32}))}
+
+
 def mxfp4_variant(variant: str | None = None) -> str:
-    """The expert-kernel variant: the argument, else env K3_MXFP4, else "v1"."""
+    """The expert-kernel variant: the argument, else env K3_MXFP4, else "v2b" (2.3-2.8x faster than
+    v1 and 1.4-3.8x faster than dot on the H200, BENCHMARKS.md)."""
     import os
-    v = variant or os.environ.get("K3_MXFP4") or "v1"
+    v = variant or os.environ.get("K3_MXFP4") or "v2b"
     if v not in MXFP4_VARIANTS:
         raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")
     return v
@@ -222,8 +229,9 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" (default env K3_MXFP4, else "v1"; see triton_moe's docstring);
-    tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles)."""
+    variant: "v1" | "dot" | "v2b" (default env K3_MXFP4, else "v2b"; see triton_moe's docstring);
+    tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
+    takes MXFP4_TUNED's tiles for this batch where they fit."""
     from . import triton_moe as KM
     variant = mxfp4_variant(variant)
     N, K = topk_ids.shape
@@ -232,7 +240,11 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
-    d = _mxfp4_tiles(variant, L, I, tiles)
+    d = None
+    if tiles is None:
+        tuned = next((t for bound, t in MXFP4_TUNED.get(variant, ()) if N <= bound), None)
+        d = _mxfp4_tiles(variant, L, I, tuned) if tuned else None
+    d = d or _mxfp4_tiles(variant, L, I, tiles)
     if d is None:
         raise ValueError(f"MXFP4 experts variant {variant}: shapes L={L} I={I} do not fit tiles {tiles}")
     mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
