@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export K3_CUTE_DIR=${K3_CUTE_DIR:-$PWD/build/cute}
 R=$OUT/r
 mkdir -p "$R"
-python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1
+python3 -c "import k3compile" 2>/dev/null || python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi -L > "$R/gpus.txt" 2>&1
 step() {
   local name=$1 t=$2
@@ -17,6 +17,7 @@ step() {
   s=$(date +%s)
   timeout "$t" "$@" > "$R/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - s ))s" | tee -a "$R/summary.txt"
+  tar czf "$OUT/results.tgz" -C "$OUT" r  # after every step: a call cut short still returns the finished ones
 }
 LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1}"
 for st in "$@"; do
@@ -29,14 +30,14 @@ for st in "$@"; do
     sweep8) step sweep8 200 python3 bench/experts_bench.py --variants v1,dot,v2b --sweep --shapes tp8 --ms 1,16 \
               --no-reference-time --out "$R/experts_sweep_tp8.json" ;;
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
-    ops_cold) step ops_cold 150 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;
+    ops_cold) step ops_cold 80 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;
     ops_cas) step ops_cas 120 env K3_BARRIER_SEQ=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
-    kda8) step layer_kda_tp8 400 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
-    mla8) step layer_mla_tp8 400 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
-    kda2) step layer_kda_tp2 400 $LB --layer kda --shapes tp2 --out "$R/layer_kda_tp2.json" ;;
-    mla2) step layer_mla_tp2 400 $LB --layer mla --shapes tp2 --out "$R/layer_mla_tp2.json" ;;
+    kda8) step "layer_kda_tp8" 260 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
+    mla8) step layer_mla_tp8 180 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
+    kda2) step layer_kda_tp2 120 $LB --layer kda --shapes tp2 --out "$R/layer_kda_tp2.json" ;;
+    mla2) step layer_mla_tp2 120 $LB --layer mla --shapes tp2 --out "$R/layer_mla_tp2.json" ;;
     k3c) step k3c_cuda 90 k3c run --device cuda --tp 2 ;;
     *) echo "unknown step $st" | tee -a "$R/summary.txt" ;;
   esac

@@ -8,7 +8,10 @@ step of that layer, CUDA-graphed, for:
               kernel, the model's PyTorch KDA decode step)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3") with every pass
-  k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate)
+  k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
+              k3none (no pass) and k3-prefetch (every pass, no L2 prefetch)
+Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
+graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
 step must read: every non-expert weight, the distinct experts' MXFP4 bytes, the KV cache and KDA
 state), and peak memory per variant (the symmetric workspace is reported beside it: it does not
@@ -127,14 +130,18 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
             return layer(prefix, delta, list(blocks), cache, M, 1)
 
         mode = "eager" if smoke else "inductor"
+
+        def k3c(**o):  # static shapes: one graph per M, as decode graphs per batch size are
+            return torch.compile(step, backend=k3compile.backend(mode=mode, **o), fullgraph=True, dynamic=False)
         variants = {"eager": step,
-                    "inductor": torch.compile(step, backend="inductor", fullgraph=True),
-                    "k3": torch.compile(step, backend=k3compile.backend(mode=mode), fullgraph=True)}
+                    "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
+                    "k3": k3c()}
         if M in ablate:
+            variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
+            variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch
             for p in PASSES:
-                variants[f"k3-{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, skip=[p]), fullgraph=True)
-                variants[f"k3+{p}"] = torch.compile(step, backend=k3compile.backend(mode=mode, passes=[p]),
-                                                    fullgraph=True)
+                variants[f"k3-{p}"] = k3c(skip=[p])
+                variants[f"k3+{p}"] = k3c(passes=[p])
         res, peak, kernels, errs, reports, top_kernels = {}, {}, {}, {}, {}, {}
         ref = None
         for name, fn in variants.items():
