@@ -70,14 +70,14 @@ def _hbm_bandwidth():
     return max(BW_SEEN.values())  # bytes/s
 
 
-def run(rank, world, ms, shapes, cold=1):
+def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     import torch.nn.functional as F
 
     import k3compile.ops  # noqa: F401
-    from k3compile.model.functional import rms_norm
+    from k3compile.model.functional import attnres_mix, rms_norm
     from k3compile.runtime import symm
 
     torch._dynamo.config.cache_size_limit = 64
@@ -124,6 +124,8 @@ def run(rank, world, ms, shapes, cold=1):
            "router_latent": "router_latent_sharded", "all_reduce": "all_reduce_prefetch"}
 
     def bench(op, shape, M, nbytes, variants, check):
+        if only and op not in only.split(","):
+            return
         res = {}
         outs = {}
         k3 = variants.pop("k3")
@@ -134,7 +136,8 @@ def run(rank, world, ms, shapes, cold=1):
             outs[name] = fn()
             res[name] = _time_graph(fn)
         errs = {n: check(outs[n], outs["eager"]) for n in outs if n != "eager"}
-        row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, us=res, err_vs_eager=errs, bytes=nbytes,
+        row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
+                   ar_warps=os.environ.get("K3_AR_WARPS"), us=res, err_vs_eager=errs, bytes=nbytes,
                    floor_us=nbytes / bw * 1e6)
         base = min(res["eager"], res["inductor"])
         lo, hi = kcuda.ONESHOT_M[kop[op]]
@@ -161,14 +164,20 @@ def run(rank, world, ms, shapes, cold=1):
 
             wo = rot(w_o)
 
+            blocks = [rnd(M, H) for _ in range(nblocks)]  # AttnRes blocks (a mid-depth layer has 3-7)
+
             def oproj_eager(w, ar=ar_eager):
                 y = ar(F.linear(x, w))
+                if blocks:
+                    nrm, upd = attnres_mix(res_, y, blocks, w_norm, w_qk, g_post, eps)
+                    return upd, nrm
                 upd = res_ + y
                 return upd, rms_norm(upd, g_post, eps)
             oproj_ind = torch.compile(lambda w: oproj_eager(w, ar_func), backend="inductor")
             bench("oproj_ar_norm", shape, M, H * K * 2 + M * (K + 3 * H) * 2, {
                 "eager": lambda: oproj_eager(wo()), "inductor": lambda: oproj_ind(wo()),
-                "k3": lambda: torch.ops.k3.oproj_allreduce_residual(x, wo(), res_, [], None, None, g_post, eps,
+                "k3": lambda: torch.ops.k3.oproj_allreduce_residual(x, wo(), res_, blocks, w_norm if blocks else None,
+                                                                    w_qk if blocks else None, g_post, eps,
                                                                     group, [])},
                 lambda a, b: max(rel(a[0], b[0]), rel(a[1], b[1])))
             # 2. latent tail: finalize + all-reduce + RMSNorm + up shard + add into shared partial
@@ -218,11 +227,14 @@ def main():
     ap.add_argument("--cold", type=int, default=1,
                     help="cycle through this many copies of each weight, so that they are read from HBM "
                          "and not the 60 MB L2, as in a model (8 is > L2 for every op)")
+    ap.add_argument("--blocks", type=int, default=0, help="AttnRes blocks in the o-proj op (0: plain RMSNorm)")
+    ap.add_argument("--ops", default="", help="comma list of ops to run (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from k3compile.distributed import run_ranks
     t = time.time()
-    res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, backend="nccl")
+    res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, a.blocks, a.ops,
+                    backend="nccl")
     out = dict(res[0], command="python bench/ops_bench.py " + " ".join(sys.argv[1:]),
                date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t)
     out["commit"] = os.environ.get("K3_COMMIT", "unknown")  # the device copy's git does not know ours

@@ -65,7 +65,7 @@ def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.T
         w_qk if w_qk is not None else local, *bs, M, N, eps,
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        num_warps=_warps(BLOCK))
+        num_warps=int(os.environ.get("K3_AR_WARPS", 0)) or _warps(BLOCK))  # env: bench sweeps only
     return upd, nrm
 
 
