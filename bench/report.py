@@ -22,6 +22,11 @@ def _name(d: dict) -> str:
     return f"{r['layer']}_{r['shapes']}_w{r['world']}"
 
 
+def _ablated(us: dict) -> list[str]:
+    """Passes (and `prefetch`) with a `k3-` row, in a stable order."""
+    return sorted(k[3:] for k in us if k.startswith("k3-"))
+
+
 def table(d: dict) -> str:
     r0 = d["rows"][0]
     out = [f"**{r0['layer'].upper()} layer {r0['layer_id']}, {r0['shapes']} per-rank shapes on {r0['world']} GPUs** "
@@ -38,14 +43,20 @@ def table(d: dict) -> str:
                    + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g} |")
     abl = [r for r in d["rows"] if any(k.startswith("k3-") for k in r["us"])]
     if abl:
-        out += ["", "Ablation (us; `-p`: every pass but p, `+p`: p alone; lower is better):", "",
-                "| M | pass | k3 (all) | all but this pass | this pass alone | no pass helps by |",
+        out += ["", "Ablation (us per layer step; `alone`: that pass only, `without`: every pass but that one; "
+                "the effects are differences, negative = faster):", "",
+                "| M | pass | alone | alone - no pass | without | all - without |",
                 "|---|---|---|---|---|---|"]
         for r in abl:
             us = r["us"]
-            for p in sorted({k[3:] for k in us if k.startswith("k3-")}):
-                out.append(f"| {r['M']} | {p} | {us['k3']:.1f} | {us['k3-' + p]:.1f} | {us['k3+' + p]:.1f} | "
-                           f"{us['k3-' + p] - us['k3']:+.1f} |")
+            none = us.get("k3none")
+            if none is not None:
+                out.append(f"| {r['M']} | (no pass: `k3none`) | {none:.1f} | 0 | | |")
+            for p in _ablated(us):
+                alone = us.get("k3+" + p)
+                cells = (f"{alone:.1f} | {alone - none:+.1f}" if alone is not None and none is not None
+                         else (f"{alone:.1f} | " if alone is not None else " | "))
+                out.append(f"| {r['M']} | {p} | {cells} | {us['k3-' + p]:.1f} | {us['k3'] - us['k3-' + p]:+.1f} |")
     return "\n".join(out)
 
 
@@ -73,11 +84,13 @@ def plots(d: dict, png_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(abl), figsize=(6 * len(abl), 4), squeeze=False)
         for ax, r in zip(axes[0], abl):
             us = r["us"]
-            ps = sorted({k[3:] for k in us if k.startswith("k3-")})
+            ps = _ablated(us)
             x = range(len(ps))
             ax.bar([i - 0.2 for i in x], [us["k3-" + p] for p in ps], 0.4, label="all passes but this one")
-            ax.bar([i + 0.2 for i in x], [us["k3+" + p] for p in ps], 0.4, label="this pass alone")
+            ax.bar([i + 0.2 for i in x], [us.get("k3+" + p, float("nan")) for p in ps], 0.4, label="this pass alone")
             ax.axhline(us["k3"], color="k", ls="--", label="all passes")
+            if "k3none" in us:
+                ax.axhline(us["k3none"], color="g", ls="-.", label="no pass (k3none)")
             ax.axhline(min(us["eager"], us["inductor"]), color="r", ls=":", label="best baseline")
             ax.set_xticks(list(x), [p.replace("_", "\n") for p in ps], fontsize=7)
             ax.set(ylabel="us per layer step", title=f"{name} M={r['M']}: per-pass ablation")

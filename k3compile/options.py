@@ -25,6 +25,20 @@ PASS_ORDER = (
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
 
+# Where each pass made a whole decoder layer faster than Inductor on the GPU: the per-layer
+# benchmark (bench/layer_bench.py, 2 x H200, KDA and MLA layers with LatentMoE at real K3 widths,
+# TP=8 per-rank shapes; BENCHMARKS.md "Per layer", bench/results/layer_*_h200x2.json) measured
+# every pass on its own as slower than the same graph without K3 passes, at M=1 and M=16 (us added
+# per layer step, KDA / MLA at M=1): shard_router_latent +1.3 / +9.7, fold_moe_finalize +11.0 / +3.5,
+# fuse_oproj_allreduce +14.9 / +18.8, overlap_shared_expert +29.1 / +27.7; with all four the layer
+# was 0.86-0.99x of Inductor at M=1..256. So with gate="measured" (the default) a CUDA graph compiled
+# by Inductor gets no pass outside these ranges, none of which exists yet: k3 is then Inductor plus
+# its canonicalisation (measured equal: 271.0 vs 271.9 us). The fused ops themselves are faster in
+# isolation (bench/ops_bench.py); why that does not carry over to the layer is open (BENCHMARKS.md).
+# gate="off" (or K3_GATE=off) applies the passes in their DEFAULT_M_RANGES anyway; CPU graphs and
+# mode="eager" are never gated.
+CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {}
+
 
 @dataclass(frozen=True)
 class K3Options:
@@ -34,6 +48,7 @@ class K3Options:
     dtypes: tuple[str, ...] = ("bfloat16",)  # model dtypes the fused ops accept
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
+    gate: str = "measured"  # "measured": on CUDA + Inductor apply a pass only in CUDA_PROFITABLE_M; "off"
     prefetch: bool = True
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
     # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
@@ -64,6 +79,10 @@ class K3Options:
             kw["dtypes"] = tuple(str(d).replace("torch.", "") for d in kw["dtypes"])
         if kw.get("mode", "inductor") not in ("inductor", "eager"):
             raise ValueError(f"mode must be 'inductor' or 'eager', got {kw['mode']!r}")
+        if os.environ.get("K3_GATE") and "gate" not in kw:
+            kw["gate"] = os.environ["K3_GATE"]
+        if kw.get("gate", "measured") not in ("measured", "off"):
+            raise ValueError(f"gate must be 'measured' or 'off', got {kw['gate']!r}")
         m_ranges = dict(DEFAULT_M_RANGES)
         m_ranges.update(kw.get("m_ranges", {}))
         kw["m_ranges"] = m_ranges

@@ -252,6 +252,33 @@ def test_env_switches(monkeypatch):
     assert "overlap_shared_expert" not in o.passes and o.strict
 
 
+def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(monkeypatch):
+    """On CUDA with Inductor every pass is skipped, with its reason, unless options.CUDA_PROFITABLE_M
+    says the per-layer benchmark measured it faster at that M; gate="off", mode="eager" and CPU
+    graphs are not gated."""
+    import dataclasses
+
+    from k3compile.options import CUDA_PROFITABLE_M, K3Options
+    from k3compile.passes.manager import PASSES
+    from k3compile.patterns.structure import GraphInfo
+    cuda = GraphInfo(tp=2, m=1, dtype=torch.bfloat16, device="cuda")
+    for p in PASSES.values():
+        why = p.skip_reason(cuda, K3Options.make())
+        assert why and "measured slower than Inductor" in why and "(M=1)" in why and "gate='off'" in why
+        assert p.skip_reason(cuda, K3Options.make(gate="off")) is None
+        assert p.skip_reason(cuda, K3Options.make(mode="eager")) is None
+        assert p.skip_reason(dataclasses.replace(cuda, device="cpu"), K3Options.make()) is None
+        assert "measured slower" in p.skip_reason(dataclasses.replace(cuda, m="dynamic"), K3Options.make())
+    monkeypatch.setitem(CUDA_PROFITABLE_M, "fuse_oproj_allreduce", (1, 4))
+    p = PASSES["fuse_oproj_allreduce"]
+    assert p.skip_reason(cuda, K3Options.make()) is None
+    assert "(M=8)" in p.skip_reason(dataclasses.replace(cuda, m=8), K3Options.make())
+    monkeypatch.setenv("K3_GATE", "off")
+    assert K3Options.make().gate == "off" and K3Options.make(gate="measured").gate == "measured"
+    with pytest.raises(ValueError, match="gate must be"):
+        K3Options.make(gate="sometimes")
+
+
 def test_uuid_stable_across_processes_and_covers_options():
     from k3compile.options import K3Options
     from k3compile.passes.manager import PassManager

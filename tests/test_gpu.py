@@ -17,6 +17,13 @@ from k3compile.model import K3Config, K3Model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.fixture(autouse=True)
+def _passes_on(monkeypatch):
+    """These tests check what the passes and kernels do on the GPU, so the profitability gate (which
+    skips every pass on CUDA + Inductor by default: options.CUDA_PROFITABLE_M) is off."""
+    monkeypatch.setenv("K3_GATE", "off")
+
+
 def test_side_stream_ops_match_reference():
     from k3compile.model.functional import situ_mlp
     torch.manual_seed(0)

@@ -65,7 +65,9 @@ class RunSpec:
     seed: int = 0
 
     def options(self, passes: tuple[str, ...] | None = None) -> K3Options:
-        kw = dict(mode="inductor" if self.inductor else "eager", dtypes=(self.dtype,), skip=self.skip)
+        # gate off: this CLI shows what each pass does, also where the per-layer benchmark measured
+        # it slower on the GPU (which the backend's default, gate="measured", would skip)
+        kw = dict(mode="inductor" if self.inductor else "eager", dtypes=(self.dtype,), skip=self.skip, gate="off")
         if passes is not None:
             kw["passes"] = passes
             kw.pop("skip")

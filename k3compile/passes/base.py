@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from ..options import K3Options
+from ..options import CUDA_PROFITABLE_M, K3Options
 from ..patterns.structure import GraphInfo
 from ..report import PassReport
 
@@ -34,6 +34,12 @@ class K3Pass:
         m = info.m_static
         if m is not None and not lo <= m <= hi:
             return f"M={m} is outside this pass's batch range [{lo}, {hi}]"
+        if opts.gate == "measured" and opts.mode == "inductor" and info.device == "cuda":
+            glo, ghi = CUDA_PROFITABLE_M.get(self.name, (1, 0))
+            if m is None or not glo <= m <= ghi:
+                return ("not applied: on CUDA with Inductor this pass measured slower than Inductor alone "
+                        f"at layer level{'' if m is None else f' (M={m})'} (options.CUDA_PROFITABLE_M, "
+                        "BENCHMARKS.md 'Per layer'); gate='off' or K3_GATE=off applies it")
         return None
 
     def run(self, graph: Graph, info: GraphInfo, opts: K3Options, report: PassReport) -> None:

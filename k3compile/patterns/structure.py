@@ -48,6 +48,7 @@ class GraphInfo:
     group: str | None = None
     m: int | str | None = None                      # tokens per step: an int, or "dynamic"
     dtype: torch.dtype | None = None
+    device: str | None = None                        # device type of the graph's tensor inputs
 
     @property
     def m_static(self) -> int | None:
@@ -57,7 +58,7 @@ class GraphInfo:
         return {
             "attention_layers": len(self.attention), "moe_layers": len(self.experts),
             "tp": self.tp, "m": self.m,
-            "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None,
+            "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None, "device": self.device,
         }
 
 
@@ -85,6 +86,8 @@ def analyze(graph) -> GraphInfo:
                     info.groups[g] = resolve_group(g)
                 except Exception:  # group not resolvable here (e.g. a graph loaded from a file)
                     info.groups[g] = (0, 1)
+        if info.device is None and n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor):
+            info.device = n.meta["val"].device.type
         if is_call(n, torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             dt, s = dtype(n), shape(n)
             if dt is not None:
