@@ -28,10 +28,11 @@ DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
 # Where each pass made a whole decoder layer faster than Inductor on the GPU: the per-layer
 # benchmark (bench/layer_bench.py, 2 x H200, KDA and MLA layers with LatentMoE at real K3 widths,
 # TP=8 per-rank shapes; BENCHMARKS.md "Per layer", bench/results/layer_*_h200x2.json) measured
-# every pass on its own as slower than the same graph without K3 passes, at M=1 and M=16 (us added
-# per layer step, KDA / MLA at M=1): shard_router_latent +1.3 / +9.7, fold_moe_finalize +11.0 / +3.5,
-# fuse_oproj_allreduce +14.9 / +18.8, overlap_shared_expert +29.1 / +27.7; with all four the layer
-# was 0.86-0.99x of Inductor at M=1..256. So with gate="measured" (the default) a CUDA graph compiled
+# every pass on its own as slower than the same graph without K3 passes, at M=1 (KDA, MLA) and M=16
+# (KDA) (us added per layer step, KDA / MLA at M=1): shard_router_latent +1.3 / +9.7,
+# fold_moe_finalize +11.0 / +3.5, fuse_oproj_allreduce +14.9 / +18.8, overlap_shared_expert +29.1 /
+# +27.7 (at TP=2 shapes the router alone was 4-10 us faster; TP=8 is the production case); with all four the layer
+# was 0.86-1.00x of Inductor at M=1..256. So with gate="measured" (the default) a CUDA graph compiled
 # by Inductor gets no pass outside these ranges, none of which exists yet: k3 is then Inductor plus
 # its canonicalisation (measured equal: 271.0 vs 271.9 us). The fused ops themselves are faster in
 # isolation (bench/ops_bench.py); why that does not carry over to the layer is open (BENCHMARKS.md).
