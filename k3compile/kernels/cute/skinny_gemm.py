@@ -28,6 +28,17 @@ BN = 64       # weight rows per CTA (wgmma M)
 BK = 64       # K per stage: 4 wgmma K-steps of 16 (bf16), 128-byte rows -> 128B swizzle
 
 
+@cute.jit
+def _load_stage(pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+    """Producer step: wait for a free stage, TMA-load k-tile `prod.count` of the weight and the
+    tokens into stage `prod.index`, arm its barrier with the bytes to expect."""
+    pipe.producer_acquire(prod)
+    bar = pipe.producer_get_barrier(prod)
+    cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
+    cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
+    pipe.producer_commit(prod)
+
+
 class SkinnyGemmSm90:
     def __init__(self, mt: int = 16, stages: int = 8):
         assert mt in (8, 16, 32, 64), mt
@@ -112,11 +123,7 @@ class SkinnyGemmSm90:
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if warp == 0:
             for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                pipe.producer_commit(prod)
+                _load_stage(pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                 prod.advance()
 
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -133,11 +140,7 @@ class SkinnyGemmSm90:
             pipe.consumer_release(cons)
             cons.advance()
             if warp == 0 and prod.count < k_tiles:
-                pipe.producer_acquire(prod)
-                bar = pipe.producer_get_barrier(prod)
-                cute.copy(tma_a, tAgA[(None, prod.count)], tAsA[(None, prod.index)], tma_bar_ptr=bar)
-                cute.copy(tma_b, tBgB[(None, prod.count)], tBsB[(None, prod.index)], tma_bar_ptr=bar)
-                pipe.producer_commit(prod)
+                _load_stage(pipe, prod, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                 prod.advance()
 
         # epilogue: registers -> out, rows m >= m_valid dropped
