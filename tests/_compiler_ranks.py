@@ -40,3 +40,34 @@ def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None)
         out[name] = dict(err=worst, compiles=len(reps),
                          passes={p.name: (p.matched, p.expected, p.skipped, p.error) for p in reps[-1].passes})
     return out
+
+
+def rewritten_graph_ops(rank, world):
+    """Counts in the graph the passes leave, tiny model at TP=world, no pass vs every pass:
+    functional all-reduces, orphan collectives (nobody uses their result), aten.mm nodes."""
+    import k3compile  # noqa: F401
+    from k3compile.compiler import _compile
+    from k3compile.model import K3Config, K3Model, TPInfo
+    from k3compile.options import K3Options
+    from k3compile.passes.manager import PassManager
+    from k3compile.patterns.graph import c10d, is_call, orphan_collectives
+    cfg = K3Config.tiny(dtype="bfloat16")
+    model = K3Model(cfg, TPInfo.current())
+    out = {}
+    for name, passes in (("none", ()), ("all", None)):
+        opts = K3Options.make(mode="eager", **({} if passes is None else {"passes": passes}))
+        final = {}
+
+        def observe(stage, pass_name, graph):
+            final["graph"] = graph
+
+        def be(gm, ex):
+            compiled = _compile(gm, ex, opts, manager=PassManager(opts, observer=observe))
+            g = final["graph"]
+            out[name] = dict(all_reduce=sum(is_call(n, c10d.all_reduce.default) for n in g.nodes),
+                             orphans=len(orphan_collectives(g)),
+                             mm=sum(is_call(n, torch.ops.aten.mm.default) for n in g.nodes))
+            return compiled
+        torch._dynamo.reset()
+        torch.compile(model, backend=be, fullgraph=True)(torch.zeros(2, 1, dtype=torch.long), model.new_cache(2))
+    return out

@@ -62,6 +62,19 @@ def test_tp2_each_pass_and_all():
         assert rank_res["all"]["passes"]["shard_router_latent"][:2] == (7, 7)
 
 
+def test_rewritten_sites_leave_no_collective_or_gemm_running_for_nothing():
+    """A rewrite takes over a site's consumers; the collective it replaced (kept by FX's DCE, which
+    treats collectives as side effects) and the GEMM feeding it must go too, or the compiled graph
+    runs both the old and the fused path (it did: found on the GPU as layers slower than Inductor)."""
+    from _compiler_ranks import rewritten_graph_ops
+    res = run_ranks(rewritten_graph_ops, 2)
+    for r in res:
+        assert r["none"]["all_reduce"] >= 8 + 7 + 7, r  # o-proj, latent and MoE-output all-reduces
+        assert r["all"]["all_reduce"] == 0 and r["all"]["orphans"] == 0, r
+        # at least the 8 o-proj GEMMs and the 7 up-projection GEMMs now run inside the fused ops
+        assert r["all"]["mm"] <= r["none"]["mm"] - 8 - 7, r
+
+
 @pytest.mark.parametrize("style", ["matmul", "inplace", "vllm"])
 def test_differently_written_layers_fully_match(style):
     res = run_ranks(compiled_vs_eager, 2, [2], ["all"], 4, style)

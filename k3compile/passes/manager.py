@@ -20,6 +20,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from ..options import K3Options
+from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
@@ -132,10 +133,15 @@ class PassManager(CustomGraphPass):
             _trace_graph(f"k3_{name}_before", graph)
             self._observe("before", name, graph)
             t = time.perf_counter()
+            orphans = orphan_collectives(graph)  # a graph may come with some; only the pass's own go
             try:
                 p.run(graph, info, self.opts, pr)
                 stable_topological_sort(graph)
-                graph.eliminate_dead_code()
+                graph.eliminate_dead_code()  # first the replaced consumers, so the collectives become orphans
+                left = orphan_collectives(graph) - orphans
+                if left:  # the collectives the rewritten sites replaced (and, by DCE, their GEMMs)
+                    erase_collectives(graph, left)
+                    graph.eliminate_dead_code()
                 graph.lint()
             except Exception as e:  # roll back: the graph stays as it was before this pass
                 _restore(graph, snap)

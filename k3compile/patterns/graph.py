@@ -277,6 +277,30 @@ def rms_norms_by_input(graph) -> dict[Node, list[RmsNormSite]]:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+_COLLECTIVES = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+
+
+def orphan_collectives(graph) -> set[Node]:
+    """Functional collectives whose only users are `wait_tensor` nodes that nobody uses. FX's
+    dead-code elimination keeps them (collectives count as side effects), so a rewrite that takes
+    over a collective's consumers leaves it, and the GEMM feeding it, running for nothing."""
+    out = set()
+    for n in graph.nodes:
+        if is_call(n, *_COLLECTIVES) and n.users and all(
+                is_call(u, c10d.wait_tensor.default) and not u.users for u in n.users):
+            out.add(n)
+    return out
+
+
+def erase_collectives(graph, nodes) -> int:
+    """Erase these collectives and their unused waits; the caller's DCE then drops their inputs."""
+    for n in nodes:
+        for u in list(n.users):
+            graph.erase_node(u)
+        graph.erase_node(n)
+    return len(nodes)
+
+
 def _name(n: Any) -> str:
     if is_call(n):
         t = n.target
