@@ -48,6 +48,22 @@ def _dq(c):
 
 
 @triton.jit
+def _pair(ids, BR: tl.constexpr):
+    """This program's (token, slot) pair p, its expert e (int64) and its block of BR output rows."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    return p, e, tl.program_id(1) * BR + tl.arange(0, BR)
+
+
+@triton.jit
+def _situ(g, u, beta, lbeta):
+    """SiTU in fp32: beta * tanh(g / beta) * sigmoid(g) * lbeta * tanh(u / lbeta)."""
+    tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
+    tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
+    return beta * tg * tl.sigmoid(g) * (lbeta * tu)
+
+
+@triton.jit
 def _fp4_dot_rows(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr):
     """sum_k W[rows, k] * v[k] for one vector v (fp32 accumulate): W packed MXFP4 rows of
     `row_bytes` bytes with `row_scales` E8M0 bytes each; KB = bytes per row (constexpr).
@@ -69,27 +85,18 @@ def _fp4_dot_rows(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.const
 @triton.jit
 def mxfp4_gate_up_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
                          BI: tl.constexpr, BKB: tl.constexpr):
-    p = tl.program_id(0)
-    i0 = tl.program_id(1) * BI
-    e = tl.load(ids + p).to(tl.int64)
+    p, e, rows = _pair(ids, BI)
     t = p // K
-    rows = i0 + tl.arange(0, BI)
     wb = w13 + e * (2 * I) * (L // 2)
     sb = s13 + e * (2 * I) * (L // 32)
     g = _fp4_dot_rows(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB)
     u = _fp4_dot_rows(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB)
-    # SiTU in fp32: beta * tanh(g / beta) * sigmoid(g) * lbeta * tanh(u / lbeta)
-    tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
-    tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
-    tl.store(mid + p * I + rows, beta * tg * tl.sigmoid(g) * (lbeta * tu))
+    tl.store(mid + p * I + rows, _situ(g, u, beta, lbeta))
 
 
 @triton.jit
 def mxfp4_down_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexpr, BKB: tl.constexpr):
-    p = tl.program_id(0)
-    l0 = tl.program_id(1) * BL
-    e = tl.load(ids + p).to(tl.int64)
-    rows = l0 + tl.arange(0, BL)
+    p, e, rows = _pair(ids, BL)
     acc = _fp4_dot_rows(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
                         mid + p * I, I // 2, BKB)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
@@ -128,27 +135,19 @@ def _fp4_dot_tc(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constex
 @triton.jit
 def mxfp4_gate_up_dot_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
                              BN: tl.constexpr, BKB: tl.constexpr, BT: tl.constexpr, LOOP: tl.constexpr):
-    p = tl.program_id(0)
-    i0 = tl.program_id(1) * BN
-    e = tl.load(ids + p).to(tl.int64)
+    p, e, rows = _pair(ids, BN)
     t = p // K
-    rows = i0 + tl.arange(0, BN)
     wb = w13 + e * (2 * I) * (L // 2)
     sb = s13 + e * (2 * I) * (L // 32)
     g = _fp4_dot_tc(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT, LOOP)
     u = _fp4_dot_tc(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT, LOOP)
-    tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
-    tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
-    tl.store(mid + p * I + rows, beta * tg * tl.sigmoid(g) * (lbeta * tu))
+    tl.store(mid + p * I + rows, _situ(g, u, beta, lbeta))
 
 
 @triton.jit
 def mxfp4_down_dot_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BN: tl.constexpr, BKB: tl.constexpr,
                           BT: tl.constexpr, LOOP: tl.constexpr):
-    p = tl.program_id(0)
-    l0 = tl.program_id(1) * BN
-    e = tl.load(ids + p).to(tl.int64)
-    rows = l0 + tl.arange(0, BN)
+    p, e, rows = _pair(ids, BN)
     acc = _fp4_dot_tc(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
                       mid + p * I, I // 2, BKB, BT, LOOP)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
@@ -202,27 +201,19 @@ def _fp4_dot_rows32(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.con
 @triton.jit
 def mxfp4_gate_up_v2b_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
                              BI: tl.constexpr, BKB: tl.constexpr, LOOP: tl.constexpr):
-    p = tl.program_id(0)
-    i0 = tl.program_id(1) * BI
-    e = tl.load(ids + p).to(tl.int64)
+    p, e, rows = _pair(ids, BI)
     t = p // K
-    rows = i0 + tl.arange(0, BI)
     wb = w13 + e * (2 * I) * (L // 2)
     sb = s13 + e * (2 * I) * (L // 32)
     g = _fp4_dot_rows32(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, LOOP)
     u = _fp4_dot_rows32(wb, sb, I + rows, L // 2, L // 32, x + t * L, L // 2, BKB, LOOP)
-    tg = 2.0 * tl.sigmoid(2.0 * g / beta) - 1.0
-    tu = 2.0 * tl.sigmoid(2.0 * u / lbeta) - 1.0
-    tl.store(mid + p * I + rows, beta * tg * tl.sigmoid(g) * (lbeta * tu))
+    tl.store(mid + p * I + rows, _situ(g, u, beta, lbeta))
 
 
 @triton.jit
 def mxfp4_down_v2b_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexpr, BKB: tl.constexpr,
                           LOOP: tl.constexpr):
-    p = tl.program_id(0)
-    l0 = tl.program_id(1) * BL
-    e = tl.load(ids + p).to(tl.int64)
-    rows = l0 + tl.arange(0, BL)
+    p, e, rows = _pair(ids, BL)
     acc = _fp4_dot_rows32(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
                           mid + p * I, I // 2, BKB, LOOP)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
