@@ -88,13 +88,16 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
 FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 
+# --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
+QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4")
+
+
 def main(argv=None) -> int:
     import sys
     quick = "--quick" in (argv if argv is not None else sys.argv[1:])
     bad = 0
     for name, fn, types, consts in variants():
-        if quick and not (name.startswith(("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ",
-                                           "l2_prefetch", "mxfp4"))):
+        if quick and not name.startswith(QUICK):
             continue
         ptx = compile_one(fn, types, consts, aligned=name.startswith("mxfp4")).asm["ptx"]
         missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
