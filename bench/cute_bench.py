@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph  # noqa: E402
+from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
 
 N = 7168
 
@@ -62,7 +60,7 @@ def main():
 
     from k3compile.kernels.cute import loader
     from k3compile.kernels.cute.build import default_dir
-    bw = _hbm_bandwidth()
+    bw = hbm_bandwidth()
     tri = _triton_gemm()
     rows = []
     g = torch.Generator("cuda").manual_seed(0)
@@ -87,7 +85,7 @@ def main():
                     out = fn()
                     torch.cuda.synchronize()
                     row["err"][name] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                    row["us"][name] = _time_graph(fn)
+                    row["us"][name] = time_graph(fn)
                 except Exception as e:  # noqa: BLE001 - record and go on to the next variant
                     row["err"][name] = f"{type(e).__name__}: {e}"
             us = row["us"]
@@ -97,13 +95,8 @@ def main():
             rows.append(row)
             print(f"gemm {shape} rotate={a.rotate} M={M:<3} " + " ".join(f"{k}={v:7.2f}us" for k, v in us.items())
                   + f" floor={row['floor_us']:.2f}us err={row['err']}", flush=True)
-    out = dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               command="python bench/cute_bench.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
-               commit=os.environ.get("K3_COMMIT", "unknown"))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
+                     torch=torch.__version__))
 
 if __name__ == "__main__":
     main()

@@ -23,10 +23,9 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph  # noqa: E402
+from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
 
 L, E, TOPK = 3584, 896, 16
 SHAPES = {"tp8": 384, "tp2": 1536}
@@ -68,7 +67,7 @@ def main():
         for t in (SWEEP.get(v, []) if a.sweep else []) + extra.get(v, []):
             cases.append((v, t))
     torch.manual_seed(0)
-    bw = _hbm_bandwidth()
+    bw = hbm_bandwidth()
     rows = []
     for shape in a.shapes.split(","):
         I = SHAPES[shape]
@@ -85,7 +84,7 @@ def main():
             sub = slice(0, min(M, 4))  # the reference on a few tokens (it materialises fp32 weights)
             want = mxfp4_experts_gathered(x[sub], ids[sub], w13, s13, w2, s2, 4.0, 25.0).float()
             ref = lambda: mxfp4_experts_gathered(x, ids, w13, s13, w2, s2, 4.0, 25.0)  # noqa: E731
-            t_ref = (_time_graph(ref, reps=2, iters=5)
+            t_ref = (time_graph(ref, reps=2, iters=5)
                      if M * I <= 16 * 384 and not a.no_reference_time else None)  # it materialises fp32 weights
             base = dict(shapes=shape, M=M, I=I, distinct_experts=distinct, bytes=nbytes, reference_us=t_ref,
                         floor_us=nbytes / bw * 1e6)
@@ -100,7 +99,7 @@ def main():
                     out = fn()
                     torch.cuda.synchronize()
                     err = ((out[sub].float() - want).abs().max() / want.abs().max()).item()
-                    t = _time_graph(fn)
+                    t = time_graph(fn)
                     row.update(k3_us=t, err_vs_reference=err, correct=bool(err <= TOL.get(v, TOL_DEFAULT)),
                                k3_bytes_per_s=nbytes / (t * 1e-6), hbm_share=nbytes / (t * 1e-6) / bw)
                     print(f"experts {shape} M={M:<4} {label:<40} {t:8.1f}us ref={t_ref or float('nan'):9.1f}us "
@@ -121,15 +120,9 @@ def main():
             best[(r["shapes"], r["M"])] = (r["k3_us"], r["label"])
     for (shape, M), (t, label) in best.items():
         print(f"best {shape} M={M:<4} {label} {t:.1f}us")
-    out = dict(rows=rows, best={f"{s} M={m}": dict(us=t, label=lab) for (s, m), (t, lab) in best.items()},
-               hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=__import__("triton").__version__,
-               command="python bench/experts_bench.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
-               commit=os.environ.get("K3_COMMIT", "unknown"))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save(a.out, dict(rows=rows, best={f"{s} M={m}": dict(us=t, label=lab) for (s, m), (t, lab) in best.items()},
+                     hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                     triton=__import__("triton").__version__))
 
 if __name__ == "__main__":
     main()

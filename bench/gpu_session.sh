@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (run from the repo root on the
-# GPU machine; K3_COMMIT names the commit, the device copy's git does not). Each step's output goes
+# GPU machine). The results name the commit from .k3_commit (here, before the call:
+# `git rev-parse --short HEAD > .k3_commit`, and carry it: it is git-ignored) or K3_COMMIT. Each step's output goes
 # to $OUT/r/STEP.log (JSON results beside it) and one summary line (rc, seconds) to
 # $OUT/r/summary.txt; everything comes back as $OUT/results.tgz (the device returns <= 8 files).
 set -u

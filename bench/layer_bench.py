@@ -27,7 +27,6 @@ TP=8 rank holds while communicating over `world` GPUs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -94,7 +93,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
     import k3compile
     from k3compile.model import K3Model, TPInfo
     from k3compile.runtime import symm
-    from bench.ops_bench import BW_SEEN, _hbm_bandwidth, _time_graph
+    from bench.common import BW_SEEN, hbm_bandwidth, time_graph
 
     dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
     if dev.type == "cuda":
@@ -108,7 +107,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
     _materialise(model, dev, gen)
     layer = model.layers[str(idx)]
     nb = cfg.blocks_before(idx)
-    bw = _hbm_bandwidth() if not smoke else 1e12
+    bw = hbm_bandwidth() if not smoke else 1e12
     if dev.type == "cuda":
         _best_standalone_experts()
     rows = []
@@ -161,7 +160,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
                 reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
             if smoke:
                 continue
-            res[name] = _time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
+            res[name] = time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
             peak[name] = torch.cuda.max_memory_allocated()
             kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3"):
@@ -252,6 +251,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from bench.common import save
     from k3compile.distributed import run_ranks
     t = time.time()
     ms = [int(m) for m in a.ms.split(",")]
@@ -259,12 +259,7 @@ def main():
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke,
                     **({} if a.smoke else {"backend": "nccl"}))
-    out = dict(res[0], command="python bench/layer_bench.py " + " ".join(sys.argv[1:]),
-               date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t, commit=os.environ.get("K3_COMMIT", "unknown"))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save(a.out, res[0], t)
 
 if __name__ == "__main__":
     main()

@@ -17,57 +17,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
 
 H, L, E, TOPK = 7168, 3584, 896, 16
 SHAPES = {"tp2": dict(heads_dim=12288 // 2, up=H // 2), "tp8": dict(heads_dim=12288 // 8, up=H // 8)}
-
-
-def _time_graph(fn, reps=20, iters=30):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    times.sort()
-    return times[len(times) // 2]
-
-
-BW_SEEN: dict[str, float] = {}
-
-
-def _hbm_bandwidth():
-    """The memory ceiling for floors and bandwidth shares: the larger of a 1 GiB device copy (bytes
-    read + written) and a 2 GiB read-only reduction, both graphed (the two are in BW_SEEN). Decode
-    mostly reads, and the copy alone measured 2.71 TB/s on the x2 machine while a cuBLAS GEMM read
-    its weights at 3.5 TB/s: a copy-only ceiling made every floor too loose."""
-    import torch
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = _time_graph(lambda: y.copy_(x), reps=5, iters=10)
-    BW_SEEN["copy_read_write"] = 2 * x.numel() / (t * 1e-6)
-    r = torch.ones(1 << 29, dtype=torch.float32, device="cuda")
-    out = torch.empty((), device="cuda")
-    t = _time_graph(lambda: torch.sum(r, dim=0, out=out), reps=5, iters=10)
-    BW_SEEN["read_only"] = r.numel() * 4 / (t * 1e-6)
-    return max(BW_SEEN.values())  # bytes/s
 
 
 def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
@@ -87,7 +45,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
     group = dist.group.WORLD.group_name
     bf = torch.bfloat16
     eps = 1e-5
-    bw = _hbm_bandwidth()
+    bw = hbm_bandwidth()
     rows = []
 
     def rnd(*shape, scale=1.0):
@@ -134,7 +92,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
         for name, fn in variants.items():
             dist.barrier()
             outs[name] = fn()
-            res[name] = _time_graph(fn)
+            res[name] = time_graph(fn)
         errs = {n: check(outs[n], outs["eager"]) for n in outs if n != "eager"}
         row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
                    ar_warps=os.environ.get("K3_AR_WARPS"), us=res, err_vs_eager=errs, bytes=nbytes,
@@ -235,13 +193,7 @@ def main():
     t = time.time()
     res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, a.blocks, a.ops,
                     backend="nccl")
-    out = dict(res[0], command="python bench/ops_bench.py " + " ".join(sys.argv[1:]),
-               date=time.strftime("%Y-%m-%d"), wall_s=time.time() - t)
-    out["commit"] = os.environ.get("K3_COMMIT", "unknown")  # the device copy's git does not know ours
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-
+    save(a.out, res[0], t)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,84 @@
+"""What every benchmark script shares: CUDA-graph timing, the memory ceiling, and how a result is saved
+(with the command, date, GPU and commit).
+
+The commit: `K3_COMMIT` if set, else the file `.k3_commit` in the repository root (write it with
+`git rev-parse --short HEAD > .k3_commit` right before a device call and name it in `carry`: the
+device machine's copy of the tree has no reliable git history), else `git rev-parse`, else "unknown".
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def time_graph(fn, reps=20, iters=30):
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+BW_SEEN: dict[str, float] = {}
+
+
+def hbm_bandwidth():
+    """The memory ceiling for floors and bandwidth shares: the larger of a 1 GiB device copy (bytes
+    read + written) and a 2 GiB read-only reduction, both graphed (the two are in BW_SEEN). Decode
+    mostly reads, and the copy alone measured 2.71 TB/s on the x2 machine while a cuBLAS GEMM read
+    its weights at 3.5 TB/s: a copy-only ceiling made every floor too loose."""
+    import torch
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = time_graph(lambda: y.copy_(x), reps=5, iters=10)
+    BW_SEEN["copy_read_write"] = 2 * x.numel() / (t * 1e-6)
+    r = torch.ones(1 << 29, dtype=torch.float32, device="cuda")
+    out = torch.empty((), device="cuda")
+    t = time_graph(lambda: torch.sum(r, dim=0, out=out), reps=5, iters=10)
+    BW_SEEN["read_only"] = r.numel() * 4 / (t * 1e-6)
+    return max(BW_SEEN.values())  # bytes/s
+
+
+
+def commit() -> str:
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
+    try:
+        with open(os.path.join(ROOT, ".k3_commit")) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def save(path: str | None, result: dict, t0: float | None = None) -> dict:
+    """result + command line, date, wall time, commit; written as JSON to `path` when given."""
+    out = dict(result, command="python " + os.path.relpath(sys.argv[0], ROOT) + " " + " ".join(sys.argv[1:]),
+               date=time.strftime("%Y-%m-%d"), commit=commit())
+    if t0 is not None:
+        out["wall_s"] = time.time() - t0
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
