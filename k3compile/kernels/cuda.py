@@ -110,10 +110,7 @@ def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
         routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
         _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
-        out = shared_partial.clone()
-        n = w_up.shape[0]
-        (out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]).addmm_(ln, w_up.t())
-        return out
+        return launch.add_up_shard(shared_partial.clone(), ln, w_up, rank)
     return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
 
 

@@ -22,6 +22,7 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 # (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
 # process must use the same one (the two leave different values in the signal slots).
 SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
+AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps of the all-reduce/norm kernel (0: by width)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.T
         w_qk if w_qk is not None else local, *bs, M, N, eps,
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        num_warps=int(os.environ.get("K3_AR_WARPS", 0)) or _warps(BLOCK))  # env: bench sweeps only
+        num_warps=AR_WARPS or _warps(BLOCK))
     return upd, nrm
 
 
@@ -137,9 +138,13 @@ def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps
     join = start_prefetch()
     ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
     join()
+    return add_up_shard(out, ln, w_up, rank)
+
+
+def add_up_shard(out, ln, w_up, rank):
+    """out[:, this rank's columns] += ln @ w_up.T (all columns when w_up covers them), in place."""
     n = w_up.shape[0]
-    cols = out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]
-    cols.addmm_(ln, w_up.t())
+    (out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]).addmm_(ln, w_up.t())
     return out
 
 
@@ -186,7 +191,6 @@ MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages"
 def mxfp4_variant(variant: str | None = None) -> str:
     """The expert-kernel variant: the argument, else env K3_MXFP4, else "v2b" (2.3-2.8x faster than
     v1 and 1.4-3.8x faster than dot on the H200, BENCHMARKS.md)."""
-    import os
     v = variant or os.environ.get("K3_MXFP4") or "v2b"
     if v not in MXFP4_VARIANTS:
         raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")

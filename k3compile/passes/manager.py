@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
+from ..ops import describe_kernels
 from ..options import K3Options
 from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import analyze
@@ -156,7 +157,7 @@ class PassManager(CustomGraphPass):
             self._observe("after", name, graph)
             if self.dump:
                 self.graphs.append((name, before, _readable(graph)))
-        kernels = _kernel_note(graph, info) if report.is_k3 else None
+        kernels = describe_kernels(info.device, info.group) if report.is_k3 else None  # None off CUDA
         if kernels:
             report.passes[-1].notes.append(kernels)
         report.seconds = time.perf_counter() - t0
@@ -183,16 +184,6 @@ class PassManager(CustomGraphPass):
         if lo <= s and e <= hi:
             return None
         return f"compile range [{s}, {e}] is not inside this pass's batch range [{lo}, {hi}]"
-
-
-def _kernel_note(graph: Graph, info) -> str | None:
-    """Which kernels the rewritten ops will run (GPU graphs only)."""
-    from ..ops import describe_kernels
-    for n in graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor):
-            return describe_kernels(v.device.type, info.group)
-    return None
 
 
 def _readable(graph: Graph) -> str:

@@ -292,13 +292,12 @@ def orphan_collectives(graph) -> set[Node]:
     return out
 
 
-def erase_collectives(graph, nodes) -> int:
+def erase_collectives(graph, nodes) -> None:
     """Erase these collectives and their unused waits; the caller's DCE then drops their inputs."""
     for n in nodes:
         for u in list(n.users):
             graph.erase_node(u)
         graph.erase_node(n)
-    return len(nodes)
 
 
 def _name(n: Any) -> str:
