@@ -9,7 +9,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export K3_CUTE_DIR=${K3_CUTE_DIR:-$PWD/build/cute}
 R=$OUT/r
 mkdir -p "$R"
-python3 -c "import k3compile" 2>/dev/null || python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null 2>&1
+# installed (not just importable from the repo root): backend="k3" and the k3c script come from its entry points
+python3 -c "import importlib.metadata as m; m.distribution('k3compile')" 2>/dev/null \
+  || python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$R/install.log" 2>&1
 nvidia-smi -L > "$R/gpus.txt" 2>&1
 step() {
   local name=$1 t=$2

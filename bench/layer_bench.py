@@ -7,7 +7,9 @@ step of that layer, CUDA-graphed, for:
   eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
               kernel, the model's PyTorch KDA decode step)
   inductor  - torch.compile(backend="inductor")
-  k3        - torch.compile(backend="k3") with every pass
+  k3        - torch.compile(backend="k3"), default options: the passes the profitability gate
+              (options.CUDA_PROFITABLE_M) applies at this M
+  k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
               k3none (no pass) and k3-prefetch (every pass, no L2 prefetch)
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
@@ -130,13 +132,14 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
 
         mode = "eager" if smoke else "inductor"
 
-        def k3c(**o):  # static shapes: one graph per M, as decode graphs per batch size are; gate off: the
-            # passes are what is measured (the default gate skips them all on CUDA: k3none is that default)
-            return torch.compile(step, backend=k3compile.backend(mode=mode, gate="off", **o), fullgraph=True,
-                                 dynamic=False)
+        def k3c(**o):  # static shapes: one graph per M, as decode graphs per batch size are; the ablation
+            # rows turn the profitability gate off (the passes are what they measure)
+            o.setdefault("gate", "off")
+            return torch.compile(step, backend=k3compile.backend(mode=mode, **o), fullgraph=True, dynamic=False)
         variants = {"eager": step,
                     "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
-                    "k3": k3c()}
+                    "k3": k3c(gate="measured"),  # what backend="k3" gives: the gate's measured table
+                    "k3all": k3c()}              # every pass in its batch range, with the L2 prefetch
         if M in ablate:
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch
@@ -163,8 +166,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
             res[name] = time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
             peak[name] = torch.cuda.max_memory_allocated()
             kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
-            if name in ("eager", "inductor", "k3"):
-                top_kernels[name] = top  # us of device time per kernel name, one replay (profiled)
+            if name in ("eager", "inductor", "k3", "k3all"):
+                top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
@@ -233,11 +236,15 @@ def _count_kernels(fn) -> int:
         g.replay()
         torch.cuda.synchronize()
     evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list] = {}
     for e in evs:
-        by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.device_time
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return len(evs), [[n, round(t, 2)] for n, t in top]
+        c = by_name.setdefault(e.name[:90], [0, 0.0])
+        c[0] += 1
+        c[1] += e.device_time
+    # every kernel name (communication kernels include the wait for the peer, so their times are not
+    # their own cost); the sum of the others shows how much of a step is kernels vs gaps
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return len(evs), [[n, c, round(t, 2)] for n, (c, t) in rows]
 
 
 def main():

@@ -25,22 +25,28 @@ PASS_ORDER = (
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
 
-# Where each pass made a whole decoder layer faster than Inductor on the GPU: the per-layer
-# benchmark (bench/layer_bench.py, 2 x H200, KDA and MLA layers with LatentMoE at real K3 widths,
-# TP=8 per-rank shapes; BENCHMARKS.md "Per layer", bench/results/layer_*_h200x2.json) measured
-# every pass on its own as slower than the same graph without K3 passes, at M=1 (KDA, MLA) and M=16
-# (KDA) (us added per layer step, KDA / MLA at M=1): shard_router_latent +1.3 / +9.7,
-# fold_moe_finalize +11.0 / +3.5, fuse_oproj_allreduce +14.9 / +18.8, overlap_shared_expert +29.1 /
-# +27.7 (at TP=2 shapes the router alone was 4-10 us faster; TP=8 is the production case); with all four the layer
-# was 0.86-1.00x of Inductor at M=1..256. So with gate="measured" (the default) a CUDA graph compiled
-# by Inductor gets no pass outside these ranges, none of which exists yet: k3 is then Inductor plus
-# its canonicalisation (measured equal: 271.0 vs 271.9 us). The fused ops themselves are faster in
-# isolation (bench/ops_bench.py). Why it did not carry over was found after that run: the graphs still
-# ran the replaced GEMMs and all-reduces beside the fused ops (fixed in the pass manager); the fixed
-# passes are not measured yet, so this table stays empty until the per-layer benchmark is re-run.
-# gate="off" (or K3_GATE=off) applies the passes in their DEFAULT_M_RANGES anyway; CPU graphs and
-# mode="eager" are never gated.
-CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {}
+# Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
+# the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
+# real K3 widths, TP=8 per-rank shapes, commit b906be6; BENCHMARKS.md "Per layer",
+# bench/results/layer_*_tp8_h200x2.json). Each pass alone, us per layer step against the same graph
+# without K3 passes (KDA / MLA; M=1, then M=16): shard_router_latent -6.1 / +1.3, -5.4 / -9.5;
+# fold_moe_finalize -12.1 / -7.4, -20.4 / -22.5; fuse_oproj_allreduce -10.2 / -4.6, -16.9 / -14.8;
+# overlap_shared_expert without prefetch (k3-prefetch minus k3-overlap_shared_expert) -0.9 / -7.7,
+# -9.1 / -10.0. The L2 prefetch made every layer slower (+0.9 / +10.1 at M=1, +56.9 / +40.4 at
+# M=16): it is gated off ("prefetch" below, an option of overlap_shared_expert, not a pass). With
+# every pass and prefetch the layer was 0.97-1.05x of Inductor at M=1..256 (1.01x at 64 and 256,
+# where no ablation ran), without prefetch 1.04-1.09x at M=1 and 16. The ranges run to 256 where
+# the all-pass layer was measured no slower; the router pass stops at 16 (its DEFAULT_M_RANGES).
+# With gate="measured" (the default) a CUDA graph compiled by Inductor gets a pass only inside its
+# range here. gate="off" (or K3_GATE=off) applies the passes in their DEFAULT_M_RANGES, and prefetch
+# if options.prefetch; CPU graphs and mode="eager" are never gated.
+CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
+    "shard_router_latent": (1, 16),
+    "fold_moe_finalize": (1, 256),
+    "fuse_oproj_allreduce": (1, 256),
+    "overlap_shared_expert": (1, 256),
+    "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
+}
 
 
 @dataclass(frozen=True)

@@ -266,30 +266,65 @@ def test_env_switches(monkeypatch):
 
 
 def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(monkeypatch):
-    """On CUDA with Inductor every pass is skipped, with its reason, unless options.CUDA_PROFITABLE_M
-    says the per-layer benchmark measured it faster at that M; gate="off", mode="eager" and CPU
-    graphs are not gated."""
+    """On CUDA with Inductor a pass applies only at the M where options.CUDA_PROFITABLE_M says the
+    per-layer benchmark measured it faster, with the reason in the report otherwise; a dynamic M
+    gets every pass with a non-empty range; gate="off", mode="eager" and CPU graphs are not gated."""
     import dataclasses
 
     from k3compile.options import CUDA_PROFITABLE_M, K3Options
+    from k3compile.passes.base import gated_off
     from k3compile.passes.manager import PASSES
     from k3compile.patterns.structure import GraphInfo
     cuda = GraphInfo(tp=2, m=1, dtype=torch.bfloat16, device="cuda")
+    for name in PASSES:
+        monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
         why = p.skip_reason(cuda, K3Options.make())
-        assert why and "measured slower than Inductor" in why and "(M=1)" in why and "gate='off'" in why
+        assert why and "(M=1)" in why and "at no M" in why and "gate='off'" in why, why
         assert p.skip_reason(cuda, K3Options.make(gate="off")) is None
         assert p.skip_reason(cuda, K3Options.make(mode="eager")) is None
         assert p.skip_reason(dataclasses.replace(cuda, device="cpu"), K3Options.make()) is None
-        assert "measured slower" in p.skip_reason(dataclasses.replace(cuda, m="dynamic"), K3Options.make())
+        assert "(M=dynamic)" in p.skip_reason(dataclasses.replace(cuda, m="dynamic"), K3Options.make())
     monkeypatch.setitem(CUDA_PROFITABLE_M, "fuse_oproj_allreduce", (1, 4))
     p = PASSES["fuse_oproj_allreduce"]
     assert p.skip_reason(cuda, K3Options.make()) is None
-    assert "(M=8)" in p.skip_reason(dataclasses.replace(cuda, m=8), K3Options.make())
+    assert p.skip_reason(dataclasses.replace(cuda, m="dynamic"), K3Options.make()) is None
+    assert "M in [1, 4]" in p.skip_reason(dataclasses.replace(cuda, m=8), K3Options.make())
     monkeypatch.setenv("K3_GATE", "off")
     assert K3Options.make().gate == "off" and K3Options.make(gate="measured").gate == "measured"
     with pytest.raises(ValueError, match="gate must be"):
         K3Options.make(gate="sometimes")
+    monkeypatch.delenv("K3_GATE")
+    assert gated_off("prefetch", cuda, K3Options.make()) and not gated_off("prefetch", cuda, K3Options.make(gate="off"))
+
+
+def test_shipped_gate_table_matches_the_passes():
+    """Every gate entry names a pass or "prefetch", and lies inside the pass's own batch range."""
+    from k3compile.options import CUDA_PROFITABLE_M, DEFAULT_M_RANGES
+    assert set(CUDA_PROFITABLE_M) <= set(DEFAULT_M_RANGES) | {"prefetch"}
+    for name, (lo, hi) in CUDA_PROFITABLE_M.items():
+        dlo, dhi = DEFAULT_M_RANGES.get(name, (1, 1 << 30))
+        assert lo > hi or dlo <= lo <= hi <= dhi, (name, lo, hi)
+
+
+def test_prefetch_is_gated_on_cuda_with_its_reason_in_the_report(monkeypatch):
+    """overlap_shared_expert places no L2 prefetch on a CUDA + Inductor graph under the default gate
+    (measured slower at every M) and says so; gate="off" places it."""
+    from k3compile.options import K3Options
+    from k3compile.passes.manager import PASSES
+    from k3compile.patterns.structure import GraphInfo
+    from k3compile.report import PassReport
+    p = PASSES["overlap_shared_expert"]
+    calls = []
+    monkeypatch.setattr(p, "place_prefetch", lambda graph, budget: calls.append(budget) or 3)
+    notes = {}
+    for gate in ("measured", "off"):
+        rep = PassReport(name=p.name)
+        p.run(torch.fx.Graph(), GraphInfo(tp=2, m=1, dtype=torch.bfloat16, device="cuda"), K3Options.make(gate=gate), rep)
+        notes[gate] = " | ".join(rep.notes)
+    assert len(calls) == 1, calls  # gate="off" only
+    assert "L2 prefetch not applied (M=1)" in notes["measured"] and "attached to 3" not in notes["measured"]
+    assert "L2 prefetch attached to 3 communication ops" in notes["off"]
 
 
 def test_uuid_stable_across_processes_and_covers_options():

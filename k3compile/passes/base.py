@@ -13,6 +13,23 @@ from ..patterns.structure import GraphInfo
 from ..report import PassReport
 
 
+def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
+    """Why the profitability gate keeps `name` (a pass, or "prefetch") out of this graph, or None:
+    on CUDA with Inductor and gate="measured", only the M in options.CUDA_PROFITABLE_M[name]. A
+    dynamic-M graph (vLLM's general graph) gets every pass with a non-empty range: its ops switch to
+    their unfused paths at run time outside the tuned ranges (kernels/cuda.py ONESHOT_M)."""
+    if opts.gate != "measured" or opts.mode != "inductor" or info.device != "cuda":
+        return None
+    m = info.m_static
+    lo, hi = CUDA_PROFITABLE_M.get(name, (1, 0))
+    if (lo <= m <= hi) if m is not None else lo <= hi:
+        return None
+    measured = f"M in [{lo}, {hi}]" if lo <= hi else "no M"
+    return (f"not applied (M={'dynamic' if m is None else m}): on CUDA with Inductor the per-layer benchmark "
+            f"measured {name} faster than Inductor alone at {measured} (options.CUDA_PROFITABLE_M, "
+            "BENCHMARKS.md 'Per layer'); gate='off' or K3_GATE=off applies it")
+
+
 class K3Pass:
     name: str = ""
     description: str = ""  # one line: what it replaces with what
@@ -34,13 +51,7 @@ class K3Pass:
         m = info.m_static
         if m is not None and not lo <= m <= hi:
             return f"M={m} is outside this pass's batch range [{lo}, {hi}]"
-        if opts.gate == "measured" and opts.mode == "inductor" and info.device == "cuda":
-            glo, ghi = CUDA_PROFITABLE_M.get(self.name, (1, 0))
-            if m is None or not glo <= m <= ghi:
-                return ("not applied: on CUDA with Inductor this pass measured slower than Inductor alone "
-                        f"at layer level{'' if m is None else f' (M={m})'} (options.CUDA_PROFITABLE_M, "
-                        "BENCHMARKS.md 'Per layer'); gate='off' or K3_GATE=off applies it")
-        return None
+        return gated_off(self.name, info, opts)
 
     def run(self, graph: Graph, info: GraphInfo, opts: K3Options, report: PassReport) -> None:
         raise NotImplementedError

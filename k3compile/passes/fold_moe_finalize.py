@@ -12,8 +12,10 @@ Emits:
 and lowers the matched layer's expert op, k3model::mxfp4_experts, to k3::mxfp4_experts (same
 arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range. A site whose latent all-reduce + RMSNorm vLLM already fused (`patterns.vllm_forms`)
-is left as vLLM fused it, listed in a note and not counted as expected.
+pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+profitability gate, base.gated_off; the reason is in the report). A site whose latent all-reduce +
+RMSNorm vLLM already fused (`patterns.vllm_forms`) is left as vLLM fused it, listed in a note and
+not counted as expected.
 """
 from __future__ import annotations
 

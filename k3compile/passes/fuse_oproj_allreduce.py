@@ -7,10 +7,11 @@ Matches, once per attention layer (anchored on each attention core op):
 Emits:
     updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range. A site whose GEMM is not followed by exactly this chain is a near-miss,
-reported with the node where matching stopped. A site whose all-reduce vLLM already fused
-(FlashInfer/AITER all-reduce + residual + RMSNorm, `patterns.vllm_forms`) is left as vLLM fused it,
-listed in a note and not counted as expected.
+pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+profitability gate, base.gated_off; the reason is in the report). A site whose GEMM is not followed
+by exactly this chain is a near-miss, reported with the node where matching stopped. A site whose
+all-reduce vLLM already fused (FlashInfer/AITER all-reduce + residual + RMSNorm,
+`patterns.vllm_forms`) is left as vLLM fused it, listed in a note and not counted as expected.
 """
 from __future__ import annotations
 

@@ -11,7 +11,10 @@ plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetc
 flow, not a side-effect op, so no scheduler can drop or reorder it away from its all-reduce.
 On CPU both are ordering no-ops (the reference runs the shared expert in line).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside
-the pass's batch range.
+the pass's batch range; on CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+profitability gate, base.gated_off). The prefetch has its own gate entry, "prefetch", which is
+empty: the per-layer benchmark measured it slower at every M, so by default it is not placed (a
+note in the report says why); gate="off" with options.prefetch places it.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from ..ops import OPS
 from ..patterns.graph import (Fail, aten, c10d, describe, is_call, is_weight_like, match_all_reduce, match_linear,
                               scalar, shape, strip, val, weight_out_in)
 from ..patterns.vllm_forms import count_vllm_fused_allreduces
-from .base import K3Pass
+from .base import K3Pass, gated_off
 from .common import emit, forward_gemm, last_of, replace
 
 _ELEMENTWISE = {
@@ -56,7 +59,10 @@ class OverlapSharedExpert(K3Pass):
             j = emit(graph, first_user.prev, OPS["stream_join"], (h, after))
             replace(graph, s["down"].out, j)
             report.matched += 1
-        if info.tp > 1 and opts.prefetch:
+        gated = gated_off("prefetch", info, opts) if info.tp > 1 and opts.prefetch else None
+        if gated:
+            report.notes.append(f"L2 prefetch {gated}")
+        elif info.tp > 1 and opts.prefetch:
             n = self.place_prefetch(graph, opts.prefetch_bytes)
             report.notes.append(f"L2 prefetch attached to {n} communication ops")
             k = count_vllm_fused_allreduces(graph)

@@ -6,9 +6,11 @@ Matches, once per MoE layer (anchored on each routed-expert op), at TP > 1:
 Emits:
     logits, lat = k3::router_latent_sharded(x, W_r, W_down, rank, tp, group)
 (rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, one all-gather.)
-Skipped: TP = 1 (nothing is replicated across ranks), model dtype not in options.dtypes, TP
-size not in options.tp_sizes, static M outside the pass's batch range. Near-miss: (E + L) not
-divisible by TP, router and latent weights of different dtypes, no router GEMM on the same input.
+Skipped: TP = 1 (nothing is replicated across ranks), model dtype not in options.dtypes, TP size not
+in options.tp_sizes, static M outside the pass's batch range. On CUDA with Inductor, M outside its
+options.CUDA_PROFITABLE_M range (the profitability gate, base.gated_off; the reason is in the
+report). Near-miss: (E + L) not divisible by TP, router and latent weights of different dtypes, no
+router GEMM on the same input.
 """
 from __future__ import annotations
 
