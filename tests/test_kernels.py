@@ -243,6 +243,44 @@ def test_mxfp4_expert_tiles_match_reference(variant, tiles):
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("fp16", [0, 1])
+@pytest.mark.parametrize("N,K,E,I,L,tiles", [(1, 2, 4, 128, 128, None), (3, 4, 8, 128, 256, None),
+                                             (2, 2, 3, 256, 128, dict(BKB_GU=64, BI=16, BL=32, num_warps=8)),
+                                             (6, 2, 4, 128, 512, dict(BKB_GU=128, BI=64, BL=64))])
+def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
+    """v3 (bf16 / fp16 bit patterns of code pairs, permuted K order, block-diagonal activation
+    tile, scales applied per MMA column) on the CPU interpreter's fp32 dot path (DOT_F32: the same
+    bit patterns, permutation and scale logic; only the dot runs in fp32). Every E2M1 code,
+    scales 2^-9 .. 2^3 (both kernels), bf16-exact activations. Gate-up alone is checked exactly
+    (mid = SiTU(W13 x) in fp32); the whole op also rounds mid to bf16 (fp16) before the down
+    projection, so it is compared at a bf16 tolerance."""
+    from k3compile.kernels import triton_moe as KM
+    from k3compile.model.functional import situ
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    from k3compile.model.mxfp4 import _dequantize
+    g = torch.Generator().manual_seed(N * 100 + L + fp16)
+    x = torch.randn(N, L, generator=g).bfloat16().float()
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(118, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    tiles = dict(tiles or {}, FP16=fp16)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3", tiles=tiles)
+    d = launch._mxfp4_tiles("v3", L, I, tiles)
+    P = N * K
+    mid = torch.empty(P, I)
+    KM.mxfp4_gate_up_v3_kernel[(P, I // d["BI"])](x, ids.reshape(-1), w13, s13, mid, K, I, L, 4.0, 25.0,
+                                                 BI=d["BI"], BKB=d["BKB_GU"], BT=16, FP16=fp16, DOT_F32=1)
+    w13_f = torch.stack([_dequantize(w13[e], s13[e], torch.float32) for e in ids.reshape(-1).tolist()])
+    want = situ(torch.einsum("pnk,pk->pn", w13_f, x.repeat_interleave(K, 0)), 4.0, 25.0)
+    torch.testing.assert_close(mid, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3", tiles=tiles)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    tol = 1e-2 if not fp16 else 5e-3
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def test_mxfp4_variant_selection(monkeypatch):
     x = torch.zeros(1, 3584)
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)

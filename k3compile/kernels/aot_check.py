@@ -69,9 +69,18 @@ def variants():
         out.append((f"mxfp4_dot_down I{I}", KM.mxfp4_down_dot_kernel, moe, dict(I=I, BN=64, BKB=64, BT=16, LOOP=0)))
         out.append((f"mxfp4_v2b_gate_up I{I}", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=256, LOOP=0)))
         out.append((f"mxfp4_v2b_down I{I}", KM.mxfp4_down_v2b_kernel, moe, dict(I=I, BL=32, BKB=64, LOOP=0)))
+        # v3: launch._mxfp4_tiles' defaults (num_stages: Triton's default here, 3 at launch)
+        out.append((f"mxfp4_v3_gate_up I{I}", KM.mxfp4_gate_up_v3_kernel, moe,
+                    dict(K=16, L=3584, BI=32, BKB=256, BT=16, FP16=0, DOT_F32=0)))
+        out.append((f"mxfp4_v3_down I{I}", KM.mxfp4_down_v3_kernel, moe,
+                    dict(I=I, BL=128, BKB=64, BT=16, FP16=0, DOT_F32=0)))
     # the pipelined k loop (LOOP=1; num_stages comes from the launch, Triton's default here)
     out.append(("mxfp4_dot_gate_up loop", KM.mxfp4_gate_up_dot_kernel, moe, dict(K=16, L=3584, BN=64, BKB=64, BT=16,
                                                                                   LOOP=1)))
+    out.append(("mxfp4_v3_gate_up BI64", KM.mxfp4_gate_up_v3_kernel, moe,
+                dict(K=16, L=3584, BI=64, BKB=128, BT=16, FP16=0, DOT_F32=0)))
+    out.append(("mxfp4_v3_gate_up fp16", KM.mxfp4_gate_up_v3_kernel, moe,
+                dict(K=16, L=3584, BI=32, BKB=256, BT=16, FP16=1, DOT_F32=0)))
     out.append(("mxfp4_v2b_gate_up loop", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128,
                                                                                   LOOP=1)))
     return out
@@ -82,9 +91,12 @@ SEQ_PTX = ["sys.release.exch", "sys.acquire"]  # posted system-scope signal, acq
 EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2": SEQ_PTX,
           "cas ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
           "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
-          "mxfp4_dot": ["mma"]}  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
+          "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
+          "mxfp4_v3": ["mma"]}   # v3's bf16 / fp16 tl.dot too
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
-# flush-to-zero on its float multiplies / FMAs
+# flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
+# MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
+# interpreter one on the GPU: DOT_F32=0 in these entries.)
 FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 

@@ -179,7 +179,7 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b")
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3")
 
 
 # v2b's tiles by batch (tokens N <= bound), from the tile sweep on the H200 (BENCHMARKS.md, TP=8
@@ -208,6 +208,13 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # dot_scaled tiles: k steps of >= 32 elements (16 bytes, one scale), rows a multiple of 16
         d = dict(BN=_divisor(I, (64, 32, 16)), BKB_GU=_divisor(L // 2, (64, 32, 16)), BN_D=_divisor(L, (64, 32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), BT=16, LOOP=0, num_warps=4, num_stages=None)
+    elif variant == "v3":
+        # rows per program BI (gate and up each: the MMA's M is 2*BI) / BL, k step BKB bytes (a
+        # multiple of 64: whole 16-word groups; BKB/16 scale blocks <= BT = the MMA's N, one column
+        # per block); always the pipelined loop. Defaults from SASS counts only (bench/sass_count.py),
+        # not timed yet: BI=32 keeps 192 programs at M=1 (TP=8); BI=64 issues ~5% fewer per byte
+        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (256, 128, 64)), BL=_divisor(L, (128, 64)),
+                 BKB_D=_divisor(I // 2, (64,)), BT=16, FP16=0, num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -219,6 +226,9 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     ok = (rows_gu > 0 and rows_d > 0 and d["BKB_GU"] >= 16 and d["BKB_D"] >= 16 and I % rows_gu == 0
           and L % rows_d == 0 and (L // 2) % d["BKB_GU"] == 0 and (I // 2) % d["BKB_D"] == 0
           and all(n & (n - 1) == 0 for n in (rows_gu, rows_d, d["BKB_GU"], d["BKB_D"])))  # tl.arange: powers of 2
+    if variant == "v3":  # one MMA column per scale block of a k step
+        ok = (ok and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64 and d["BKB_GU"] // 16 <= d["BT"]
+              and d["BKB_D"] // 16 <= d["BT"] and d["BT"] >= 16 and rows_gu >= 16 and rows_d >= 16)
     return d if ok else None
 
 
@@ -233,7 +243,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" (default env K3_MXFP4, else "v2b"; see triton_moe's docstring);
+    variant: "v1" | "dot" | "v2b" | "v3" (default env K3_MXFP4, else "v2b"; see triton_moe's docstring);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""
     from . import triton_moe as KM
@@ -256,6 +266,15 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     opts = dict(num_warps=d["num_warps"])
     if d["num_stages"] is not None:
         opts["num_stages"] = d["num_stages"]
+    if variant == "v3":
+        # DOT_F32: the CPU interpreter's bf16 tl.dot is broken; there both operands (the same bit
+        # patterns) are upcast to fp32 for the dot. Never on the GPU.
+        v3 = dict(BT=d["BT"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), **opts)
+        KM.mxfp4_gate_up_v3_kernel[(P, I // d["BI"])](x, ids, w13, w13_scale, mid, K, I, L, float(beta),
+                                                     float(linear_beta), BI=d["BI"], BKB=d["BKB_GU"], **v3)
+        KM.mxfp4_down_v3_kernel[(P, L // d["BL"])](mid, ids, w2, w2_scale, out, I, L, BL=d["BL"], BKB=d["BKB_D"],
+                                                  **v3)
+        return out
     if variant != "v1":
         opts["LOOP"] = d["LOOP"]
     if variant == "dot":

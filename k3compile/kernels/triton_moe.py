@@ -1,6 +1,6 @@
 """Triton kernels for the routed MXFP4 experts at decode batch sizes.
 
-Three variants of the same two kernels (selected by `launch.mxfp4_experts(variant=...)` or env
+Four variants of the same two kernels (selected by `launch.mxfp4_experts(variant=...)` or env
 K3_MXFP4; all share the contract below and are checked against the model's reference op):
 
 v1  (`mxfp4_gate_up_kernel`, `mxfp4_down_kernel`): Hopper has no FP4 tensor cores, so the weights
@@ -25,6 +25,27 @@ v2b (`mxfp4_gate_up_v2b_kernel`, `mxfp4_down_v2b_kernel`): v1's structure, but e
     byte tiles (BKB) and `num_stages` / `num_warps` are launch parameters for a GPU sweep.
 dot and v2b take LOOP: 0 unrolls the k loop (like v1), 1 makes it a runtime `tl.range` loop that
 Triton software-pipelines with `num_stages` (more bytes in flight per SM).
+v3  (`mxfp4_gate_up_v3_kernel`, `mxfp4_down_v3_kernel`): dequantisation two codes per 32-bit op,
+    products on tensor cores. The weights are read as int32 words (8 codes; one 16-byte load per
+    thread per 4 words); for k = 0..3 the nibble pair (code 8n+k, code 8n+k+4) of word n becomes two
+    bf16 bit patterns ((c & 7) << 6) | ((c & 8) << 12) = value(c) * 2^-126 in one int32 with 3
+    integer ops (AND, IMAD by 2^a + 2^b, AND; +-0.5 are bf16 subnormals, which the MMA takes as
+    they are), and that int32 *is* an MMA operand register: the A tile's K order is a fixed
+    permutation of the codes (_v3_a_tile: built with tl.join / tl.permute / tl.reshape, whose
+    element order is defined) that follows the MMA fragment, so Triton reshapes it into the
+    wgmma register operand without a shared-memory round trip. Swap-AB as in dot: the weights are
+    the MMA's M side; B [K, BT=16] is block-diagonal: column j holds the activation (gathered with
+    the same permutation, pre-scaled by 2^100 in bf16, exact, so no product is subnormal) on the
+    32 K positions of scale block j, so one k step of BKB <= 256 bytes leaves each block's partial
+    sum in its own column and the E8M0 scales 2^(s-127) * 2^126 / 2^100 are applied once per step
+    as a [rows, 16] multiply-add (scale built from its fp32 bits, one IMAD). The 15 idle MMA columns
+    of dot carry the scale blocks here. FP16=1 uses fp16 patterns ((c & 8) << 12) | ((c & 7) << 9)
+    = value * 2^-14 and an fp16 activation tile instead: more mantissa (SiTU output rounded to
+    2^-11, not 2^-8), but |x| > 65504 overflows and |x| < 2^-14 loses bits (x is not pre-scaled;
+    fine for normed activations, not guaranteed). Activations are rounded to bf16 (fp16) as in dot.
+    DOT_F32=1 (the CPU interpreter only, whose bf16 tl.dot is wrong and which flushes bf16
+    subnormals) runs the same bit patterns, permutation and scales with an fp32 dot.
+    Always the pipelined runtime loop (num_stages).
 
 Each variant has two kernels, one program per (token, slot) pair and row block; each pair reads only its own
 expert's bytes, which is what decode is bound by:
@@ -216,4 +237,163 @@ def mxfp4_down_v2b_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.cons
     p, e, rows = _pair(ids, BL)
     acc = _fp4_dot_rows32(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
                           mid + p * I, I // 2, BKB, LOOP)
+    tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
+
+
+# ---------------------------------------------------------------- variant "v3" (bf16x2 bit dequant, tensor cores)
+
+@triton.jit
+def _v3_pair(w, k: tl.constexpr, FP16: tl.constexpr):
+    """Codes 8n+k (low 16 bits) and 8n+k+4 (high 16 bits) of packed words w (int32, 8 codes each,
+    code 8n+j in nibble j) as two 16-bit float patterns, 3 integer ops per pair (AND, IMAD, AND:
+    the nibble pair masked in place, then one multiply by 2^a + 2^b puts the 3 magnitude bits and
+    the sign where they belong (the two shifted copies do not overlap, so no carries), then the
+    final mask keeps them). k = 2, 3 work on w >> 8 (one shift per word, shared).
+    bf16 (FP16=0): bits ((c & 7) << 6) | ((c & 8) << 12) = value(c) * 2^-126 (+-0.5: subnormal);
+    fp16 (FP16=1): bits ((c & 7) << 9) | ((c & 8) << 12) = value(c) * 2^-14 (+-0.5: subnormal)."""
+    if k >= 2:
+        w = w >> 8
+    if k % 2 == 0:
+        n = w & 0x000F000F
+        if FP16:
+            b = ((n << 9) & 0x0E000E00) | ((n << 12) & -2147450880)      # 0x80008000
+        else:
+            b = (n * 4160) & -2118090304                                 # 2^6 + 2^12; 0x81C081C0
+    else:
+        n = w & 0x00F000F0
+        if FP16:
+            b = ((n << 5) & 0x0E000E00) | ((n << 8) & -2147450880)
+        else:
+            b = (n * 260) & -2118090304                                  # 2^2 + 2^8
+    return b
+
+
+@triton.jit
+def _v3_halves(b, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    """int32 -> (low 16 bits, high 16 bits) as bf16 / fp16 bit patterns. DOT_F32 (CPU interpreter,
+    which flushes bf16 subnormals when it converts them): the same bf16 patterns placed in the top
+    half of fp32 words instead (exactly the bf16 value, subnormals included)."""
+    if FP16:
+        lo = b.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (b >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        if DOT_F32:
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+    elif DOT_F32:
+        lo = (b << 16).to(tl.float32, bitcast=True)
+        hi = (b & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (b >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    """Weight words [R, BW] (BW % 16 == 0) -> A tile [R, 8*BW] (bf16 / fp16 value * 2^-126 /
+    2^-14; DOT_F32: fp32, see _v3_halves). K order, per group of 16 words (128 codes): position
+    q = 32*c2 + 16*k1 + 8*k0 + 2*t + h holds code k + 4h (k = 2*k1 + k0) of word n = 4*t + c2.
+    It follows the MMA operand fragment (m16n8k16 / wgmma: lane t = lane % 4 holds K pairs 2t, 2t+1
+    and 2t+8, 2t+9 of each 16): each thread then takes whole words (4 consecutive, one 16-byte
+    load) and each int32 pair is one operand register (two K-adjacent elements), so the tile can
+    reach the dot without a shared-memory round trip. tl.join adds the new minor dim and
+    tl.reshape keeps row-major order, so the order is defined (unlike tl.cat's)."""
+    R: tl.constexpr = w.shape[0]
+    G: tl.constexpr = w.shape[1] // 16
+    w4 = tl.reshape(w, [R, G, 4, 4])                    # [R, G, t, c2]
+    l0, h0 = _v3_halves(_v3_pair(w4, 0, FP16), FP16, DOT_F32)
+    l1, h1 = _v3_halves(_v3_pair(w4, 1, FP16), FP16, DOT_F32)
+    l2, h2 = _v3_halves(_v3_pair(w4, 2, FP16), FP16, DOT_F32)
+    l3, h3 = _v3_halves(_v3_pair(w4, 3, FP16), FP16, DOT_F32)
+    x = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)),
+                tl.join(tl.join(l2, h2), tl.join(l3, h3)))          # [R, G, t, c2, h, k0, k1]
+    x = tl.permute(x, (0, 1, 3, 6, 5, 2, 4))                         # [R, G, c2, k1, k0, t, h]
+    return tl.reshape(x, [R, G * 128])
+
+
+@triton.jit
+def _v3_code(q):
+    """Code index (relative to the group's first code) of A-tile K position q (see _v3_a_tile)."""
+    c2 = (q >> 5) & 3
+    k = ((q >> 3) & 3)                                   # 2*k1 + k0
+    t = (q >> 1) & 3
+    return (q & -128) + 8 * (4 * t + c2) + k + 4 * (q & 1)
+
+
+@triton.jit
+def _v3_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, kw, BW: tl.constexpr, BT: tl.constexpr,
+             FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [R, BT] += (A @ B) * scale for the BW words (8*BW codes, NB = BW/4 scale blocks) of
+    each row starting at word kw. B [8*BW, BT] is block-diagonal: column j holds the activation
+    (permuted like A's K order) on the 32 K positions of scale block j and 0 elsewhere, so the MMA
+    leaves each block's partial sum in its own column and the scales are applied once per NB
+    blocks as a [R, BT] multiply-add (columns >= NB stay 0). DOT_F32: an fp32 dot on the same
+    values (A from the same bit patterns, _v3_halves; B upcast exactly): the CPU interpreter."""
+    DT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    NB: tl.constexpr = BW // 4
+    w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
+    a = _v3_a_tile(w, FP16, DOT_F32)                                                      # [R, 8BW]
+    q = tl.arange(0, 8 * BW)
+    v = tl.load(v_ptr + 8 * kw + _v3_code(q)).to(tl.float32)
+    if not FP16:
+        v = v * 1.2676506002282294e30                                                     # 2^100
+    col = tl.arange(0, BT)
+    blk = _v3_code(q) // 32                                                                 # scale block of q
+    # built as B^T [BT, 8BW] (K-contiguous registers: 16-byte shared-memory stores), then transposed
+    b = tl.trans(tl.where(col[:, None] == blk[None, :], v.to(DT)[None, :], 0.0).to(DT))    # [8BW, BT]
+    if DOT_F32:
+        part = tl.dot(a, b.to(tl.float32))
+    else:
+        part = tl.dot(a, b)
+    s = tl.load(s_ptr + rows[:, None] * row_scales + kw // 4 + col[None, :], mask=col[None, :] < NB, other=0)
+    # the block scale 2^(s-127) times 2^126 (bf16 bit trick) / 2^100 (x pre-scale) = 2^(s-101), or
+    # 2^(s-113) for fp16 (2^14, no pre-scale), built from its fp32 bits with one IMAD: exponent
+    # field s + 26 (s + 14). s >= 229 (fp16: >= 241) would overflow the field: clamped there to the
+    # field 255, +inf, which is also what v2b's exp2(s - 101) gives for them (the reference: a
+    # finite value, NaN for the E8M0 NaN byte 255; no real weight has a scale >= 2^102).
+    OFF: tl.constexpr = 14 if FP16 else 26
+    e = tl.minimum(s.to(tl.int32), 255 - OFF)
+    sc = (e * 8388608 + OFF * 8388608).to(tl.float32, bitcast=True)
+    return acc + part * sc
+
+
+@triton.jit
+def _fp4_dot_v3(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, KB: tl.constexpr, BKB: tl.constexpr,
+                BT: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    """sum_k W[rows, k] * v[k] on tensor cores (swap-AB, see _v3_step), runtime tl.range k loop
+    (software-pipelined with the launch's num_stages). w_ptr: the rows' bytes (16-byte aligned)."""
+    BW: tl.constexpr = BKB // 4
+    wp = w_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([rows.shape[0], BT], tl.float32)
+    for kw in tl.range(0, KB // 4, BW):
+        acc = _v3_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, kw, BW, BT, FP16, DOT_F32)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def mxfp4_gate_up_v3_kernel(x, ids, w13, s13, mid, K: tl.constexpr, I, L: tl.constexpr, beta, lbeta,
+                            BI: tl.constexpr, BKB: tl.constexpr, BT: tl.constexpr, FP16: tl.constexpr,
+                            DOT_F32: tl.constexpr):
+    """One dot per k step over 2*BI rows: this block's BI gate rows, then its BI up rows."""
+    p = tl.program_id(0)
+    e = tl.load(ids + p).to(tl.int64)
+    t = p // K
+    r = tl.arange(0, 2 * BI)
+    rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
+    wb = w13 + e * (2 * I) * (L // 2)
+    sb = s13 + e * (2 * I) * (L // 32)
+    gu = tl.reshape(_fp4_dot_v3(wb, sb, rows, L // 2, L // 32, x + t * L, L // 2, BKB, BT, FP16, DOT_F32),
+                    [2, BI])
+    first = (tl.arange(0, 2) == 0)[:, None]
+    g = tl.sum(tl.where(first, gu, 0.0), 0)
+    u = tl.sum(tl.where(first, 0.0, gu), 0)
+    tl.store(mid + p * I + tl.program_id(1) * BI + tl.arange(0, BI), _situ(g, u, beta, lbeta))
+
+
+@triton.jit
+def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.constexpr, BKB: tl.constexpr,
+                         BT: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    p, e, rows = _pair(ids, BL)
+    acc = _fp4_dot_v3(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
+                      mid + p * I, I // 2, BKB, BT, FP16, DOT_F32)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
