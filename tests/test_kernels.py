@@ -286,7 +286,11 @@ def test_mxfp4_variant_selection(monkeypatch):
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)
     ids = torch.zeros(1, 16, dtype=torch.int32)
     monkeypatch.delenv("K3_MXFP4", raising=False)
-    assert launch.mxfp4_variant() == "v2b"
+    xb = x.to(torch.bfloat16)
+    # default: v3 for bf16 activations at shapes its tiles fit, else v2b (fp32 activations, or I=32)
+    assert launch.mxfp4_variant() == "v3" and launch.mxfp4_variant(None, xb, 384) == "v3"
+    assert launch.mxfp4_variant(None, x, 384) == "v2b" and launch.mxfp4_variant(None, xb, 32) == "v2b"
+    assert launch.mxfp4_experts_ok(xb, ids, torch.zeros(1, 2 * 32, 1, dtype=torch.uint8))  # through v2b
     monkeypatch.setenv("K3_MXFP4", "dot")
     assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
     with pytest.raises(ValueError):

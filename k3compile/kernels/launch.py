@@ -182,16 +182,24 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
 MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3")
 
 
-# v2b's tiles by batch (tokens N <= bound), from the tile sweep on the H200 (BENCHMARKS.md, TP=8
-# shapes: at M=1 num_warps=8 was best, 35.6 us vs 43.9 us; at M=16 the pipelined loop with 32 rows,
-# 378 us vs 519 us). Shapes these tiles do not fit use the variant's defaults.
-MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages": 3, "BI": 32}))}
+# Tiles by batch (tokens N <= bound), from the tile sweeps on the H200 (BENCHMARKS.md, TP=8 shapes).
+# v2b: at M=1 num_warps=8 was best, 35.6 us vs 43.9 us; at M=16 the pipelined loop with 32 rows,
+# 378 us vs 519 us. v3: its defaults at M=1 (22.8 us; the best of 9 tiles, BL=64, was 22.1 us,
+# within noise); at M=16 k steps of 128 bytes in gate-up, 231.3 us vs 246.5 us (commit 15adc9c).
+# Shapes these tiles do not fit use the variant's defaults.
+MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages": 3, "BI": 32})),
+               "v3": ((4, {}), (1 << 30, {"BKB_GU": 128}))}
 
 
-def mxfp4_variant(variant: str | None = None) -> str:
-    """The expert-kernel variant: the argument, else env K3_MXFP4, else "v2b" (2.3-2.8x faster than
-    v1 and 1.4-3.8x faster than dot on the H200, BENCHMARKS.md)."""
-    v = variant or os.environ.get("K3_MXFP4") or "v2b"
+def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: int | None = None) -> str:
+    """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: "v3" for bf16
+    activations where its tiles fit the shapes (1.5-2.0x faster than v2b on the H200, BENCHMARKS.md;
+    it rounds the activations and the SiTU output to bf16, which a bf16 model does anyway), else
+    "v2b" (fp32 products of the exact activations)."""
+    v = variant or os.environ.get("K3_MXFP4")
+    if v is None:
+        fits = x is None or (x.dtype == torch.bfloat16 and _mxfp4_tiles("v3", x.shape[1], I, None) is not None)
+        v = "v3" if fits else "v2b"
     if v not in MXFP4_VARIANTS:
         raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")
     return v
@@ -237,19 +245,20 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
     into 16-byte scale blocks) and row/byte tiles that divide I, L, L/2 and I/2."""
     L, I = x.shape[1], w13.shape[1] // 2
     return (x.dim() == 2 and x.is_contiguous() and L % 32 == 0 and I % 32 == 0
-            and _mxfp4_tiles(mxfp4_variant(variant), L, I, tiles) is not None)
+            and _mxfp4_tiles(mxfp4_variant(variant, x, I), L, I, tiles) is not None)
 
 
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" | "v3" (default env K3_MXFP4, else "v2b"; see triton_moe's docstring);
+    variant: "v1" | "dot" | "v2b" | "v3" (default env K3_MXFP4, else mxfp4_variant's choice; see
+    triton_moe's docstring);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""
     from . import triton_moe as KM
-    variant = mxfp4_variant(variant)
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
+    variant = mxfp4_variant(variant, x, I)
     P = N * K
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
