@@ -11,7 +11,8 @@ step of that layer, CUDA-graphed, for:
               (options.CUDA_PROFITABLE_M) applies at this M
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
-              k3none (no pass) and k3-prefetch (every pass, no L2 prefetch)
+              k3none (no pass), k3-prefetch (every pass, no L2 prefetch) and k3-topk (every pass,
+              shard_router_latent without the fused top-k selection)
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
@@ -143,6 +144,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
         if M in ablate:
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch
+            variants["k3-topk"] = k3c(fuse_topk=False)     # every pass, the router's top-k not fused
             for p in PASSES:
                 variants[f"k3-{p}"] = k3c(skip=[p])
                 variants[f"k3+{p}"] = k3c(passes=[p])

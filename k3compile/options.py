@@ -59,6 +59,7 @@ class K3Options:
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
     gate: str = "measured"  # "measured": on CUDA + Inductor apply a pass only in CUDA_PROFITABLE_M; "off"
     prefetch: bool = True
+    fuse_topk: bool = True  # shard_router_latent also fuses the router's top-k selection (k3::router_topk)
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
     # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
     # in as constants, guarded at run time (a changed value runs the graph without the K3 passes)

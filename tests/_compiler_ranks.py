@@ -44,7 +44,8 @@ def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None)
 
 def rewritten_graph_ops(rank, world):
     """Counts in the graph the passes leave, tiny model at TP=world, no pass vs every pass:
-    functional all-reduces, orphan collectives (nobody uses their result), aten.mm nodes."""
+    functional all-reduces, orphan collectives (nobody uses their result), aten.mm nodes, aten.topk
+    and k3::router_topk nodes."""
     import k3compile  # noqa: F401
     from k3compile.compiler import _compile
     from k3compile.model import K3Config, K3Model, TPInfo
@@ -66,7 +67,9 @@ def rewritten_graph_ops(rank, world):
             g = final["graph"]
             out[name] = dict(all_reduce=sum(is_call(n, c10d.all_reduce.default) for n in g.nodes),
                              orphans=len(orphan_collectives(g)),
-                             mm=sum(is_call(n, torch.ops.aten.mm.default) for n in g.nodes))
+                             mm=sum(is_call(n, torch.ops.aten.mm.default) for n in g.nodes),
+                             topk=sum(is_call(n, torch.ops.aten.topk.default) for n in g.nodes),
+                             router_topk=sum(is_call(n, torch.ops.k3.router_topk.default) for n in g.nodes))
             return compiled
         torch._dynamo.reset()
         torch.compile(model, backend=be, fullgraph=True)(torch.zeros(2, 1, dtype=torch.long), model.new_cache(2))

@@ -68,6 +68,10 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
              lambda *a: torch.ops.k3.moe_latent_tail(*a, 1e-5, rank, group, []),
              lambda *a: ref.moe_latent_tail(*a, 1e-5, rank, group),
              (y, tw, sp, gl, wup))
+        lg = rnd(M, E, seed=13, scale=2.0, shared=False)
+        rb = torch.randn(E, generator=torch.Generator(device=dev).manual_seed(14), device=dev) * 0.1
+        case(f"router_topk M={M}",  # ids compared as numbers too: one different expert is a large error
+             lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5), lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
         if world > 1:
             xr = rnd(M, H, seed=8)
             wr, wd = rnd(E, H, seed=9, scale=H ** -0.5), rnd(L, H, seed=11, scale=H ** -0.5)

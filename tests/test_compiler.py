@@ -73,6 +73,49 @@ def test_rewritten_sites_leave_no_collective_or_gemm_running_for_nothing():
         assert r["all"]["all_reduce"] == 0 and r["all"]["orphans"] == 0, r
         # at least the 8 o-proj GEMMs and the 7 up-projection GEMMs now run inside the fused ops
         assert r["all"]["mm"] <= r["none"]["mm"] - 8 - 7, r
+        # the router's selection: one k3::router_topk per MoE layer, no aten.topk left
+        assert r["none"]["topk"] == 7 and r["all"]["topk"] == 0 and r["all"]["router_topk"] == 7, r
+
+
+def _route_graph(route):
+    """The post-dispatch ATen graph (fake tensors, meta['val'] set) of a router written as `route`."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    E, H = 64, 32
+    return make_fx(route, tracing_mode="fake")(torch.randn(4, H, dtype=torch.bfloat16),
+                                                torch.randn(E, H, dtype=torch.bfloat16), torch.randn(E))
+
+
+def _k3_route(x, w, bias, k=4, scale=2.5):
+    scores = torch.sigmoid(F.linear(x, w).float())
+    _, ids = torch.topk(scores + bias, k, dim=-1)
+    sel = scores.gather(-1, ids)
+    return ids, sel / sel.sum(-1, keepdim=True) * scale
+
+
+@pytest.mark.parametrize("route, why", [
+    (lambda x, w, b: _k3_route(x, w, b), 2.5),
+    (lambda x, w, b: _k3_route(x, w, b, scale=1.0), 1.0),
+    (lambda x, w, b: torch.topk(torch.softmax(F.linear(x, w).float(), -1), 4), "one sigmoid"),
+    (lambda x, w, b: torch.topk(torch.sigmoid(F.linear(x, w).float()) + b, 4), "topk values are used"),
+    (lambda x, w, b: torch.topk(torch.sigmoid(F.linear(x, w).float()) + b, 4, largest=False)[1], "not a top-k"),
+])
+def test_router_topk_pattern(route, why):
+    """The K3 router's selection is recognised (k, scale, the bias parameter, the ids and weights
+    it replaces); other routers give a Fail naming the step that differs (`why`: the expected
+    scale where it matches, else the reason)."""
+    import operator
+
+    from k3compile.patterns.graph import Fail, aten, is_call
+    from k3compile.patterns.router import match_router_topk
+    g = _route_graph(route).graph
+    logits = next(n for n in g.nodes if is_call(n, aten.mm.default))
+    site = match_router_topk(logits)
+    if isinstance(why, float):
+        assert not isinstance(site, Fail), site
+        assert site.k == 4 and site.bias.op == "placeholder" and is_call(site.ids, operator.getitem)
+        assert site.scale == why
+    else:
+        assert isinstance(site, Fail) and why in site.reason, site
 
 
 @pytest.mark.parametrize("style", ["matmul", "inplace", "vllm"])

@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 
 from . import triton_comm as K
 from . import triton_moe as KM
+from . import triton_router as KR
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -59,6 +60,8 @@ def variants():
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
     out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
+    out.append(("router_topk E896", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32", ids="*i64",
+                                                                 scale="fp32"), dict(K=16, KP=16, BLOCK=1024)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
@@ -101,7 +104,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4")
+QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk")
 
 
 def main(argv=None) -> int:

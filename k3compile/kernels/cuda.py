@@ -9,6 +9,7 @@
 - router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows), then one
   Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
   Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
+- router_topk: one Triton kernel per call (sigmoid, biased top-k, renormalised weights).
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
@@ -127,6 +128,17 @@ def _router(x, w_router, w_down, rank, tp, group):
         # above the one-shot range the replicated GEMMs are faster than any gather
         return torch.mm(x, w_router.t()), torch.mm(x, w_down.t())
     return launch.router_latent(x, w_router, w_down, peers)
+
+
+def _ok_topk(logits, bias, k, scale):
+    return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype in _FLOAT and bias.dim() == 1
+            and bias.is_contiguous() and bias.dtype in _FLOAT and bias.shape[0] == logits.shape[1]
+            and 0 < k <= min(64, logits.shape[1]) and logits.shape[1] <= launch.ROUTER_TOPK_MAX_E)
+
+
+@register("router_topk", "cuda", "triton_router_topk", _ok_topk)
+def _router_topk(logits, bias, k, scale):
+    return launch.router_topk(logits, bias, k, scale)
 
 
 def _ok_ar(x, group, prefetch):

@@ -168,6 +168,21 @@ def router_latent(x, w_router, w_down, peers: Peers):
     return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
 
 
+ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
+    """(ids int64 [M, k], weights fp32 [M, k]) of the K3 router (triton_router's docstring)."""
+    from . import triton_router as KR
+    M, E = logits.shape
+    ids = torch.empty(M, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(M, k, dtype=torch.float32, device=logits.device)
+    if M:
+        KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
+                                    BLOCK=triton.next_power_of_2(E), num_warps=4 if E <= 1024 else 8)
+    return ids, w
+
+
 def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
     join = start_prefetch()
     out, _ = ar_residual_norm(x, peers, None, None, None, None, [], 0.0)

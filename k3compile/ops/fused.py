@@ -79,6 +79,19 @@ def _(x, w_router, w_down, rank, tp, group):
     return x.new_empty(x.shape[0], w_router.shape[0]), x.new_empty(x.shape[0], w_down.shape[0])
 
 
+@torch.library.custom_op("k3::router_topk", mutates_args=())
+def router_topk(logits: Tensor, bias: Tensor, k: int, scale: float) -> tuple[Tensor, Tensor]:
+    """(ids int64 [M, k], weights fp32 [M, k]): sigmoid router scores, top-k by score + bias, the
+    selected scores renormalised to sum 1 times `scale` (one kernel on CUDA)."""
+    return _run("router_topk", ref.router_topk, logits, bias, k, scale)
+
+
+@router_topk.register_fake
+def _(logits, bias, k, scale):
+    M = logits.shape[0]
+    return (logits.new_empty(M, k, dtype=torch.int64), logits.new_empty(M, k, dtype=torch.float32))
+
+
 # ----------------------------------------------------------------- 4. side stream + prefetch
 @torch.library.custom_op("k3::shared_expert_async", mutates_args=())
 def shared_expert_async(x: Tensor, w_gate_up: Tensor, w_down: Tensor, beta: float, linear_beta: float) -> Tensor:
@@ -121,6 +134,7 @@ OPS = {
     "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
     "mxfp4_experts": torch.ops.k3.mxfp4_experts.default,
     "router_latent_sharded": torch.ops.k3.router_latent_sharded.default,
+    "router_topk": torch.ops.k3.router_topk.default,
     "shared_expert_async": torch.ops.k3.shared_expert_async.default,
     "stream_join": torch.ops.k3.stream_join.default,
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,

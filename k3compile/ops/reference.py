@@ -68,3 +68,10 @@ def router_latent_sharded(x, w_router, w_down, rank, tp, group):
     return full[:, :E].clone(), full[:, E:].clone()  # fresh tensors: outputs may not alias
 
 
+def router_topk(logits, bias, k, scale):
+    """The K3 router's selection (K3-SPEC: sigmoid scores of the fp32 logits, top-k by score +
+    correction bias, weights = the selected scores renormalised to sum 1, times the scale)."""
+    scores = torch.sigmoid(logits.float())
+    _, ids = torch.topk(scores + bias, k, dim=-1)
+    w = scores.gather(-1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * scale
