@@ -54,3 +54,28 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
                 _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
     return torch.mm(x, w.t())
+
+
+def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
+    """The MXFP4 routed experts through the CuTe artifacts (launch.mxfp4_experts(variant="cute")),
+    or None (the caller falls back to Triton) with the reason in fallbacks()."""
+    N, K = topk_ids.shape
+    L, I = x.shape[1], w13.shape[1] // 2
+    key = f"mxfp4_experts I={I} L={L} K={K}"
+    if not x.is_cuda:
+        _WHY.setdefault(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
+        return None
+    if x.dtype != torch.bfloat16:
+        _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe MXFP4 kernels take bf16 activations)")
+        return None
+    try:
+        from .cute import loader
+        arts, why = loader.find_mxfp4(_artifact_dir(), I, L, K)
+        if arts is None:
+            _WHY.setdefault(key, why)
+            return None
+        return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
+                                    float(beta), float(linear_beta))
+    except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
+        _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
+        return None
