@@ -65,8 +65,10 @@ def variants() -> list[dict]:
 
 # MXFP4 routed experts (mxfp4_experts.py): per-rank expert widths I of TP=8 / TP=2, latent L,
 # top-k K; gate-up: BI gate + BI up rows per CTA (NV = L/32 threads); down: BL rows per CTA,
-# G row groups of NV = I/32 threads (BL <= G * NV: one thread per row in the reduction)
-MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536: dict(bi=8, bl=32, groups=2)})
+# G row groups of NV = I/32 threads (BL <= G * NV: one thread per row in the reduction); 8 rows
+# per thread everywhere but TP=8 gate-up (16): ptxas caps these kernels at 64 registers (16 rows
+# per thread in down spilled one register)
+MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536: dict(bi=8, bl=32, groups=4)})
 
 
 def mxfp4_variants() -> list[dict]:

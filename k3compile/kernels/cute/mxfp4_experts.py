@@ -25,7 +25,8 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   pre-scaled by 2^100 every product value * x * 2^-26 is normal).
 - Per row: the 32-code block sum (in the 2^-26 domain) times the block scale 2^(s - 127 + 26),
   built from its fp32 bits (s + 26) << 23 (exact for s <= 228, i.e. weights < 2^103).
-- Reduction: per-thread row partials -> shared memory [R, NV], then Q threads per row sum NV / Q
+- Reduction: per-thread row partials -> shared memory [R, NV] (over the staged weights, after a
+  barrier: 32 KB per gate-up CTA, 7 CTAs per SM, so M=1's 768 CTAs are one wave), then Q threads per row sum NV / Q
   partials each, then one thread per row sums the Q results; the epilogue (SiTU of gate row i and
   up row i; bf16 rounding for down) stores one value per row.
 `emulate_*` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
@@ -201,16 +202,16 @@ class Mxfp4ExpertGemvSm90:
         self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
         # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
         self.smem_bytes = (self.rpg * self.threads * 16 + _up(self.r * self.nv, 16)
-                           + 4 * (self.r * self.nv + self.r * self.q + self.r) + 64 + 1024)
+                           + 4 * (self.r * self.q + self.r) + 64 + 1024)
 
     @cute.jit
     def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, P: Int32, beta: Float32,
                  lbeta: Float32, stream: cuda.CUstream):
         @cute.struct
         class Smem:
-            wbuf: cute.struct.Align[cute.struct.MemRange[Int32, self.rpg * self.threads * 4], 16]
+            # the staged weight vectors; after the math (and a barrier) the row partials [R, NV]
+            wbuf: cute.struct.Align[cute.struct.MemRange[Float32, self.rpg * self.threads * 4], 16]
             sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.r * self.nv], 16]
-            part: cute.struct.Align[cute.struct.MemRange[Float32, self.r * self.nv], 16]
             part2: cute.struct.MemRange[Float32, self.r * self.q]
             tot: cute.struct.MemRange[Float32, self.r]
         self.smem_t = Smem
@@ -223,7 +224,7 @@ class Mxfp4ExpertGemvSm90:
         p, rb, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_t)
-        part = st.part.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
+        part = st.wbuf.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
         part2 = st.part2.get_tensor(cute.make_layout((self.r, self.q), stride=(self.q, 1)))
         tot = st.tot.get_tensor(cute.make_layout(self.r))
         wsm = st.wbuf.data_ptr().toint() + tidx * 16          # this thread's slot of row-stage 0
@@ -270,6 +271,7 @@ class Mxfp4ExpertGemvSm90:
                 for j in cutlass.range_constexpr(4):
                     xs.append(as_f32(q4[j]) * Float32(PRESCALE))
 
+        sums = []
         for r in cutlass.range_constexpr(self.rpg):
             if cutlass.const_expr(r % per == 0):
                 cp_async_wait(self.stages - 1 - r // per)
@@ -278,7 +280,11 @@ class Mxfp4ExpertGemvSm90:
             lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
             blk = _block_dot(lds_v4(wsm + r * self.threads * 16), xs)
             sc = lds_u8(ssm + lr * self.nv + v)
-            part[lr, v] = blk * as_f32((sc + SCALE_BIAS) << 23)
+            sums.append(blk * as_f32((sc + SCALE_BIAS) << 23))
+        cute.arch.sync_threads()                               # every thread is done with wbuf
+        for r in cutlass.range_constexpr(self.rpg):
+            lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
+            part[lr, v] = sums[r]
         cute.arch.sync_threads()
 
         if tidx < self.r * self.q:
