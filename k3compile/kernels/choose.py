@@ -56,12 +56,13 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t())
 
 
-def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
-    """The MXFP4 routed experts through the CuTe artifacts (launch.mxfp4_experts(variant="cute")),
-    or None (the caller falls back to Triton) with the reason in fallbacks()."""
+def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, math: str = "f32"):
+    """The MXFP4 routed experts through the CuTe artifacts of `math` ("f32" | "f16x2";
+    launch.mxfp4_experts(variant="cute" | "cute_h2")), or None (the caller falls back to Triton)
+    with the reason in fallbacks()."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    key = f"mxfp4_experts I={I} L={L} K={K}"
+    key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}")
     if not x.is_cuda:
         _WHY.setdefault(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
         return None
@@ -70,7 +71,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         return None
     try:
         from .cute import loader
-        arts, why = loader.find_mxfp4(_artifact_dir(), I, L, K)
+        arts, why = loader.find_mxfp4(_artifact_dir(), I, L, K, math)
         if arts is None:
             _WHY.setdefault(key, why)
             return None

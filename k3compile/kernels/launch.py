@@ -179,10 +179,10 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute")
-# "cute": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, through the driver-only
-# loader); where no artifact fits (or not CUDA / not bf16 / misaligned) it runs CUTE_FALLBACK and
-# choose.fallbacks() says why
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute", "cute_h2")
+# "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
+# math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
+# misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
 CUTE_FALLBACK = "v3"
 
 
@@ -208,7 +208,7 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
       down:    rows per program BL/BN_D, bytes per k step BKB_D; num_warps, num_stages (None:
       Triton's default); dot and v2b: LOOP (0 unrolled k loop, 1 pipelined tl.range loop)."""
     t = dict(tiles or {})
-    if variant == "cute":   # the tiles are compiled into the artifacts; these are the fallback's
+    if variant.startswith("cute"):   # the tiles are compiled into the artifacts; these are the fallback's
         variant = CUTE_FALLBACK
     if variant == "dot":
         # dot_scaled tiles: k steps of >= 32 elements (16 bytes, one scale), rows a multiple of 16
@@ -254,8 +254,9 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     takes MXFP4_TUNED's tiles for this batch where they fit."""
     from . import triton_moe as KM
     variant = mxfp4_variant(variant)
-    if variant == "cute":
-        out = choose.mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
+    if variant.startswith("cute"):
+        out = choose.mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
+                                        math="f16x2" if variant == "cute_h2" else "f32")
         if out is not None:
             return out
         variant = CUTE_FALLBACK

@@ -275,8 +275,8 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     return out
 
 
-def find_mxfp4(art_dir: Path, I: int, L: int, K: int) -> tuple["tuple[Artifact, Artifact] | None", str]:
-    """The (gate_up, down) artifacts for these shapes, or (None, why)."""
+def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32") -> tuple["tuple[Artifact, Artifact] | None", str]:
+    """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why)."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -287,11 +287,11 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int) -> tuple["tuple[Artifact, 
         except ValueError:
             continue
         op, sh = man.get("variant", {}).get("op"), man.get("shapes", {})
-        if (op in ("mxfp4_gate_up", "mxfp4_down") and sh.get("I") == I and sh.get("L") == L
+        if (op in ("mxfp4_gate_up", "mxfp4_down") and man.get("math", "f32") == math and sh.get("I") == I and sh.get("L") == L
                 and (op == "mxfp4_down" or sh.get("K") == K) and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
     if len(found) < 2:
-        return None, f"no CuTe MXFP4 artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
+        return None, f"no CuTe MXFP4 {math} artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
     return (Artifact(found["mxfp4_gate_up"]), Artifact(found["mxfp4_down"])), ""
 
 
