@@ -230,3 +230,16 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert h2 is not None and all(a.man["math"] == "f16x2" and a.path.stem.endswith("_h2") for a in h2), why
     assert all(a.man["math"] == "f32" for a in arts)
     assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
+
+
+def test_dispatch_memoises_artifacts(built, monkeypatch):
+    """choose keeps one Artifact per (dir, shapes): a fresh one per call would load a new module
+    every call (and call cuModuleLoadData inside CUDA-graph captures)."""
+    out, _ = built
+    monkeypatch.setenv("K3_CUTE_DIR", str(out))
+    monkeypatch.setattr(choose, "_FOUND", {})
+    a1, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
+    a2, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
+    g1, _ = choose._find("gemm", "oproj_gemm", 7168, 1536, 4)
+    assert a1 is a2 and a1 is not None and g1 is choose._find("gemm", "oproj_gemm", 7168, 1536, 4)[0]
+    assert choose._find("mxfp4", 384, 3584, 16, "f16x2")[0] is not a1

@@ -37,6 +37,21 @@ def _artifact_dir():
     return default_dir()
 
 
+_FOUND: dict[tuple, tuple] = {}
+
+
+def _find(kind: str, *key):
+    """loader.find / loader.find_mxfp4, memoised per (artifact dir, shapes): an Artifact reads its
+    cubin and loads the module on first launch, so a fresh one per call would re-read the files
+    and load a new module every call (and cuModuleLoadData inside a CUDA-graph capture)."""
+    from .cute import loader
+    k = (kind, str(_artifact_dir()), *key)
+    if k not in _FOUND:
+        fn = loader.find if kind == "gemm" else loader.find_mxfp4
+        _FOUND[k] = fn(_artifact_dir(), *key)
+    return _FOUND[k]
+
+
 def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.t() through the CuTe skinny GEMM where wanted and possible, else torch.mm."""
     m = x.shape[0]
@@ -46,8 +61,7 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
         else:
             try:
-                from .cute import loader
-                art, why = loader.find(_artifact_dir(), "oproj_gemm", w.shape[0], x.shape[1], m)
+                art, why = _find("gemm", "oproj_gemm", w.shape[0], x.shape[1], m)
                 if art is not None:
                     return art.launch_gemm(x.contiguous(), w.contiguous())
                 _WHY.setdefault(key, why)
@@ -71,7 +85,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         return None
     try:
         from .cute import loader
-        arts, why = loader.find_mxfp4(_artifact_dir(), I, L, K, math)
+        arts, why = _find("mxfp4", I, L, K, math)
         if arts is None:
             _WHY.setdefault(key, why)
             return None

@@ -256,6 +256,11 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     if (sg["I"], sg["L"], sg["K"]) != (I, L, K) or (sd["I"], sd["L"]) != (I, L):
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} are for I={sg['I']} L={sg['L']} "
                          f"K={sg['K']}; got I={I} L={L} K={K}")
+    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
+              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
+    for name, (t, want) in shapes.items():
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
