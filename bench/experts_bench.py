@@ -4,6 +4,9 @@ Per-rank shapes of TP=8 (I=384) and TP=2 (I=1536), latent L=3584, 896 experts, t
 routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, events, median):
   <variant>[tiles] - the Triton kernels (k3::mxfp4_experts' CUDA dispatch), one row per variant
                      (v1, dot, v2b, v3: see k3compile/kernels/triton_moe.py) and tile override;
+                     "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (fp32 / f16x2 math) (k3compile/kernels/cute/mxfp4_experts.py,
+                     artifacts in K3_CUTE_DIR, launched by the driver-only loader; no tiles; a
+                     missing artifact is reported as an error, not timed as its v3 fallback);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
@@ -46,7 +49,7 @@ SWEEP = {
 }
 # max error / max |reference|: the output is rounded to bf16 (2^-9 relative per element) and the
 # sums run in another order, so 1e-3 flagged v1 itself; dot also rounds activations to bf16
-TOL = {"dot": 2e-2, "v3": 2e-2}  # v3 too: bf16 activations (the SiTU output rounded)
+TOL = {"dot": 2e-2, "v3": 2e-2, "cute": 1e-2, "cute_h2": 2e-2}  # v3 too: bf16 activations (the SiTU output rounded)
 TOL_DEFAULT = 1e-2
 
 
@@ -62,7 +65,7 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import choose, launch
     from k3compile.model.moe_ops import mxfp4_experts_gathered
     variants = [v for v in a.variants.split(",") if v]
     extra = json.loads(a.tiles) if a.tiles else {}
@@ -101,8 +104,12 @@ def main():
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")
                     fn = lambda v=v, tiles=tiles: launch.mxfp4_experts(  # noqa: E731
                         x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v, tiles=tiles)
+                    if v.startswith("cute"):  # the AOT CuTe artifacts (K3_CUTE_DIR); a silent v3 fallback is an error here
+                        choose._WHY.clear()
                     out = fn()
                     torch.cuda.synchronize()
+                    if v.startswith("cute") and choose.fallbacks():
+                        raise RuntimeError(f"cute fell back to {launch.CUTE_FALLBACK}: {choose.fallbacks()}")
                     err = ((out[sub].float() - want).abs().max() / want.abs().max()).item()
                     t = time_graph(fn)
                     row.update(k3_us=t, err_vs_reference=err, correct=bool(err <= TOL.get(v, TOL_DEFAULT)),

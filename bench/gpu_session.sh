@@ -38,6 +38,9 @@ for st in "$@"; do
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
     ops_cold) step ops_cold 80 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;
     ops_cas) step ops_cas 120 env K3_BARRIER_SEQ=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
+    cutemoe) step cute_moe_tests 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
+             step cute_moe8 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-v3,cute,cute_h2} \
+               --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 260 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

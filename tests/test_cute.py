@@ -38,8 +38,10 @@ def built(tmp_path_factory):
 
 def test_every_variant_compiles_with_wgmma_and_tma(built):
     out, mans = built
-    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 8
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 16
     for name, man in mans.items():
+        if not name.startswith("skinny_gemm"):
+            continue
         ptx = (out / f"{name}.ptx").read_text()
         mt = man["shapes"]["mt"]
         assert ".target sm_90a" in ptx, name
@@ -155,3 +157,89 @@ def test_dispatch_default_is_torch_and_forced_falls_back_with_reason(monkeypatch
     torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
     why = choose.fallbacks()
     assert list(why) == ["oproj N=8 K=16 M=3"] and "no CuTe artifact directory" in why["oproj N=8 K=16 M=3"]
+
+
+# ---------------------------------------------------------------- MXFP4 expert GEMV (mxfp4_experts.py)
+
+def _sass(cubin_path):
+    """SASS opcode counts of a cubin with Triton's bundled cuobjdump (None where it is missing)."""
+    import collections
+    import re
+    import subprocess
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    txt = subprocess.run([tool, "-sass", str(cubin_path)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)", txt, re.M)
+    return collections.Counter(ops)
+
+
+def test_mxfp4_variants_compile_to_streaming_gemv(built):
+    out, mans = built
+    names = [v["name"] for v in build.mxfp4_variants()]
+    assert len(names) == 8 and {mans[n]["variant"]["op"] for n in names} == {"mxfp4_gate_up", "mxfp4_down"}
+    for name in names:
+        man, v = mans[name], mans[name]["variant"]
+        ptx = (out / f"{name}.ptx").read_text()
+        assert ".target sm_90a" in ptx, name
+        rpg = (2 * v["rows"] if v["mode"] == "gate_up" else v["rows"]) // v["groups"]
+        # every weight row: one 16-byte cp.async per thread, in `stages` commit groups; scales by 4 B
+        assert ptx.count("cp.async.cg.shared.global") == rpg, name
+        assert "cp.async.ca.shared.global" in ptx and ptx.count("cp.async.commit_group") == v["stages"], name
+        assert "ld.global.nc.v4.u32" in ptx and "ld.shared.v4.u32" in ptx, name
+        if v["math"] == "f32":
+            # two fp32 FMAs per code pair, never flushing subnormal inputs (+-0.5 * 2^-126)
+            assert ptx.count("fma.rn.f32") >= rpg * 32 and "fma.rn.ftz" not in ptx, name
+        else:
+            # one f16x2 FMA per code pair, the pairs' activations packed once per thread
+            assert ptx.count("fma.rn.f16x2") == rpg * 16 and ptx.count("cvt.rn.f16x2.f32") == 16, name
+        assert ".minnctapersm 1" in ptx, name
+        assert "ld.local" not in ptx and "st.local" not in ptx, name
+        assert f".reqntid {man['block'][0]}, 1, 1" in ptx, name
+        symbol, params = build.ptx_entry_params(ptx)
+        assert symbol == man["symbol"] and [p["size"] for p in params] == [8, 8, 8, 8, 8, 4, 4]
+        assert [p["kind"] for p in man["params"]] == ["ptr"] * 5 + ["f32"] * 2
+        assert man["smem"] <= 227 * 1024 and man["block"][0] <= 1024
+        sass = _sass(out / f"{name}.cubin")
+        if sass is not None:
+            assert sass["LDGSTS"] >= rpg and sass["LDL"] == 0 and sass["STL"] == 0, (name, sass)
+            # the dequantisation + FMA body per weight byte over the kernel: f32 ~7.7, f16x2 ~5.3
+            body = sum(sass[o] for o in ("LOP3", "IMAD", "FFMA", "HFMA2", "SHF"))
+            assert body <= (8 if v["math"] == "f32" else 6) * rpg * 16, (name, body, rpg * 16)
+
+
+def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
+    out, mans = built
+    arts, why = loader.find_mxfp4(out, 384, 3584, 16)
+    assert arts is not None, why
+    gu, dn = arts
+    assert gu.man["variant"]["op"] == "mxfp4_gate_up" and dn.man["variant"]["op"] == "mxfp4_down"
+    assert loader.grid_of(gu.man, P=16) == (16, 384 // gu.man["shapes"]["rows"], 1)
+    assert loader.grid_of(dn.man, P=16) == (16, 3584 // dn.man["shapes"]["rows"], 1)
+    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, beta=4.0, linear_beta=25.0)
+    blobs = loader.pack_values(gu.man, vals)
+    assert [struct.unpack("<Q", b)[0] for b in blobs[:5]] == [0x1000, 0x2000, 0x3000, 0x4000, 0x5000]
+    assert [struct.unpack("<f", b)[0] for b in blobs[5:]] == [4.0, 25.0]
+    assert loader.find_mxfp4(out, 384, 3584, 8)[0] is None       # top-k is compiled into gate-up
+    assert loader.find_mxfp4(out, 1536, 3584, 16)[0] is not None
+    h2, why = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")
+    assert h2 is not None and all(a.man["math"] == "f16x2" and a.path.stem.endswith("_h2") for a in h2), why
+    assert all(a.man["math"] == "f32" for a in arts)
+    assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
+
+
+def test_dispatch_memoises_artifacts(built, monkeypatch):
+    """choose keeps one Artifact per (dir, shapes): a fresh one per call would load a new module
+    every call (and call cuModuleLoadData inside CUDA-graph captures)."""
+    out, _ = built
+    monkeypatch.setenv("K3_CUTE_DIR", str(out))
+    monkeypatch.setattr(choose, "_FOUND", {})
+    a1, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
+    a2, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
+    g1, _ = choose._find("gemm", "oproj_gemm", 7168, 1536, 4)
+    assert a1 is a2 and a1 is not None and g1 is choose._find("gemm", "oproj_gemm", 7168, 1536, 4)[0]
+    assert choose._find("mxfp4", 384, 3584, 16, "f16x2")[0] is not a1

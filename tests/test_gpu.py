@@ -164,7 +164,7 @@ def _check_kernel_results(res):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("variant", ["v2b", "v3"])
+@pytest.mark.parametrize("variant", ["v2b", "v3", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)
 def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch):
     """The MXFP4 expert kernels through k3::mxfp4_experts (bf16, K3's per-rank TP=8 expert
     width) equal the model op's reference, eagerly and replayed from a CUDA graph; each variant

@@ -5,7 +5,9 @@ copied to the GPU machine, `K3_CUTE_DIR=DIR`); the DSL is NOT needed here. For e
 M in {1, 5, m_max}: the kernel launched by the driver-only loader equals torch.mm in fp32 on
 random bf16 data (bound: 1e-2 of the output's largest value, bf16 output rounding), eagerly and
 replayed from a CUDA graph with new input values copied into the captured buffers; rows past M are
-untouched (a guard row after the output). Never run yet: written on a machine without a GPU.
+untouched (a guard row after the output). MXFP4 experts (gate-up + SiTU, down): the artifacts vs
+the model op's reference, eager and CUDA-graphed, and launch.mxfp4_experts(variant="cute") with no
+fallback. Never run yet: written on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -80,3 +82,97 @@ def test_dispatch_uses_cute_when_forced(monkeypatch):
     y = choose.gemm("oproj", x, w)
     assert not choose.fallbacks(), choose.fallbacks()
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------- MXFP4 routed experts (mxfp4_experts.py)
+
+def _mxfp4_pairs(math="f32"):
+    from k3compile.kernels.cute import loader
+    from k3compile.kernels.cute.build import default_dir
+    d = Path(os.environ.get("K3_CUTE_DIR") or default_dir())
+    found = []
+    for I in (384, 1536):
+        arts, _ = loader.find_mxfp4(d, I, 3584, 16, math)
+        if arts is not None:
+            found.append((I, arts))
+    return found
+
+
+# max |err| / max |ref|: f32 math only rounds the bf16 output; f16x2 sums each 32-code block in
+# fp16 and rounds mid to fp16 (CPU emulation: 6e-3 on small shapes), the bound v3 has in experts_bench
+MXFP4_TOL = {"f32": 1e-2, "f16x2": 2e-2}
+
+
+def test_mxfp4_artifacts_present():
+    assert _mxfp4_pairs(), "no CuTe MXFP4 artifacts: python -m k3compile.kernels.cute.build, K3_CUTE_DIR"
+
+
+@pytest.mark.parametrize("math", ["f32", "f16x2"])
+@pytest.mark.parametrize("I", [384, 1536])
+def test_mxfp4_experts_match_reference_eager_and_graphed(I, math):
+    """The gate-up (SiTU fused) + down artifacts through the driver-only loader vs the model op's
+    reference (bf16 x, random codes incl. +-0.5 subnormal operands, scales 2^-9 .. 2^-4), eagerly
+    and replayed from a CUDA graph with new x and ids copied into the captured buffers."""
+    pairs = dict(_mxfp4_pairs(math))
+    tol = MXFP4_TOL[math]
+    if I not in pairs or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("no artifact for this I / not sm_90")
+    from k3compile.kernels.cute import loader
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    gu, dn = pairs[I]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E, L, K = (32 if I == 384 else 8), 3584, 16
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    for M in (1, 5, 16):
+        x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
+        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+        torch.cuda.synchronize()
+        ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"mxfp4 cute {math} I={I} M={M}: eager err {err:.3e}")
+        assert out.shape == (M, K, L) and out.dtype == torch.bfloat16
+        assert err <= tol, (I, M, err)
+        # CUDA graph: capture once, replay with new inputs copied into the captured buffers
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gout = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+        x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
+        ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
+        err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"mxfp4 cute {math} I={I} M={M}: graphed err {err:.3e}")
+        assert err <= tol, (I, M, "graphed", err)
+
+
+def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
+    if not _mxfp4_pairs() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("no MXFP4 artifacts / not sm_90")
+    from k3compile.kernels import choose, launch
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator(device="cuda").manual_seed(1)
+    E, I, L = 16, 384, 3584
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8, device="cuda")
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    x = torch.randn(3, L, generator=g, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, E, (3, 16), generator=g, device="cuda", dtype=torch.int32)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
+    for variant, math in (("cute", "f32"), ("cute_h2", "f16x2")):
+        if not _mxfp4_pairs(math):
+            continue
+        monkeypatch.setattr(choose, "_WHY", {})
+        out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+        assert not choose.fallbacks(), choose.fallbacks()
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() <= MXFP4_TOL[math], variant

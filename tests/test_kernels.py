@@ -326,3 +326,23 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt):
     rid, rw = ref.router_topk(logits, bias, k, 2.5)
     assert torch.equal(ids, rid), (ids, rid)
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+
+
+def test_mxfp4_cute_variant_falls_back_to_v3_with_reason(monkeypatch):
+    """variant="cute" (the AOT-built CuTe GEMVs) cannot run on CPU: launch.mxfp4_experts runs
+    CUTE_FALLBACK (Triton v3) instead, with the same result, and choose.fallbacks() says why."""
+    from k3compile.kernels import choose
+    g = torch.Generator().manual_seed(7)
+    N, K, E, I, L = 2, 2, 3, 128, 256
+    x = torch.randn(N, L, generator=g).bfloat16()
+    ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    assert launch.CUTE_FALLBACK == "v3" and launch.mxfp4_experts_ok(x, ids, w13, variant="cute")
+    monkeypatch.setattr(choose, "_WHY", {})
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="cute")
+    want = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3")
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert choose.fallbacks() == {f"mxfp4_experts I={I} L={L} K={K}": "not CUDA (the CuTe kernels are sm_90a cubins)"}

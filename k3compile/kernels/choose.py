@@ -37,6 +37,21 @@ def _artifact_dir():
     return default_dir()
 
 
+_FOUND: dict[tuple, tuple] = {}
+
+
+def _find(kind: str, *key):
+    """loader.find / loader.find_mxfp4, memoised per (artifact dir, shapes): an Artifact reads its
+    cubin and loads the module on first launch, so a fresh one per call would re-read the files
+    and load a new module every call (and cuModuleLoadData inside a CUDA-graph capture)."""
+    from .cute import loader
+    k = (kind, str(_artifact_dir()), *key)
+    if k not in _FOUND:
+        fn = loader.find if kind == "gemm" else loader.find_mxfp4
+        _FOUND[k] = fn(_artifact_dir(), *key)
+    return _FOUND[k]
+
+
 def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.t() through the CuTe skinny GEMM where wanted and possible, else torch.mm."""
     m = x.shape[0]
@@ -46,11 +61,36 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
         else:
             try:
-                from .cute import loader
-                art, why = loader.find(_artifact_dir(), "oproj_gemm", w.shape[0], x.shape[1], m)
+                art, why = _find("gemm", "oproj_gemm", w.shape[0], x.shape[1], m)
                 if art is not None:
                     return art.launch_gemm(x.contiguous(), w.contiguous())
                 _WHY.setdefault(key, why)
             except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
                 _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
     return torch.mm(x, w.t())
+
+
+def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, math: str = "f32"):
+    """The MXFP4 routed experts through the CuTe artifacts of `math` ("f32" | "f16x2";
+    launch.mxfp4_experts(variant="cute" | "cute_h2")), or None (the caller falls back to Triton)
+    with the reason in fallbacks()."""
+    N, K = topk_ids.shape
+    L, I = x.shape[1], w13.shape[1] // 2
+    key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}")
+    if not x.is_cuda:
+        _WHY.setdefault(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
+        return None
+    if x.dtype != torch.bfloat16:
+        _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe MXFP4 kernels take bf16 activations)")
+        return None
+    try:
+        from .cute import loader
+        arts, why = _find("mxfp4", I, L, K, math)
+        if arts is None:
+            _WHY.setdefault(key, why)
+            return None
+        return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
+                                    float(beta), float(linear_beta))
+    except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
+        _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
+        return None

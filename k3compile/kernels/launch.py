@@ -194,7 +194,11 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3")
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute", "cute_h2")
+# "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
+# math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
+# misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
+CUTE_FALLBACK = "v3"
 
 
 # Tiles by batch (tokens N <= bound), from the tile sweeps on the H200 (BENCHMARKS.md, TP=8 shapes).
@@ -227,6 +231,8 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
       down:    rows per program BL/BN_D, bytes per k step BKB_D; num_warps, num_stages (None:
       Triton's default); dot and v2b: LOOP (0 unrolled k loop, 1 pipelined tl.range loop)."""
     t = dict(tiles or {})
+    if variant.startswith("cute"):   # the tiles are compiled into the artifacts; these are the fallback's
+        variant = CUTE_FALLBACK
     if variant == "dot":
         # dot_scaled tiles: k steps of >= 32 elements (16 bytes, one scale), rows a multiple of 16
         d = dict(BN=_divisor(I, (64, 32, 16)), BKB_GU=_divisor(L // 2, (64, 32, 16)), BN_D=_divisor(L, (64, 32, 16)),
@@ -266,14 +272,20 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" | "v3" (default env K3_MXFP4, else mxfp4_variant's choice; see
-    triton_moe's docstring);
+    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_MXFP4, else
+    mxfp4_variant's choice; see triton_moe's docstring and kernels/cute/mxfp4_experts.py);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""
     from . import triton_moe as KM
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
     variant = mxfp4_variant(variant, x, I)
+    if variant.startswith("cute"):
+        out = choose.mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
+                                        math="f16x2" if variant == "cute_h2" else "f32")
+        if out is not None:
+            return out
+        variant = CUTE_FALLBACK
     P = N * K
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:

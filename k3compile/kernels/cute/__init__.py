@@ -2,6 +2,9 @@
 
 - `skinny_gemm.py`: the decode o-proj / up-projection GEMM (swap-AB, TMA + wgmma, S-stage
   mbarrier pipeline). Imports the DSL: only `build.py` and the JIT path import it.
+- `mxfp4_experts.py`: the MXFP4 routed-expert GEMVs (gate-up with SiTU fused, down) for decode:
+  CUDA cores, cp.async-staged 16-byte weight vectors, two-codes-per-IMAD dequantisation, fp32
+  FMAs; `mxfp4_ref.py` is its PyTorch emulation for CPU tests (no DSL).
 - `build.py`: `python -m k3compile.kernels.cute.build [--out DIR]` compiles every kernel for
   sm_90a on a machine with no GPU (fake tensors) into a cubin + PTX + JSON manifest per variant,
   cached by (kernel source, shapes / tile config, DSL version).

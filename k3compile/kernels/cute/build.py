@@ -59,6 +59,34 @@ def variants() -> list[dict]:
         for mt in (8, 16, 32, 64):
             out.append(dict(name=f"skinny_gemm_bf16_n7168_k{k}_mt{mt}", kernel="skinny_gemm", op="oproj_gemm",
                             n=7168, k=k, mt=mt, stages=8, dtype="bf16"))
+    out += mxfp4_variants()
+    return out
+
+
+# MXFP4 routed experts (mxfp4_experts.py): per-rank expert widths I of TP=8 / TP=2, latent L,
+# top-k K; gate-up: BI gate + BI up rows per CTA (NV = L/32 threads); down: BL rows per CTA,
+# G row groups of NV = I/32 threads (BL <= G * NV: one thread per row in the reduction); 8 rows
+# per thread everywhere but TP=8 gate-up (16): ptxas caps these kernels at 64 registers (16 rows
+# per thread in down spilled one register)
+MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536: dict(bi=8, bl=32, groups=4)})
+
+
+# math: "f32" (fp32 FMAs, exact products) or "f16x2" (packed fp16 FMAs per 32-code block with a
+# per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py)
+MXFP4_MATH = {"f32": "", "f16x2": "_h2"}
+
+
+def mxfp4_variants() -> list[dict]:
+    out = []
+    L, K = MXFP4_SHAPES["L"], MXFP4_SHAPES["K"]
+    for math, sfx in MXFP4_MATH.items():
+        for I, t in MXFP4_SHAPES["tiles"].items():
+            out.append(dict(name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", kernel="mxfp4_experts",
+                            op="mxfp4_gate_up", mode="gate_up", I=I, L=L, K=K, rows=t["bi"], groups=1, stages=4,
+                            math=math))
+            out.append(dict(name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", kernel="mxfp4_experts",
+                            op="mxfp4_down", mode="down", I=I, L=L, K=K, rows=t["bl"], groups=t["groups"],
+                            stages=4, math=math))
     return out
 
 
@@ -116,8 +144,58 @@ def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
                 shapes=dict(n=n, k=k, mt=mt), m_max=mt)
 
 
+_MXFP4_PARAMS = [dict(kind="ptr", tensor="x"), dict(kind="ptr", tensor="ids"), dict(kind="ptr", tensor="w"),
+                 dict(kind="ptr", tensor="s"), dict(kind="ptr", tensor="out"), dict(kind="f32", name="beta"),
+                 dict(kind="f32", name="linear_beta")]
+
+
+def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
+    """Manifest of an MXFP4 expert GEMV variant; `k` is its Mxfp4ExpertGemvSm90 instance."""
+    if [(p["size"]) for p in params] != [8, 8, 8, 8, 8, 4, 4]:
+        raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
+                         f"[ptr x5, f32 x2]: the DSL changed the kernel ABI")
+    return dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
+                params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_PARAMS)],
+                shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
+                math=v["math"],
+                # what the loader checks before launching: base alignment (bytes) of each tensor
+                align=dict(x=16, w=16, s=4, out=4, ids=4))
+
+
+def _compile_mxfp4(v: dict, out: Path) -> dict:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from .mxfp4_experts import Mxfp4ExpertGemvSm90
+
+    k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"])
+    z = cutlass.Int64(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.time()
+        fn = cute.compile(k, z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0),
+                          cuda.CUstream(0), options=f"--gpu-arch {ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}")
+        dt = time.time() - t0
+        ptx, cubin = fn.__ptx__, fn.__cubin__
+    if not isinstance(ptx, str) or not isinstance(cubin, bytes) or not ptx.strip():
+        raise RuntimeError(f"{v['name']}: the DSL returned no PTX / cubin ({type(ptx)}, {type(cubin)})")
+    symbol, params = ptx_entry_params(ptx)
+    man = _mxfp4_manifest(v, k, symbol, params)
+    return _write(v, out, man, ptx, cubin, dt)
+
+
+def _write(v: dict, out: Path, man: dict, ptx: str, cubin: bytes, dt: float) -> dict:
+    man.update(variant=v, key=cache_key(v), dsl=dsl_version(), arch=ARCH, compile_s=round(dt, 3))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{v['name']}.cubin").write_bytes(cubin)
+    (out / f"{v['name']}.ptx").write_text(ptx)
+    (out / f"{v['name']}.json").write_text(json.dumps(man, indent=1))
+    return man
+
+
 def compile_variant(v: dict, out: Path) -> dict:
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    if v["kernel"] == "mxfp4_experts":
+        return _compile_mxfp4(v, out)
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -138,12 +216,7 @@ def compile_variant(v: dict, out: Path) -> dict:
         raise RuntimeError(f"{v['name']}: the DSL returned no PTX / cubin ({type(ptx)}, {type(cubin)})")
     symbol, params = ptx_entry_params(ptx)
     man = _skinny_gemm_manifest(v, symbol, params)
-    man.update(variant=v, key=cache_key(v), dsl=dsl_version(), arch=ARCH, compile_s=round(dt, 3))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{v['name']}.cubin").write_bytes(cubin)
-    (out / f"{v['name']}.ptx").write_text(ptx)
-    (out / f"{v['name']}.json").write_text(json.dumps(man, indent=1))
-    return man
+    return _write(v, out, man, ptx, cubin, dt)
 
 
 def build(out: Path | None = None, force: bool = False, only: str | None = None, log=print) -> dict[str, dict]:

@@ -76,6 +76,41 @@ def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], 
     return vals
 
 
+def pack_values(man: dict, values: dict) -> list[bytes]:
+    """Parameters of a kernel whose manifest names them (kinds ptr / i32 / f32 / pad): `values`
+    maps each ptr's "tensor" and each scalar's "name" to a device address / number."""
+    vals = []
+    for p in man["params"]:
+        kind = p["kind"]
+        if kind == "ptr":
+            blob = struct.pack("<Q", int(values[p["tensor"]]))
+        elif kind == "i32":
+            blob = struct.pack("<i", int(values[p["name"]]))
+        elif kind == "f32":
+            blob = struct.pack("<f", float(values[p["name"]]))
+        elif kind == "pad":
+            blob = b"\0" * p["size"]
+        else:
+            raise ValueError(f"unknown parameter kind {kind!r}")
+        if len(blob) != p["size"]:
+            raise ValueError(f"parameter {kind} packs to {len(blob)} bytes, the kernel expects {p['size']}")
+        vals.append(blob)
+    return vals
+
+
+def grid_of(man: dict, **dims: int) -> tuple[int, int, int]:
+    """The manifest's grid with symbolic entries ("P", "n/64") resolved from `dims`."""
+    g = []
+    for d in man["grid"]:
+        if d == "n/64":
+            g.append((dims["n"] + 63) // 64)
+        elif isinstance(d, str):
+            g.append(int(dims[d]))
+        else:
+            g.append(int(d))
+    return g[0], g[1], g[2]
+
+
 def grid(man: dict, n: int) -> tuple[int, int, int]:
     g = [((n + 63) // 64) if d == "n/64" else int(d) for d in man["grid"]]
     return g[0], g[1], g[2]
@@ -174,6 +209,95 @@ class Artifact:
         drv.launch(self._fn[dev], grid(self.man, N), tuple(self.man["block"]), self.man["smem"],
                    torch.cuda.current_stream(x.device).cuda_stream, params)
         return out
+
+
+    def _function(self, dev: int, drv: Driver):
+        import torch
+        if dev not in self._fn:
+            with torch.cuda.device(dev):
+                self._fn[dev] = drv.load(self.cubin, self.man["symbol"], self.man["smem"])
+        return self._fn[dev]
+
+    def launch_values(self, values: dict, grid_dims: dict, device, driver: Driver | None = None) -> None:
+        """Launch with named parameter values (pack_values) on torch's current stream of `device`."""
+        import torch
+        drv = driver or _driver()
+        dev = device.index if device.index is not None else torch.cuda.current_device()
+        params = _Params(pack_values(self.man, values))
+        drv.launch(self._function(dev, drv), grid_of(self.man, **grid_dims), tuple(self.man["block"]),
+                   self.man["smem"], torch.cuda.current_stream(device).cuda_stream, params)
+
+
+def mxfp4_check(man: dict, tensors: dict) -> str:
+    """Why these tensors cannot go to this MXFP4 artifact ("" when they can): dtypes, contiguity,
+    base alignment the kernel's cp.async / vector loads need."""
+    import torch
+    want = dict(x=torch.bfloat16, ids=torch.int32, w=torch.uint8, s=torch.uint8)
+    for name, t in tensors.items():
+        if name in want and t.dtype != want[name]:
+            return f"{name} is {t.dtype}, the kernel takes {want[name]}"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        a = man.get("align", {}).get(name, 1)
+        if t.data_ptr() % a:
+            return f"{name} at {t.data_ptr():#x} is not {a}-byte aligned"
+    return ""
+
+
+def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
+                  beta: float, linear_beta: float, driver: Driver | None = None):
+    """The two MXFP4 expert GEMVs (gate-up with SiTU, then down): [N, K, L] in x.dtype (bf16),
+    unweighted, on torch's current stream (CUDA-graph capturable: no host syncs)."""
+    import torch
+    N, K = topk_ids.shape
+    L, I = x.shape[1], w13.shape[1] // 2
+    P = N * K
+    sg, sd = gate_up.man["shapes"], down.man["shapes"]
+    if (sg["I"], sg["L"], sg["K"]) != (I, L, K) or (sd["I"], sd["L"]) != (I, L):
+        raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} are for I={sg['I']} L={sg['L']} "
+                         f"K={sg['K']}; got I={I} L={L} K={K}")
+    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
+              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
+    for name, (t, want) in shapes.items():
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
+    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return out
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
+    mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
+    for art, ts in ((gate_up, dict(x=x, ids=ids, w=w13, s=w13_scale, out=mid)),
+                    (down, dict(x=mid, ids=ids, w=w2, s=w2_scale, out=out))):
+        why = mxfp4_check(art.man, {k: v for k, v in ts.items() if not (art is down and k == "x")})
+        if why:
+            raise ValueError(f"{art.path.stem}: {why}")
+        vals = {k: v.data_ptr() for k, v in ts.items()}
+        vals.update(beta=beta, linear_beta=linear_beta)
+        art.launch_values(vals, dict(P=P), x.device, driver)
+    return out
+
+
+def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32") -> tuple["tuple[Artifact, Artifact] | None", str]:
+    """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why)."""
+    art_dir = Path(art_dir)
+    if not art_dir.is_dir():
+        return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
+    found = {}
+    for mf in sorted(art_dir.glob("mxfp4_*.json")):
+        try:
+            man = json.loads(mf.read_text())
+        except ValueError:
+            continue
+        op, sh = man.get("variant", {}).get("op"), man.get("shapes", {})
+        if (op in ("mxfp4_gate_up", "mxfp4_down") and man.get("math", "f32") == math and sh.get("I") == I and sh.get("L") == L
+                and (op == "mxfp4_down" or sh.get("K") == K) and mf.with_suffix(".cubin").exists()):
+            found.setdefault(op, mf)
+    if len(found) < 2:
+        return None, f"no CuTe MXFP4 {math} artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
+    return (Artifact(found["mxfp4_gate_up"]), Artifact(found["mxfp4_down"])), ""
 
 
 _DRV: Driver | None = None

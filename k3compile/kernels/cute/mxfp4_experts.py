@@ -1,0 +1,414 @@
+"""MXFP4 routed-expert GEMV for decode on sm_90a (CuTe DSL): gate-up (SiTU fused) and down.
+
+Contract (the same as triton_moe's kernels, one CTA per (token, slot) pair p and row block):
+  gate_up: mid[p] = SiTU(W13[e] @ x[t])    fp32 [P, I]    (t = p // K, e = ids[p])
+  down:    out[p] = W2[e] @ mid[p]         bf16 [P, L]    (unweighted, unfinalised)
+Weights: packed E2M1 codes, two per byte, low nibble first ([E, rows, KB] uint8, KB = K_in / 2),
+E8M0 scales [E, rows, K_in / 32] uint8 (value = code * 2^(s - 127)).
+
+Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory weight tiles):
+- One 16-byte vector of a weight row = 32 codes = exactly one scale block. A CTA has T = G * NV
+  threads, NV = K_in / 32 vectors per row: thread t owns vector v = t % NV of every row it reads
+  and row group g = t // NV; it reads rows g, g + G, ... (RPG rows), so a group's NV threads read
+  one row's bytes contiguously and consecutive groups consecutive rows (fully coalesced).
+- The thread's 32 activations (x[t, 32v:32v+32] as bf16, or mid's fp32 for down) are loaded once,
+  converted to fp32 and pre-scaled by 2^100 (exact), and kept in registers for all its rows.
+- All RPG rows' 16-byte vectors (ld.global.nc.L1::no_allocate.v4.u32) and scale bytes are issued
+  before any math: RPG * 16 bytes in flight per thread (gate-up TP=8: 16 rows -> 28 KB per CTA).
+- Dequantisation two codes per 3 integer ops (v3's trick): for a word w (8 codes, code j in nibble
+  j) and k in 0..3, n = (k < 2 ? w : w >> 8) & (k even ? 0x000F000F : 0x00F000F0);
+  m = n * (k even ? 2^6 + 2^12 : 2^2 + 2^8) puts codes (k, k + 4) as two bf16 bit patterns
+  ((c & 7) << 6) | ((c & 8) << 12) = value(c) * 2^-126 in m's halves (bits outside the masks are
+  garbage, never carried into the kept bits). The high code's fp32 is m & 0x81C00000 (a bf16 in
+  the high half *is* an fp32), the low one's (m << 16) & 0x81C00000: 5 integer ops per code pair,
+  then two fp32 FMAs (fma.rn.f32, no .ftz: +-0.5 * 2^-126 is an fp32 subnormal input, and with x
+  pre-scaled by 2^100 every product value * x * 2^-26 is normal).
+- Per row: the 32-code block sum (in the 2^-26 domain) times the block scale 2^(s - 127 + 26),
+  built from its fp32 bits (s + 26) << 23 (exact for s <= 228, i.e. weights < 2^103).
+- Reduction: per-thread row partials -> shared memory [R, NV] (over the staged weights, after a
+  barrier: 32 KB per gate-up CTA, 7 CTAs per SM, so M=1's 768 CTAs are one wave), then Q threads per row sum NV / Q
+  partials each, then one thread per row sums the Q results; the epilogue (SiTU of gate row i and
+  up row i; bf16 rounding for down) stores one value per row.
+- math="f16x2" (the "_h2" artifacts): codes as f16x2 patterns ((c & 7) << 9) | ((c & 8) << 12) =
+  value * 2^-14, 4 integer ops per pair (mask, shift, shifted sign, LOP3 merge); the thread's 32
+  activations times a power of two 2^kx with max |x| * 2^kx in [2^12, 2^13) (from the exponent
+  of max |x|, exact), packed once as f16x2 (x[8j+k], x[8j+k+4]); one fma.rn.f16x2 per pair into
+  an f16x2 block accumulator (|products| <= 3, block sums <= 48: no overflow; products of
+  x < 2^-26 max |x| become fp16 subnormals, negligible against the block); the two halves summed
+  in fp32 and scaled by 2^(s - 127 + 14) * 2^-kx. SASS: ~5.3 instructions per weight byte in the
+  body vs ~7.7 for f32; error vs the fp32 reference ~6e-3 of max |out| on CPU emulation (f32: 0).
+`emulate_mxfp4_experts` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
+order in PyTorch (CPU-tested against `k3compile.model.mxfp4`).
+
+Kernel parameters are raw device addresses (u64), i32 and f32 scalars; the loader fills them
+from the manifest (`build.py`). The DSL is imported by whoever imports this module.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+PRESCALE = 1.2676506002282294e30   # 2^100
+_PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
+_PAIR_MUL = (4160, 260)                # 2^6 + 2^12 / 2^2 + 2^8: magnitude to bits 6..8, sign to 15
+SCALE_BIAS = 26                    # 2^(s - 127) * 2^126 / 2^100 = 2^(s - 101): bits (s + 26) << 23
+
+
+def _asm(ret, args, text, cons, side=False):
+    return llvm.inline_asm(ret, args, text, cons, has_side_effects=side, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def ld_v4(addr: Int64, *, loc=None, ip=None):
+    """Four u32 words from a 16-byte aligned global address (read-only, streamed past L1)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
+             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_v4_keep(addr: Int64, *, loc=None, ip=None):
+    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l")
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def cp_async16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
+    """16 bytes global -> shared, asynchronous, bypassing L1 (cp.async.cg)."""
+    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side=True)
+
+
+@dsl_user_op
+def cp_async4(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
+         "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", side=True)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    _asm(None, [], "cp.async.commit_group;", "", side=True)
+
+
+@dsl_user_op
+def cp_async_wait(n: int, *, loc=None, ip=None) -> None:
+    _asm(None, [], f"cp.async.wait_group {int(n)};", "", side=True)
+
+
+@dsl_user_op
+def lds_v4(addr: Int32, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,r", side=True)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def lds_u8(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.u8 $0, [$1];", "=r,r", side=True))
+
+
+@dsl_user_op
+def ld_u8(addr: Int64, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l"))
+
+
+@dsl_user_op
+def ld_s32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.s32 $0, [$1];", "=r,l"))
+
+
+@dsl_user_op
+def st_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+         "st.global.f32 [$0], $1;", "l,f", side=True)
+
+
+@dsl_user_op
+def st_bf16(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f", side=True)
+
+
+@dsl_user_op
+def as_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def as_i32(v: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.bitcast(T.i32(), Float32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b + c, round to nearest, subnormal inputs kept (no .ftz)."""
+    return Float32(_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip),
+                                  Float32(c).ir_value(loc=loc, ip=ip)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"))
+
+
+@dsl_user_op
+def bits_to_f32_hi(w: Int32, *, loc=None, ip=None) -> Float32:
+    """The bf16 in the high half of w as fp32."""
+    return as_f32(w & Int32(-65536), loc=loc, ip=ip)
+
+
+@cute.jit
+def _block_dot(words, xs):
+    """sum_k value(code k) * 2^-126 * xs[k] over the 32 codes of 4 words (fp32 FMAs; the order the
+    emulation in mxfp4_ref reproduces: per word j, k = 0..3: code 8j+k+4 then code 8j+k)."""
+    acc = Float32(0.0)
+    for j in cutlass.range_constexpr(4):
+        w = words[j]
+        w8 = w >> 8
+        srcs = [w, w, w8, w8]
+        for k in cutlass.range_constexpr(4):
+            m = (srcs[k] & Int32(_PAIR_MASK[k % 2])) * Int32(_PAIR_MUL[k % 2])
+            hi = as_f32(m & Int32(-2118123520))             # 0x81C00000
+            lo = as_f32((m << 16) & Int32(-2118123520))
+            acc = fma(hi, xs[8 * j + k + 4], acc)
+            acc = fma(lo, xs[8 * j + k], acc)
+    return acc
+
+
+# ---- half2 math (math="f16x2"): 4 integer ops per code pair + one fma.rn.f16x2 per pair
+_H_MAG = ((0x00070007, 9), (0x00700070, 5), (0x07000700, 1), (0x70007000, -3))   # mask, left shift
+_H_SIGN = (12, 8, 4, 0)                                                          # sign bit -> 15 / 31
+H_SCALE_BIAS = 14    # code pattern = value * 2^-14: block scale 2^(s - 127) * 2^14 = bits (s + 14) << 23
+H_TARGET_EXP = 139   # x * 2^k with k = 139 - exponent(max |x|): the thread's max |x| in [2^12, 2^13)
+H_MIN_EXP = 20       # exponent floor for all-zero / tiny blocks (keeps 2^k and 2^-k normal fp32)
+
+
+@dsl_user_op
+def hfma2(a: Int32, b: Int32, c: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip),
+                                Int32(c).ir_value(loc=loc, ip=ip)], "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r"))
+
+
+@dsl_user_op
+def f32x2_to_f16x2(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Int32:
+    """{hi, lo} rounded to fp16, hi in the upper half."""
+    return Int32(_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                      "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+@dsl_user_op
+def f16x2_sum(a: Int32, *, loc=None, ip=None) -> Float32:
+    """float(lo half) + float(hi half) of an f16x2 register, in fp32."""
+    return Float32(_asm(T.f32(), [Int32(a).ir_value(loc=loc, ip=ip)],
+                        "{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; "
+                        "cvt.f32.f16 b, h; add.f32 $0, a, b; }", "=f,r"))
+
+
+@dsl_user_op
+def imax(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+                      "max.s32 $0, $1, $2;", "=r,r,r"))
+
+
+@cute.jit
+def _half_pair(w, k: cutlass.Constexpr):
+    """Codes (8j+k, 8j+k+4) of word w as an f16x2 of value * 2^-14 (low half: code 8j+k):
+    ((c & 7) << 9) | ((c & 8) << 12) per half; the masks keep the halves apart."""
+    mask, sh = _H_MAG[k]
+    n = w & Int32(mask)
+    mag = (n << sh) if sh > 0 else (n >> -sh)       # n has bit 31 clear: >> is exact
+    sgn = (w << _H_SIGN[k]) if _H_SIGN[k] > 0 else w
+    return mag | (sgn & Int32(-2147450880))            # 0x80008000
+
+
+@cute.jit
+def _block_dot_h2(words, xh):
+    """f16x2 sum over the 32 codes of 4 words: acc = fma(pair(j, k), xh[4j+k], acc), j, k = 0..3;
+    returns lo + hi in fp32 (value * 2^-14 * x * 2^kx)."""
+    acc = Int32(0)
+    for j in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            acc = hfma2(_half_pair(words[j], k), xh[4 * j + k], acc)
+    return f16x2_sum(acc)
+
+
+class Mxfp4ExpertGemvSm90:
+    """mode "gate_up": rows 2*BI per CTA (BI gate rows, the same BI up rows), K_in = L;
+    mode "down": rows G*RPG per CTA, K_in = I. NV = K_in / 32 vectors (scale blocks) per row.
+    stages: the rows a thread reads are split into this many cp.async commit groups, consumed in
+    order (the first also carries the CTA's scale bytes)."""
+
+    def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
+                 math: str = "f32"):
+        assert mode in ("gate_up", "down"), mode
+        assert math in ("f32", "f16x2"), math
+        self.half = math == "f16x2"
+        self.mode, self.I, self.L, self.K = mode, I, L, K
+        k_in = L if mode == "gate_up" else I
+        assert k_in % 128 == 0, "NV = K_in / 32 scale bytes per row must be a multiple of 4 (cp.async 4 B)"
+        self.nv = k_in // 32
+        self.kb = k_in // 2                       # bytes per weight row
+        self.g = groups
+        self.threads = self.g * self.nv
+        assert self.threads <= 1024, self.threads
+        if mode == "gate_up":
+            assert I % rows == 0 and groups == 1
+            self.bi = rows
+            self.r = 2 * rows
+            self.runs = 2                         # scale bytes: the gate rows' run and the up rows' run
+        else:
+            assert L % rows == 0
+            self.r = rows
+            self.runs = 1
+        assert self.r % self.g == 0 and self.r <= self.threads, (self.r, self.g, self.threads)
+        self.rpg = self.r // self.g
+        assert self.rpg % stages == 0, (self.rpg, stages)
+        self.stages = stages
+        self.run_chunks = self.r // self.runs * self.nv // 4      # 4-byte chunks of scales per run
+        # level-1 reduction: Q threads per row, each summing NV / Q partials
+        self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.threads)
+        self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
+        # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
+        self.smem_bytes = (self.rpg * self.threads * 16 + _up(self.r * self.nv, 16)
+                           + 4 * (self.r * self.q + self.r) + 64 + 1024)
+
+    @cute.jit
+    def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, P: Int32, beta: Float32,
+                 lbeta: Float32, stream: cuda.CUstream):
+        @cute.struct
+        class Smem:
+            # the staged weight vectors; after the math (and a barrier) the row partials [R, NV]
+            wbuf: cute.struct.Align[cute.struct.MemRange[Float32, self.rpg * self.threads * 4], 16]
+            sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.r * self.nv], 16]
+            part2: cute.struct.MemRange[Float32, self.r * self.q]
+            tot: cute.struct.MemRange[Float32, self.r]
+        self.smem_t = Smem
+        self.kernel(x, ids, w, s, out, beta, lbeta).launch(
+            grid=(P, self.row_blocks, 1), block=(self.threads, 1, 1), stream=stream,
+            # .minnctapersm 1: with .reqntid alone ptxas capped the f16x2 gate-up at 48 registers and
+            # spilled; (> 1 would make the DSL query a device for its shared memory size)
+            min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        p, rb, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_t)
+        part = st.wbuf.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
+        part2 = st.part2.get_tensor(cute.make_layout((self.r, self.q), stride=(self.q, 1)))
+        tot = st.tot.get_tensor(cute.make_layout(self.r))
+        wsm = st.wbuf.data_ptr().toint() + tidx * 16          # this thread's slot of row-stage 0
+        ssm = st.sbuf.data_ptr().toint()
+
+        v = tidx % self.nv
+        g = tidx // self.nv
+        e = Int64(ld_s32(ids + Int64(p) * 4))
+        n_rows = 2 * self.I if self.mode == "gate_up" else self.L
+        wbase = w + e * (n_rows * self.kb) + Int64(v) * 16
+        sexp = s + e * (n_rows * self.nv)
+
+        # scales of the CTA's rows (cp.async 4 B chunks, contiguous runs), then every row's 16-byte
+        # vector in `stages` commit groups: all bytes in flight before any math
+        for run in cutlass.range_constexpr(self.runs):
+            row0 = rb * (self.bi if self.mode == "gate_up" else self.r) + (self.I if run == 1 else 0)
+            for c in cutlass.range_constexpr((self.run_chunks + self.threads - 1) // self.threads):
+                idx = tidx + c * self.threads
+                if idx < self.run_chunks:
+                    cp_async4(ssm + run * self.run_chunks * 4 + idx * 4, sexp + Int64(row0) * self.nv + Int64(idx) * 4)
+        per = self.rpg // self.stages
+        for r in cutlass.range_constexpr(self.rpg):
+            if cutlass.const_expr(self.mode == "gate_up"):   # G == 1: local row r, gate then up
+                row = Int64(rb * self.bi + (r if r < self.bi else r - self.bi + self.I))
+            else:
+                row = Int64(rb * self.r + g + r * self.g)
+            cp_async16(wsm + r * self.threads * 16, wbase + row * self.kb)
+            if cutlass.const_expr(r % per == per - 1):
+                cp_async_commit()
+
+        # activations: 32 values of this thread's block, fp32, pre-scaled by 2^100 (f32 math; f16x2
+        # scales them below)
+        pre = Float32(1.0 if self.half else PRESCALE)
+        xs = []
+        if cutlass.const_expr(self.mode == "gate_up"):
+            xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
+            for i in cutlass.range_constexpr(4):
+                q4 = ld_v4_keep(xa + 16 * i)
+                for j in cutlass.range_constexpr(4):
+                    xs.append(as_f32(q4[j] << 16) * pre)
+                    xs.append(bits_to_f32_hi(q4[j]) * pre)
+        else:
+            xa = x + (Int64(p) * self.I + Int64(v) * 32) * 4
+            for i in cutlass.range_constexpr(8):
+                q4 = ld_v4_keep(xa + 16 * i)
+                for j in cutlass.range_constexpr(4):
+                    xs.append(as_f32(q4[j]) * pre)
+
+        xh = []
+        inv = Float32(1.0)
+        if cutlass.const_expr(self.half):
+            # per-thread power of two 2^kx: max |x| * 2^kx in [2^12, 2^13) (exact in fp32), then f16x2
+            # pairs (x[8j+k] low, x[8j+k+4] high) in the order of the code pairs
+            amax = Int32(0)
+            for i in cutlass.range_constexpr(32):
+                amax = imax(amax, as_i32(xs[i]) & Int32(0x7FFFFFFF))
+            ex = imax(amax >> 23, Int32(H_MIN_EXP))
+            xup = as_f32((Int32(H_TARGET_EXP + 127) - ex) << 23)         # 2^kx, kx = 139 - ex
+            inv = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)         # 2^-kx
+            for j in cutlass.range_constexpr(4):
+                for k in cutlass.range_constexpr(4):
+                    xh.append(f32x2_to_f16x2(xs[8 * j + k + 4] * xup, xs[8 * j + k] * xup))
+        sums = []
+        for r in cutlass.range_constexpr(self.rpg):
+            if cutlass.const_expr(r % per == 0):
+                cp_async_wait(self.stages - 1 - r // per)
+                if cutlass.const_expr(r == 0):
+                    cute.arch.sync_threads()                   # the scale bytes other threads loaded
+            lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
+            sc = lds_u8(ssm + lr * self.nv + v)
+            if cutlass.const_expr(self.half):
+                blk = _block_dot_h2(lds_v4(wsm + r * self.threads * 16), xh)
+                sums.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * inv)
+            else:
+                blk = _block_dot(lds_v4(wsm + r * self.threads * 16), xs)
+                sums.append(blk * as_f32((sc + SCALE_BIAS) << 23))
+        cute.arch.sync_threads()                               # every thread is done with wbuf
+        for r in cutlass.range_constexpr(self.rpg):
+            lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
+            part[lr, v] = sums[r]
+        cute.arch.sync_threads()
+
+        if tidx < self.r * self.q:
+            rr = tidx // self.q
+            c0 = (tidx % self.q) * (self.nv // self.q)
+            a = Float32(0.0)
+            for c in cutlass.range_constexpr(self.nv // self.q):
+                a = a + part[rr, c0 + c]
+            part2[rr, tidx % self.q] = a
+        cute.arch.sync_threads()
+        if tidx < self.r:
+            a = Float32(0.0)
+            for c in cutlass.range_constexpr(self.q):
+                a = a + part2[tidx, c]
+            tot[tidx] = a
+        cute.arch.sync_threads()
+
+        if cutlass.const_expr(self.mode == "gate_up"):
+            if tidx < self.bi:
+                gt = tot[tidx]
+                up = tot[tidx + self.bi]
+                gs = beta * cute.math.tanh(gt / beta) / (Float32(1.0) + cute.math.exp(-gt))
+                us = lbeta * cute.math.tanh(up / lbeta)
+                st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 4, gs * us)
+        else:
+            if tidx < self.r:
+                st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + tidx)) * 2, tot[tidx])
+
+
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
