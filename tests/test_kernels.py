@@ -291,6 +291,16 @@ def test_mxfp4_variant_selection(monkeypatch):
     assert launch.mxfp4_variant() == "v3" and launch.mxfp4_variant(None, xb, 384) == "v3"
     assert launch.mxfp4_variant(None, x, 384) == "v2b" and launch.mxfp4_variant(None, xb, 32) == "v2b"
     assert launch.mxfp4_experts_ok(xb, ids, torch.zeros(1, 2 * 32, 1, dtype=torch.uint8))  # through v2b
+
+    class CudaX:  # what mxfp4_variant reads of a CUDA bf16 activation
+        is_cuda, dtype, shape = True, torch.bfloat16, (1, 3584)
+    # on CUDA the CuTe f16x2 GEMVs in choose.CUTE_M's measured batch range, v3 above it or when off
+    lo, hi = launch.choose.CUTE_M["mxfp4_experts"]
+    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == launch.mxfp4_variant(None, CudaX(), 384, hi)
+    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v3"
+    monkeypatch.setenv("K3_CUTE", "0")
+    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3"
+    monkeypatch.delenv("K3_CUTE")
     monkeypatch.setenv("K3_MXFP4", "dot")
     assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
     with pytest.raises(ValueError):

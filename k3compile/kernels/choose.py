@@ -1,11 +1,14 @@
 """CuTe or the default path (cuBLAS / Triton), per op and M.
 
-`CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU. It is
-empty: no CuTe kernel has been timed on a GPU yet (issue 6's benchmark), so every op keeps its
-default path unless forced. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0` turns
-it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
+`CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU
+(BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.13-1.45x faster than
+Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, commit 4477321),
+so they are the default there for bf16 activations. `oproj` (the skinny GEMM) has no range: it
+measured equal to cuBLAS at best. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
+turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
 When CuTe was chosen but cannot run (no artifact for the shape, not CUDA, wrong dtype, loader
-error) the op falls back to its default path and `fallbacks()` says why (once per reason).
+error) the op falls back to its default path (Triton v3 for the experts, cuBLAS for the GEMM),
+warns once per reason, and `fallbacks()` lists the reasons.
 """
 from __future__ import annotations
 
@@ -13,8 +16,16 @@ import os
 
 import torch
 
-CUTE_M: dict[str, tuple[int, int]] = {}   # filled from GPU benchmark runs; empty = never by default
+CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 64)}   # from GPU benchmark runs (docstring)
 _WHY: dict[str, str] = {}
+
+
+def _note(key: str, why: str) -> None:
+    """Record why a wanted CuTe kernel did not run; warn the first time for each op/shape."""
+    if key not in _WHY:
+        _WHY[key] = why
+        import warnings
+        warnings.warn(f"k3: CuTe kernel not used for {key}: {why}; running the default path", stacklevel=3)
 
 
 def wanted(op: str, m: int) -> bool:
@@ -58,15 +69,15 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and x.dim() == 2 and wanted(op, m):
         key = f"{op} N={w.shape[0]} K={x.shape[1]} M={m}"
         if x.dtype != torch.bfloat16 or w.dtype != x.dtype:
-            _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
+            _note(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
         else:
             try:
                 art, why = _find("gemm", "oproj_gemm", w.shape[0], x.shape[1], m)
                 if art is not None:
                     return art.launch_gemm(x.contiguous(), w.contiguous())
-                _WHY.setdefault(key, why)
+                _note(key, why)
             except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
-                _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
+                _note(key, f"loader error: {type(e).__name__}: {e}")
     return torch.mm(x, w.t())
 
 
@@ -78,19 +89,19 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     L, I = x.shape[1], w13.shape[1] // 2
     key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}")
     if not x.is_cuda:
-        _WHY.setdefault(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
+        _note(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
         return None
     if x.dtype != torch.bfloat16:
-        _WHY.setdefault(key, f"dtype {x.dtype} (the CuTe MXFP4 kernels take bf16 activations)")
+        _note(key, f"dtype {x.dtype} (the CuTe MXFP4 kernels take bf16 activations)")
         return None
     try:
         from .cute import loader
         arts, why = _find("mxfp4", I, L, K, math)
         if arts is None:
-            _WHY.setdefault(key, why)
+            _note(key, why)
             return None
         return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
                                     float(beta), float(linear_beta))
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
-        _WHY.setdefault(key, f"loader error: {type(e).__name__}: {e}")
+        _note(key, f"loader error: {type(e).__name__}: {e}")
         return None

@@ -210,15 +210,20 @@ MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages"
                "v3": ((4, {}), (1 << 30, {"BKB_GU": 128}))}
 
 
-def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: int | None = None) -> str:
-    """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: "v3" for bf16
-    activations where its tiles fit the shapes (1.5-2.0x faster than v2b on the H200, BENCHMARKS.md;
-    it rounds the activations and the SiTU output to bf16, which a bf16 model does anyway), else
-    "v2b" (fp32 products of the exact activations)."""
+def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: int | None = None,
+                  N: int | None = None) -> str:
+    """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: for bf16
+    activations where v3's tiles fit the shapes, "cute_h2" (the CuTe f16x2 GEMVs) on CUDA at the
+    batch sizes choose.CUTE_M measured it faster (it falls back to v3, with the reason, where no
+    artifact fits), else "v3" (1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
+    activations and the SiTU output to bf16 / fp16, which a bf16 model does anyway); other
+    activations and shapes "v2b" (fp32 products of the exact activations)."""
     v = variant or os.environ.get("K3_MXFP4")
     if v is None:
         fits = x is None or (x.dtype == torch.bfloat16 and _mxfp4_tiles("v3", x.shape[1], I, None) is not None)
         v = "v3" if fits else "v2b"
+        if v == "v3" and x is not None and x.is_cuda and N is not None and choose.wanted("mxfp4_experts", N):
+            v = "cute_h2"
     if v not in MXFP4_VARIANTS:
         raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")
     return v
@@ -279,7 +284,7 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     from . import triton_moe as KM
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    variant = mxfp4_variant(variant, x, I)
+    variant = mxfp4_variant(variant, x, I, N)
     if variant.startswith("cute"):
         out = choose.mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
                                         math="f16x2" if variant == "cute_h2" else "f32")

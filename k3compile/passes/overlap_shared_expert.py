@@ -27,7 +27,7 @@ from ..patterns.graph import (Fail, aten, c10d, describe, is_call, is_weight_lik
                               scalar, shape, strip, val, weight_out_in)
 from ..patterns.vllm_forms import count_vllm_fused_allreduces
 from .base import K3Pass, gated_off
-from .common import emit, forward_gemm, last_of, replace
+from .common import emit, forward_gemm, last_of, replace, users_through_views
 
 _ELEMENTWISE = {
     aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, operator.getitem, aten.div.Tensor,
@@ -78,12 +78,13 @@ class OverlapSharedExpert(K3Pass):
             if isinstance(lin, Fail):
                 return Fail(lat, f"cannot find the MoE input ({lin.reason})")
             x = lin.x
-        why = []  # why each candidate GEMM on x was not the shared expert
-        for u in list(x.users):
+        why = []  # why each candidate GEMM on x (or on a view of it) was not the shared expert
+        for u in users_through_views(x):
             if not is_call(u, aten.mm.default) or u is lat:
                 continue
             up = match_linear(u)
             if isinstance(up, Fail) or not is_weight_like(up.w):
+                why.append(f"{u.name}: {up.reason if isinstance(up, Fail) else 'its weight is computed'}")
                 continue
             d = forward_gemm(u, limit=40)
             down = match_linear(d) if d is not None else Fail(u, "no down-projection after it")
