@@ -1,7 +1,7 @@
 """CuTe or the default path (cuBLAS / Triton), per op and M.
 
 `CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU
-(BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.13-1.45x faster than
+(BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.14-1.38x faster than
 Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, commit 4477321),
 so they are the default there for bf16 activations. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
