@@ -8,6 +8,7 @@ import torch
 from k3compile.kernels.cute import mxfp4_ref as R
 from k3compile.model import mxfp4
 from k3compile.model.moe_ops import mxfp4_experts_reference
+from _mxfp4_data import random_experts  # noqa: E402
 
 
 def test_pair_bits_decode_every_code_pair_exactly():
@@ -54,10 +55,7 @@ def test_block_dot_matches_dequantize_for_random_rows_and_scales():
 def test_emulated_kernels_match_model_reference():
     g = torch.Generator().manual_seed(1)
     E, I, L, N, K = 6, 128, 512, 3, 4
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    w13, s13, w2, s2 = random_experts(E, I, L, g)
     x = torch.randn(N, L, generator=g).bfloat16()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
@@ -106,10 +104,7 @@ def test_half_rows_dot_close_to_dequantize_over_wide_activation_ranges():
 def test_half_emulated_kernels_match_model_reference():
     g = torch.Generator().manual_seed(4)
     E, I, L, N, K = 5, 128, 512, 2, 4
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    w13, s13, w2, s2 = random_experts(E, I, L, g)
     x = torch.randn(N, L, generator=g).bfloat16()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()

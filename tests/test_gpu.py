@@ -13,6 +13,7 @@ import torch
 import k3compile
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
 from k3compile.model import K3Config, K3Model
+from _mxfp4_data import random_experts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -179,10 +180,7 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
     from k3compile.model.moe_ops import mxfp4_experts_reference
     g = torch.Generator(device="cuda").manual_seed(0)
     E, I, L = 32, 384, 3584
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, 16), generator=g, device="cuda", dtype=torch.int32)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _mxfp4_data import random_experts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -122,10 +123,7 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math):
     gu, dn = pairs[I]
     g = torch.Generator(device="cuda").manual_seed(0)
     E, L, K = (32 if I == 384 else 8), 3584, 16
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
@@ -162,10 +160,7 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
     from k3compile.model.moe_ops import mxfp4_experts_reference
     g = torch.Generator(device="cuda").manual_seed(1)
     E, I, L = 16, 384, 3584
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8, device="cuda")
+    w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     x = torch.randn(3, L, generator=g, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, E, (3, 16), generator=g, device="cuda", dtype=torch.int32)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()

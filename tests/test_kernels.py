@@ -26,6 +26,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
 from k3compile.runtime.symm import max_programs  # noqa: E402
+from _mxfp4_data import random_experts  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 
@@ -346,10 +347,7 @@ def test_mxfp4_cute_variant_falls_back_to_v3_with_reason(monkeypatch):
     N, K, E, I, L = 2, 2, 3, 128, 256
     x = torch.randn(N, L, generator=g).bfloat16()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    w13, s13, w2, s2 = random_experts(E, I, L, g)
     assert launch.CUTE_FALLBACK == "v3" and launch.mxfp4_experts_ok(x, ids, w13, variant="cute")
     monkeypatch.setattr(choose, "_WHY", {})
     out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="cute")

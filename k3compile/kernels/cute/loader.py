@@ -61,41 +61,37 @@ def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], 
     for p in man["params"]:
         kind = p["kind"]
         if kind == "tma":
-            blob = encode_tma(tma_spec(man, p, *tensors[p["tensor"]]))
-        elif kind == "ptr":
-            blob = struct.pack("<Q", out)
-        elif kind == "i32":
-            blob = struct.pack("<i", m_valid)
-        elif kind == "pad":
-            blob = b"\0" * p["size"]
+            blob = _sized(p, encode_tma(tma_spec(man, p, *tensors[p["tensor"]])))
         else:
-            raise ValueError(f"unknown parameter kind {kind!r}")
-        if len(blob) != p["size"]:
-            raise ValueError(f"parameter {kind} packs to {len(blob)} bytes, the kernel expects {p['size']}")
+            blob = _scalar(p, {"ptr": out, "i32": m_valid}.get(kind))
         vals.append(blob)
     return vals
+
+
+def _sized(p: dict, blob: bytes) -> bytes:
+    if len(blob) != p["size"]:
+        raise ValueError(f"parameter {p['kind']} packs to {len(blob)} bytes, the kernel expects {p['size']}")
+    return blob
+
+
+def _scalar(p: dict, value) -> bytes:
+    """One ptr / i32 / f32 / pad parameter as the bytes the kernel declares."""
+    kind = p["kind"]
+    if kind == "ptr":
+        return _sized(p, struct.pack("<Q", int(value)))
+    if kind == "i32":
+        return _sized(p, struct.pack("<i", int(value)))
+    if kind == "f32":
+        return _sized(p, struct.pack("<f", float(value)))
+    if kind == "pad":
+        return b"\0" * p["size"]
+    raise ValueError(f"unknown parameter kind {kind!r}")
 
 
 def pack_values(man: dict, values: dict) -> list[bytes]:
     """Parameters of a kernel whose manifest names them (kinds ptr / i32 / f32 / pad): `values`
     maps each ptr's "tensor" and each scalar's "name" to a device address / number."""
-    vals = []
-    for p in man["params"]:
-        kind = p["kind"]
-        if kind == "ptr":
-            blob = struct.pack("<Q", int(values[p["tensor"]]))
-        elif kind == "i32":
-            blob = struct.pack("<i", int(values[p["name"]]))
-        elif kind == "f32":
-            blob = struct.pack("<f", float(values[p["name"]]))
-        elif kind == "pad":
-            blob = b"\0" * p["size"]
-        else:
-            raise ValueError(f"unknown parameter kind {kind!r}")
-        if len(blob) != p["size"]:
-            raise ValueError(f"parameter {kind} packs to {len(blob)} bytes, the kernel expects {p['size']}")
-        vals.append(blob)
-    return vals
+    return [_scalar(p, values[p["tensor"]] if p["kind"] == "ptr" else values.get(p.get("name"))) for p in man["params"]]
 
 
 def grid_of(man: dict, **dims: int) -> tuple[int, int, int]:

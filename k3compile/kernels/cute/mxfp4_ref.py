@@ -60,13 +60,10 @@ def block_dot(words: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def rows_dot(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int) -> torch.Tensor:
-    """sum_k W[r, k] * vec[k] for packed rows [R, KB], scales [R, KB/16], vec fp32 [2*KB], with the
-    kernel's order: block sums * scale, Q partial sums of NV/Q blocks, then the Q sums."""
-    R, KB = packed.shape
-    nv = KB // 16
-    xs = (vec.to(torch.float32) * PRESCALE).reshape(1, nv, 32)
-    part = block_dot(words_of(packed), xs) * scale_f32(scales)          # [R, NV]
+def _two_level_sum(part: torch.Tensor, q: int) -> torch.Tensor:
+    """The kernels' reduction order of per-vector row partials [R, NV]: Q threads per row each sum
+    NV / Q consecutive partials in order, then one thread sums the Q results in order."""
+    R, nv = part.shape
     part = part.reshape(R, q, nv // q)
     s1 = torch.zeros(R, q, dtype=torch.float32)
     for c in range(nv // q):
@@ -75,6 +72,16 @@ def rows_dot(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: i
     for c in range(q):
         tot = tot + s1[:, c]
     return tot
+
+
+def rows_dot(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int) -> torch.Tensor:
+    """sum_k W[r, k] * vec[k] for packed rows [R, KB], scales [R, KB/16], vec fp32 [2*KB], with the
+    kernel's order: block sums * scale, Q partial sums of NV/Q blocks, then the Q sums."""
+    R, KB = packed.shape
+    nv = KB // 16
+    xs = (vec.to(torch.float32) * PRESCALE).reshape(1, nv, 32)
+    part = block_dot(words_of(packed), xs) * scale_f32(scales)          # [R, NV]
+    return _two_level_sum(part, q)
 
 
 def reduction_q(nv: int, rows: int, threads: int) -> int:
@@ -123,14 +130,7 @@ def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q
             acc_hi = (hi.float() * xh[:, 8 * j + k + 4].float() + acc_hi.float()).half()
     blk = acc_lo.float() + acc_hi.float()
     part = blk * _f32((scales.to(torch.int64) + 14) << 23) * _f32((ex - 12) << 23)[None, :]
-    part = part.reshape(R, q, nv // q)
-    s1 = torch.zeros(R, q, dtype=torch.float32)
-    for c in range(nv // q):
-        s1 = s1 + part[..., c]
-    tot = torch.zeros(R, dtype=torch.float32)
-    for c in range(q):
-        tot = tot + s1[:, c]
-    return tot
+    return _two_level_sum(part, q)
 
 
 def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor:
