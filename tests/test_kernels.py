@@ -354,3 +354,20 @@ def test_mxfp4_cute_variant_falls_back_to_v3_with_reason(monkeypatch):
     want = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3")
     torch.testing.assert_close(out, want, atol=0, rtol=0)
     assert choose.fallbacks() == {f"mxfp4_experts I={I} L={L} K={K}": "not CUDA (the CuTe kernels are sm_90a cubins)"}
+
+
+@pytest.mark.parametrize("M, I, dt", [(1, 384, torch.float32), (5, 1500, torch.float16), (3, 64, torch.float32)])
+def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
+    """The shared expert's SiTU kernel equals model.functional.situ (fp32 math, rounded to the
+    input dtype), and launch.situ_mlp (GEMM, kernel, GEMM) equals situ_mlp."""
+    from k3compile.model.functional import situ, situ_mlp
+    g = torch.Generator().manual_seed(M + I)
+    gu = (torch.randn(M, 2 * I, generator=g) * 6).to(dt)
+    tol = TOL[dt]
+    torch.testing.assert_close(launch.situ(gu, 4.0, 25.0), situ(gu, 4.0, 25.0), **tol)
+    H = 32
+    x = torch.randn(M, H, generator=g).to(dt)
+    wgu, wd = (torch.randn(2 * I, H, generator=g) / 4).to(dt), (torch.randn(H, I, generator=g) / 8).to(dt)
+    want = situ_mlp(x, wgu, wd, 4.0, 25.0)
+    torch.testing.assert_close(launch.situ_mlp(x, wgu, wd, 4.0, 25.0), want,
+                               atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])

@@ -60,6 +60,8 @@ def variants():
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
     out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
+    out.append(("situ", KM.situ_kernel, dict(ints, gu="*bf16", out="*bf16", I="i32", beta="fp32", lbeta="fp32"),
+                dict(BLOCK=1024)))
     out.append(("router_topk E896", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32", ids="*i64",
                                                                  scale="fp32"), dict(K=16, KP=16, BLOCK=1024)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
@@ -104,7 +106,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk")
+QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ")
 
 
 def main(argv=None) -> int:

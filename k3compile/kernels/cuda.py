@@ -13,7 +13,7 @@
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
-- shared_expert_async / stream_join: the side-stream shared expert.
+- shared_expert_async / stream_join: the side-stream shared expert (GEMM, one SiTU kernel, GEMM).
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
@@ -164,7 +164,8 @@ def _experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
 
 @register("shared_expert_async", "cuda", "side_stream")
 def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta):
-    return streams.fork(situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
+    fused = x.dim() == 2 and x.is_contiguous() and w_gate_up.shape[0] % 2 == 0
+    return streams.fork(launch.situ_mlp if fused else situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
 
 
 @register("stream_join", "cuda", "event_wait")

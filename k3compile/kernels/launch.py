@@ -168,6 +168,23 @@ def router_latent(x, w_router, w_down, peers: Peers):
     return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
 
 
+def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """model.functional.situ of a 2-D contiguous [M, 2I] tensor in one Triton kernel."""
+    from . import triton_moe as KM
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    if M and I:
+        KM.situ_kernel[(M, triton.cdiv(I, BLOCK))](gate_up, out, M, I, float(beta), float(linear_beta), BLOCK=BLOCK,
+                                                    num_warps=4)
+    return out
+
+
+def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
+    """The shared expert: GEMM, the SiTU kernel, GEMM (model.functional.situ_mlp's math)."""
+    return torch.mm(situ(torch.mm(x, w_gate_up.t()), beta, linear_beta), w_down.t())
+
+
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 

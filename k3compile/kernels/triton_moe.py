@@ -397,3 +397,18 @@ def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.const
     acc = _fp4_dot_v3(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32,
                       mid + p * I, I // 2, BKB, BT, FP16, DOT_F32)
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
+
+
+# ---------------------------------------------------------------- SiTU of the shared expert (dense)
+
+@triton.jit
+def situ_kernel(gu, out, M, I, beta, lbeta, BLOCK: tl.constexpr):
+    """out[m, i] = SiTU(gu[m, i], gu[m, I + i]) for a [M, 2I] gate|up GEMM output, fp32 math,
+    stored in out's dtype (the shared expert's activation between its two GEMMs: one kernel where
+    the PyTorch form launches one per elementwise op)."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu + m * 2 * I + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu + m * 2 * I + I + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + m * I + cols, _situ(g, u, beta, lbeta).to(out.dtype.element_ty), mask=ok)
