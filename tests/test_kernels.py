@@ -371,3 +371,34 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
     want = situ_mlp(x, wgu, wd, 4.0, 25.0)
     torch.testing.assert_close(launch.situ_mlp(x, wgu, wd, 4.0, 25.0), want,
                                atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])
+
+
+def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):
+    """The match report's kernel note says which MXFP4 expert kernel a CUDA graph will run: the CuTe
+    f16x2 GEMVs where an artifact fits and M is in choose.CUTE_M, else Triton v3 with the reason."""
+    from k3compile.kernels import choose
+    from k3compile.kernels.registry import describe
+    monkeypatch.delenv("K3_MXFP4", raising=False)
+    monkeypatch.delenv("K3_CUTE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(choose, "_FOUND", {})
+    note = describe("cuda", None, (384, 3584, 16, 1, True))
+    assert note.startswith("kernels: CUDA kernels, TP=1") and "MXFP4 experts: Triton v3 (no CuTe artifact directory" in note
+    assert "Triton v3 (M=65; CuTe at M in [1, 64])" in describe("cuda", None, (384, 3584, 16, 65, True))
+    assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
+    monkeypatch.setenv("K3_MXFP4", "v3")
+    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("MXFP4 experts: v3 (K3_MXFP4)")
+    monkeypatch.delenv("K3_MXFP4")
+    # an artifact directory with the f16x2 pair for these shapes (manifests are all the lookup reads)
+    d = tmp_path / "arts"
+    d.mkdir()
+    import json
+    for op in ("mxfp4_gate_up", "mxfp4_down"):
+        (d / f"{op}.json").write_text(json.dumps({"variant": {"op": op}, "math": "f16x2",
+                                                  "shapes": {"I": 384, "L": 3584, "K": 16}}))
+        (d / f"{op}.cubin").write_bytes(b"")
+    monkeypatch.setenv("K3_CUTE_DIR", str(d))
+    monkeypatch.setattr(choose, "_FOUND", {})
+    assert describe("cuda", None, (384, 3584, 16, 16, True)).endswith(f"MXFP4 experts: CuTe f16x2 GEMVs ({d})")
+    assert "at M in [1, 64], Triton v3 above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))

@@ -105,3 +105,29 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
         _note(key, f"loader error: {type(e).__name__}: {e}")
         return None
+
+
+def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
+    """Which MXFP4 expert kernel a graph's routed experts will run, and why not CuTe (for the
+    match report, at compile time; launch.mxfp4_variant decides at run time the same way)."""
+    from .launch import _mxfp4_tiles
+    forced = os.environ.get("K3_MXFP4")
+    if forced:
+        return f"MXFP4 experts: {forced} (K3_MXFP4)"
+    if not bf16:
+        return "MXFP4 experts: Triton v2b (activations not bf16)"
+    if _mxfp4_tiles("v3", L, I, None) is None:
+        return f"MXFP4 experts: Triton v2b (v3's tiles do not fit I={I} L={L})"
+    lo, hi = CUTE_M.get("mxfp4_experts", (1, 0))
+    if M is not None and not wanted("mxfp4_experts", M):
+        return f"MXFP4 experts: Triton v3 (M={M}; CuTe at M in [{lo}, {hi}])"
+    if M is None and os.environ.get("K3_CUTE") == "0":
+        return "MXFP4 experts: Triton v3 (K3_CUTE=0)"
+    try:
+        arts, why = _find("mxfp4", I, L, K, "f16x2")
+    except Exception as e:  # noqa: BLE001 - a broken artifact directory is a reason, not a crash
+        arts, why = None, f"loader error: {type(e).__name__}: {e}"
+    if arts is None:
+        return f"MXFP4 experts: Triton v3 ({why})"
+    where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v3 above (M is dynamic)"
+    return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({_artifact_dir()})"

@@ -53,17 +53,22 @@ def registered(op: str | None = None) -> dict[tuple[str, str], list[str]]:
     return {key: [k.name for k in ks] for key, ks in _KERNELS.items() if op is None or key[0] == op}
 
 
-def describe(device: str, group: str | None) -> str | None:
+def describe(device: str, group: str | None, moe: tuple | None = None) -> str | None:
     """One line for the match report: which communication path the CUDA kernels will take for
-    `group` (None off CUDA, or when K3_KERNELS=0 leaves every op on its reference)."""
+    `group` (None off CUDA, or when K3_KERNELS=0 leaves every op on its reference), and, given the
+    routed experts' (I, L, K, M, bf16), which MXFP4 expert kernel runs (choose.experts_note)."""
     if device != "cuda":
         return None
     if os.environ.get("K3_KERNELS", "1") == "0":
         return "kernels: off (K3_KERNELS=0); every k3 op runs its PyTorch reference"
     if not group:
-        return "kernels: CUDA kernels, TP=1 (no communication)"
-    from ..runtime import symm
-    why = symm.unavailable_reason(group)
-    if why is None:
-        return "kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges)"
-    return f"kernels: NCCL path for every communication op ({why})"
+        line = "kernels: CUDA kernels, TP=1 (no communication)"
+    else:
+        from ..runtime import symm
+        why = symm.unavailable_reason(group)
+        line = ("kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges)"
+                if why is None else f"kernels: NCCL path for every communication op ({why})")
+    if moe is not None:
+        from .choose import experts_note
+        line += "; " + experts_note(*moe)
+    return line

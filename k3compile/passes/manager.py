@@ -22,7 +22,7 @@ from torch.fx import Graph
 from ..ops import describe_kernels
 from ..options import K3Options
 from ..patterns.graph import erase_collectives, orphan_collectives
-from ..patterns.structure import analyze
+from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
 from . import fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
@@ -157,7 +157,7 @@ class PassManager(CustomGraphPass):
             self._observe("after", name, graph)
             if self.dump:
                 self.graphs.append((name, before, _readable(graph)))
-        kernels = describe_kernels(info.device, info.group) if report.is_k3 else None  # None off CUDA
+        kernels = describe_kernels(info.device, info.group, _moe_shapes(info)) if report.is_k3 else None  # None off CUDA
         if kernels:
             report.passes[-1].notes.append(kernels)
         report.seconds = time.perf_counter() - t0
@@ -213,3 +213,15 @@ def _trace(report: CompileReport, graph: Graph) -> None:
                          payload_fn=lambda: _readable(graph))
     except Exception:  # tracing is best-effort
         pass
+
+
+def _moe_shapes(info: GraphInfo) -> tuple | None:
+    """(I, L, K, M, bf16) of the graph's first routed-expert op, for the kernel note (which MXFP4
+    expert kernel runs), or None."""
+    if not info.experts:
+        return None
+    x, ids, w13 = (getattr(a, "meta", {}).get("val") for a in info.experts[0].args[:3])
+    if not all(isinstance(t, torch.Tensor) for t in (x, ids, w13)):
+        return None
+    M = x.shape[0] if isinstance(x.shape[0], int) else None
+    return w13.shape[1] // 2, x.shape[1], ids.shape[1], M, x.dtype == torch.bfloat16
