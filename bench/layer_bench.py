@@ -11,8 +11,9 @@ step of that layer, CUDA-graphed, for:
               (options.CUDA_PROFITABLE_M) applies at this M
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
-              k3none (no pass), k3-prefetch (every pass, no L2 prefetch) and k3-topk (every pass,
-              shard_router_latent without the fused top-k selection)
+              k3none (no pass), k3-prefetch (every pass, no L2 prefetch), k3-topk (every pass,
+              shard_router_latent without the fused top-k selection) and k3-cute (every pass, the
+              experts on Triton v3 rather than the CuTe GEMVs)
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
@@ -30,6 +31,7 @@ TP=8 rank holds while communicating over `world` GPUs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -37,6 +39,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert")
+# environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
+# on Triton v3 instead of the CuTe f16x2 GEMVs (the baselines and the other variants take the default)
+ENV = {"k3-cute": {"K3_CUTE": "0"}}
+
+
+@contextlib.contextmanager
+def _env(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _config(shapes: str, world: int, smoke: bool):
@@ -145,31 +164,38 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch
             variants["k3-topk"] = k3c(fuse_topk=False)     # every pass, the router's top-k not fused
+            variants["k3-cute"] = k3c()                    # every pass, the experts on Triton v3 (ENV below)
             for p in PASSES:
                 variants[f"k3-{p}"] = k3c(skip=[p])
                 variants[f"k3+{p}"] = k3c(passes=[p])
         res, peak, kernels, errs, reports, top_kernels = {}, {}, {}, {}, {}, {}
-        ref = None
-        for name, fn in variants.items():
+        ref = {}
+
+        def measure(name, fn):
             k3compile.clear_reports()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             restore()
             out = fn(prefix, delta, *blocks)
-            ref = out if name == "eager" else ref
+            if name == "eager":
+                ref["out"] = out
             errs[name] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-                             for a, b in zip(out, ref))
+                             for a, b in zip(out, ref["out"]))
             rep = k3compile.last_report()
             if rep is not None:
                 reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
             if smoke:
-                continue
+                return
             res[name] = time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
             peak[name] = torch.cuda.max_memory_allocated()
             kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
+
+        for name, fn in variants.items():
+            with _env(ENV.get(name, {})):  # read by the kernels when the variant compiles and is captured
+                measure(name, fn)
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
