@@ -43,8 +43,8 @@ for st in "$@"; do
                --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
-    kda8) step "layer_kda_tp8" 260 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
-    mla8) step layer_mla_tp8 260 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
+    kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
+    mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
     kda2) step layer_kda_tp2 120 $LB --layer kda --shapes tp2 --out "$R/layer_kda_tp2.json" ;;
     mla2) step layer_mla_tp2 120 $LB --layer mla --shapes tp2 --out "$R/layer_mla_tp2.json" ;;
     k3c) step k3c_cuda 90 k3c run --device cuda --tp 2 ;;
