@@ -13,6 +13,7 @@ warns once per reason, and `fallbacks()` lists the reasons.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -24,7 +25,6 @@ def _note(key: str, why: str) -> None:
     """Record why a wanted CuTe kernel did not run; warn the first time for each op/shape."""
     if key not in _WHY:
         _WHY[key] = why
-        import warnings
         warnings.warn(f"k3: CuTe kernel not used for {key}: {why}; running the default path", stacklevel=3)
 
 
@@ -109,20 +109,20 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
 
 def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     """Which MXFP4 expert kernel a graph's routed experts will run, and why not CuTe (for the
-    match report, at compile time; launch.mxfp4_variant decides at run time the same way)."""
-    from .launch import _mxfp4_tiles
+    match report, at compile time: launch.default_mxfp4_variant, the rule applied at run time)."""
+    from .launch import default_mxfp4_variant
     forced = os.environ.get("K3_MXFP4")
     if forced:
         return f"MXFP4 experts: {forced} (K3_MXFP4)"
-    if not bf16:
-        return "MXFP4 experts: Triton v2b (activations not bf16)"
-    if _mxfp4_tiles("v3", L, I, None) is None:
-        return f"MXFP4 experts: Triton v2b (v3's tiles do not fit I={I} L={L})"
     lo, hi = CUTE_M.get("mxfp4_experts", (1, 0))
-    if M is not None and not wanted("mxfp4_experts", M):
+    v = default_mxfp4_variant(bf16, L, I, True, lo if M is None else M)  # dynamic M: CuTe from its lowest M
+    if v == "v2b":
+        return ("MXFP4 experts: Triton v2b (activations not bf16)" if not bf16
+                else f"MXFP4 experts: Triton v2b (v3's tiles do not fit I={I} L={L})")
+    if v == "v3":
+        if M is None:
+            return "MXFP4 experts: Triton v3 (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
         return f"MXFP4 experts: Triton v3 (M={M}; CuTe at M in [{lo}, {hi}])"
-    if M is None and os.environ.get("K3_CUTE") == "0":
-        return "MXFP4 experts: Triton v3 (K3_CUTE=0)"
     try:
         arts, why = _find("mxfp4", I, L, K, "f16x2")
     except Exception as e:  # noqa: BLE001 - a broken artifact directory is a reason, not a crash

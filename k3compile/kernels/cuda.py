@@ -164,8 +164,7 @@ def _experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
 
 @register("shared_expert_async", "cuda", "side_stream")
 def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta):
-    fused = x.dim() == 2 and x.is_contiguous() and w_gate_up.shape[0] % 2 == 0
-    return streams.fork(launch.situ_mlp if fused else situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
+    return streams.fork(launch.situ_mlp if x.dim() == 2 else situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
 
 
 @register("stream_join", "cuda", "event_wait")

@@ -237,13 +237,18 @@ def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: 
     activations and shapes "v2b" (fp32 products of the exact activations)."""
     v = variant or os.environ.get("K3_MXFP4")
     if v is None:
-        fits = x is None or (x.dtype == torch.bfloat16 and _mxfp4_tiles("v3", x.shape[1], I, None) is not None)
-        v = "v3" if fits else "v2b"
-        if v == "v3" and x is not None and x.is_cuda and N is not None and choose.wanted("mxfp4_experts", N):
-            v = "cute_h2"
+        v = "v3" if x is None else default_mxfp4_variant(x.dtype == torch.bfloat16, x.shape[1], I, x.is_cuda, N)
     if v not in MXFP4_VARIANTS:
         raise ValueError(f"unknown MXFP4 expert variant {v!r} (one of {MXFP4_VARIANTS})")
     return v
+
+
+def default_mxfp4_variant(bf16: bool, L: int, I: int, cuda: bool, N: int | None) -> str:
+    """The default expert kernel for these activations and shapes (mxfp4_variant's rule; the match
+    report's kernel note, choose.experts_note, asks the same)."""
+    if not bf16 or _mxfp4_tiles("v3", L, I, None) is None:
+        return "v2b"
+    return "cute_h2" if cuda and N is not None and choose.wanted("mxfp4_experts", N) else "v3"
 
 
 def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | None:

@@ -44,7 +44,7 @@ def match_router_topk(logits: Any) -> RouterTopkSite | Fail:
     if len(adds) != 1:
         return Fail(sig, "router scores do not feed one `+ correction bias`")
     add = adds[0]
-    bias = add.args[1] if strip(add.args[0]) is sig or add.args[0] is sig else add.args[0]
+    bias = add.args[1] if strip(add.args[0]) is sig else add.args[0]
     if not is_weight_like(bias) or shape(bias) is None or len(shape(bias)) != 1:
         return Fail(add, "the score correction is not a 1-D parameter")
     tks = _only(add.users, aten.topk.default)

@@ -163,27 +163,29 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
 
 
 def _compile_mxfp4(v: dict, out: Path) -> dict:
-    import cuda.bindings.driver as cuda
     import cutlass
-    import cutlass.cute as cute
     from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"])
     z = cutlass.Int64(0)
+    return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
+                    lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))
+
+
+def _compile(v: dict, out: Path, kernel, args: tuple, manifest) -> dict:
+    """cute.compile(kernel, *args, stream) for sm_90a, its PTX entry checked, then cubin + PTX +
+    manifest (manifest(symbol, params)) written to `out`."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.time()
-        fn = cute.compile(k, z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0),
-                          cuda.CUstream(0), options=f"--gpu-arch {ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}")
+        fn = cute.compile(kernel, *args, cuda.CUstream(0),
+                          options=f"--gpu-arch {ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}")
         dt = time.time() - t0
         ptx, cubin = fn.__ptx__, fn.__cubin__
     if not isinstance(ptx, str) or not isinstance(cubin, bytes) or not ptx.strip():
         raise RuntimeError(f"{v['name']}: the DSL returned no PTX / cubin ({type(ptx)}, {type(cubin)})")
-    symbol, params = ptx_entry_params(ptx)
-    man = _mxfp4_manifest(v, k, symbol, params)
-    return _write(v, out, man, ptx, cubin, dt)
-
-
-def _write(v: dict, out: Path, man: dict, ptx: str, cubin: bytes, dt: float) -> dict:
+    man = manifest(*ptx_entry_params(ptx))
     man.update(variant=v, key=cache_key(v), dsl=dsl_version(), arch=ARCH, compile_s=round(dt, 3))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{v['name']}.cubin").write_bytes(cubin)
@@ -196,9 +198,7 @@ def compile_variant(v: dict, out: Path) -> dict:
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     if v["kernel"] == "mxfp4_experts":
         return _compile_mxfp4(v, out)
-    import cuda.bindings.driver as cuda
     import cutlass
-    import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
     from .skinny_gemm import SkinnyGemmSm90
 
@@ -206,17 +206,8 @@ def compile_variant(v: dict, out: Path) -> dict:
     w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
     x = make_fake_tensor(cutlass.BFloat16, (mt, k), (k, 1), assumed_align=16)
     o = make_fake_tensor(cutlass.BFloat16, (n, mt), (1, n), assumed_align=16)
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.time()
-        fn = cute.compile(SkinnyGemmSm90(mt, v["stages"]), w, x, o, cutlass.Int32(mt), cuda.CUstream(0),
-                          options=f"--gpu-arch {ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}")
-        dt = time.time() - t0
-        ptx, cubin = fn.__ptx__, fn.__cubin__
-    if not isinstance(ptx, str) or not isinstance(cubin, bytes) or not ptx.strip():
-        raise RuntimeError(f"{v['name']}: the DSL returned no PTX / cubin ({type(ptx)}, {type(cubin)})")
-    symbol, params = ptx_entry_params(ptx)
-    man = _skinny_gemm_manifest(v, symbol, params)
-    return _write(v, out, man, ptx, cubin, dt)
+    return _compile(v, out, SkinnyGemmSm90(mt, v["stages"]), (w, x, o, cutlass.Int32(mt)),
+                    lambda symbol, params: _skinny_gemm_manifest(v, symbol, params))
 
 
 def build(out: Path | None = None, force: bool = False, only: str | None = None, log=print) -> dict[str, dict]:

@@ -107,11 +107,6 @@ def grid_of(man: dict, **dims: int) -> tuple[int, int, int]:
     return g[0], g[1], g[2]
 
 
-def grid(man: dict, n: int) -> tuple[int, int, int]:
-    g = [((n + 63) // 64) if d == "n/64" else int(d) for d in man["grid"]]
-    return g[0], g[1], g[2]
-
-
 class _Params:
     """ctypes storage for cuLaunchKernel's void** kernelParams; each value 64-byte aligned and
     kept alive by this object."""
@@ -172,6 +167,11 @@ class Driver:
                                           params.array, None), "cuLaunchKernel")
 
 
+def grid(man: dict, n: int) -> tuple[int, int, int]:
+    """The GEMM manifests' grid for N output rows (grid_of with n)."""
+    return grid_of(man, n=n)
+
+
 class Artifact:
     """One AOT-built variant: manifest + cubin, loaded lazily per device."""
 
@@ -196,16 +196,11 @@ class Artifact:
         if out is None:
             out = torch.empty(M, N, device=x.device, dtype=x.dtype)
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        if dev not in self._fn:
-            with torch.cuda.device(dev):
-                self._fn[dev] = drv.load(self.cubin, self.man["symbol"], self.man["smem"])
         blobs = pack_params(self.man, w=(w.data_ptr(), N, K), x=(x.data_ptr(), M, K), out=out.data_ptr(),
                             m_valid=M, encode_tma=drv.encode_tma)
-        params = _Params(blobs)
-        drv.launch(self._fn[dev], grid(self.man, N), tuple(self.man["block"]), self.man["smem"],
-                   torch.cuda.current_stream(x.device).cuda_stream, params)
+        drv.launch(self._function(dev, drv), grid_of(self.man, n=N), tuple(self.man["block"]), self.man["smem"],
+                   torch.cuda.current_stream(x.device).cuda_stream, _Params(blobs))
         return out
-
 
     def _function(self, dev: int, drv: Driver):
         import torch
