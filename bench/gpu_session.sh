@@ -1,6 +1,6 @@
 #!/bin/bash
-# One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (env: K3_MS, K3_ABLATE for the
-# layer steps, K3_VARIANTS for the expert steps)  (run from the repo root on the
+# One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (env: K3_MS, K3_ABLATE and
+# K3_LB_EXTRA (more flags: --pdl, --attribute) for the layer steps, K3_VARIANTS for the expert steps)  (run from the repo root on the
 # GPU machine). The results name the commit from .k3_commit (here, before the call:
 # `git rev-parse --short HEAD > .k3_commit`, and carry it: it is git-ignored) or K3_COMMIT. Each step's output goes
 # to $OUT/r/STEP.log (JSON results beside it) and one summary line (rc, seconds) to
@@ -24,7 +24,7 @@ step() {
   tar czf "$OUT/results.tgz" -C "$OUT" r  # after every step: a call cut short still returns the finished ones
 }
 XV=${K3_VARIANTS:-v2b,v3}  # MXFP4 expert variants the experts / sweep8 steps time
-LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1}"
+LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1} ${K3_LB_EXTRA:-}"
 for st in "$@"; do
   case $st in
     tests) step gpu_tests 240 python3 -m pytest -m gpu -q -rA tests/ ;;
@@ -34,6 +34,7 @@ for st in "$@"; do
                --shapes tp2 --ms 1,16 --out "$R/experts_tp2.json" ;;
     sweep8) step sweep8 200 python3 bench/experts_bench.py --variants $XV --sweep --shapes tp8 --ms 1,16 \
               --no-reference-time --out "$R/experts_sweep_tp8.json" ;;
+    router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
     ops_cold) step ops_cold 80 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;

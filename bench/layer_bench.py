@@ -11,9 +11,12 @@ step of that layer, CUDA-graphed, for:
               (options.CUDA_PROFITABLE_M) applies at this M
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
-              k3none (no pass), k3-prefetch (every pass, no L2 prefetch), k3-topk (every pass,
-              shard_router_latent without the fused top-k selection) and k3-cute (every pass, the
-              experts on Triton v3 rather than the CuTe GEMVs)
+              k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`
+              rows compare with), k3-topk (every pass, shard_router_latent without the fused top-k
+              selection) and k3-cute (every pass, the experts on Triton v3 rather than the CuTe
+              GEMVs); all of them without the L2 prefetch, which the gate applies nowhere (until
+              commit d4e7aeb they had it, which mixed its cost into every pass's row)
+  inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
@@ -42,6 +45,10 @@ PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "o
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
 # on Triton v3 instead of the CuTe f16x2 GEMVs (the baselines and the other variants take the default)
 ENV = {"k3-cute": {"K3_CUTE": "0"}}
+# Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
+# griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
+# kernel's launch and prologue overlap the tail of the one before it
+CFG = {"inductor_pdl": {"triton.enable_pdl": True}, "k3_pdl": {"triton.enable_pdl": True}}
 
 
 @contextlib.contextmanager
@@ -109,7 +116,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
     return total
 
 
-def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
+def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False):
     import torch
 
     import k3compile
@@ -160,15 +167,21 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
                     "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
                     "k3": k3c(gate="measured"),  # what backend="k3" gives: the gate's measured table
                     "k3all": k3c()}              # every pass in its batch range, with the L2 prefetch
-        if M in ablate:
+        if pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+            pdl = False
+            print(f"--pdl: this torch ({torch.__version__}) has no inductor config triton.enable_pdl", flush=True)
+        if pdl:  # Programmatic Dependent Launch in Inductor's Triton kernels (CFG below), both compilers
+            variants["inductor_pdl"] = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
+            variants["k3_pdl"] = k3c(gate="measured")
+        if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
-            variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch
-            variants["k3-topk"] = k3c(fuse_topk=False)     # every pass, the router's top-k not fused
-            variants["k3-cute"] = k3c()                    # every pass, the experts on Triton v3 (ENV below)
+            variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
+            variants["k3-topk"] = k3c(prefetch=False, fuse_topk=False)  # the router's top-k not fused
+            variants["k3-cute"] = k3c(prefetch=False)      # the experts on Triton v3 (ENV below)
             for p in PASSES:
-                variants[f"k3-{p}"] = k3c(skip=[p])
-                variants[f"k3+{p}"] = k3c(passes=[p])
-        res, peak, kernels, errs, reports, top_kernels = {}, {}, {}, {}, {}, {}
+                variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
+                variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
+        res, peak, kernels, errs, reports, top_kernels, attribution = {}, {}, {}, {}, {}, {}, {}
         ref = {}
 
         def measure(name, fn):
@@ -192,15 +205,20 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
             kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
+            if attribute and name in ("inductor", "k3"):
+                attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 
         for name, fn in variants.items():
-            with _env(ENV.get(name, {})):  # read by the kernels when the variant compiles and is captured
+            # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
+            with _env(ENV.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
                 measure(name, fn)
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
                    kernels=kernels, top_kernels=top_kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct)
+        if attribution:
+            row["attribution"] = attribution
         if res:
             base = min(res["eager"], res["inductor"])
             row["speedup_vs_baseline"] = base / res["k3"]
@@ -211,7 +229,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke):
                   + (f"  k3 x{row['speedup_vs_baseline']:.2f} vs best baseline, {row['k3_vs_floor']:.2f}x floor "
                      f"({row['floor_us']:.1f}us); kernels {kernels}" if res else "")
                   + f"  err {errs}  passes {reports.get('k3')}", flush=True)
-    return dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
+    # ablation_base: the row the `without` ablation rows are compared with (report.py)
+    return dict(rows=rows, ablation_base="k3-prefetch", hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)
 
 
@@ -253,6 +272,25 @@ def _distinct_experts(layer, prefix, delta, blocks, cache, M):
     return seen[0] if seen else 0
 
 
+def _attribute(fn, top=40):
+    """[op, input shapes, calls, self device us] of one un-graphed step, the largest first: which
+    GEMM (by its shapes) or k3 op the device time belongs to (a graph replay names kernels only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0:
+            rows.append([e.key[:80], str(e.input_shapes)[:160], e.count, round(us, 2)])
+    return sorted(rows, key=lambda r: -r[3])[:top]
+
+
 def _count_kernels(fn) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -284,6 +322,9 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024, help="MLA: cached tokens attended to")
     ap.add_argument("--ablate", default="", help="the M values that get the per-pass ablation rows, e.g. 1,16")
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
+    ap.add_argument("--attribute", action="store_true",
+                    help="per-op device time of one un-graphed Inductor and k3 step (which GEMM is which)")
+    ap.add_argument("--pdl", action="store_true", help="also time Inductor and k3 with Inductor's PDL (CFG)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from bench.common import save
@@ -292,7 +333,7 @@ def main():
     ms = [int(m) for m in a.ms.split(",")]
     world = 1 if a.smoke else a.world
     ablate = {int(m) for m in a.ablate.split(",") if m}
-    res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke,
+    res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
                     **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 

@@ -48,11 +48,24 @@ def table(d: dict) -> str:
                    f"{r['speedup_vs_baseline']:.2f}x | {allp} | {r['floor_us']:.1f} | {r['k3_vs_floor']:.2f}x | "
                    f"{kn['eager']}/{kn['inductor']}/{kn['k3']} | "
                    + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g} |")
+    pdl = [r for r in d["rows"] if "k3_pdl" in r["us"]]
+    if pdl:
+        out += ["", "With Inductor's Programmatic Dependent Launch (`triton.enable_pdl`), same run:", "",
+                "| M | Inductor us | Inductor+PDL us | k3 us | k3+PDL us | k3+PDL vs best of the four baselines |",
+                "|---|---|---|---|---|---|"]
+        for r in pdl:
+            us = r["us"]
+            best = min(us["eager"], us["inductor"], us["inductor_pdl"])
+            out.append(f"| {r['M']} | {us['inductor']:.1f} | {us['inductor_pdl']:.1f} | {us['k3']:.1f} | "
+                       f"{us['k3_pdl']:.1f} | {best / us['k3_pdl']:.2f}x |")
     abl = [r for r in d["rows"] if any(k.startswith("k3-") for k in r["us"])]
+    base_name = d.get("ablation_base")
     if abl:
+        base_txt = ("every pass, no L2 prefetch (`k3-prefetch`); the `prefetch` row compares `k3all` (with it) "
+                    "with that" if base_name else "every pass with the L2 prefetch (`k3all`)")
         out += ["", "Ablation (us per layer step, profitability gate off; `alone`: that pass only, `without`: "
-                "every pass but that one (`prefetch`: every pass, no L2 prefetch); the effects are differences, "
-                "negative = faster):", "",
+                "every pass but that one (`prefetch`: every pass, no L2 prefetch); `all - without` against "
+                f"{base_txt}; the effects are differences, negative = faster):", "",
                 "| M | pass | alone | alone - no pass | without | all - without |",
                 "|---|---|---|---|---|---|"]
         for r in abl:
@@ -64,7 +77,8 @@ def table(d: dict) -> str:
                 alone = us.get("k3+" + p)
                 cells = (f"{alone:.1f} | {alone - none:+.1f}" if alone is not None and none is not None
                          else (f"{alone:.1f} | " if alone is not None else " | "))
-                out.append(f"| {r['M']} | {p} | {cells} | {us['k3-' + p]:.1f} | {_all(us) - us['k3-' + p]:+.1f} |")
+                base = _all(us) if p == "prefetch" or not base_name else us[base_name]
+                out.append(f"| {r['M']} | {p} | {cells} | {us['k3-' + p]:.1f} | {base - us['k3-' + p]:+.1f} |")
     return "\n".join(out)
 
 

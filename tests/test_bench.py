@@ -34,3 +34,22 @@ def test_bench_env_context_restores_values(monkeypatch):
     with _env({"K3_CUTE": "0", "K3_MXFP4": "v3"}):
         assert os.environ["K3_CUTE"] == "0" and os.environ["K3_MXFP4"] == "v3"
     assert os.environ["K3_CUTE"] == "1" and "K3_MXFP4" not in os.environ
+
+
+def test_report_compares_ablation_rows_with_the_prefetch_free_base_and_lists_pdl():
+    """Since the ablation rows run without the L2 prefetch (ablation_base), `all - without` is
+    taken against k3-prefetch, except the prefetch row itself (k3all - k3-prefetch); older files
+    (no ablation_base) keep k3all. PDL rows get their own table."""
+    sys.path.insert(0, ROOT)
+    from bench.report import table
+    us = {"eager": 300.0, "inductor": 200.0, "k3": 180.0, "k3all": 190.0, "k3none": 210.0, "k3-prefetch": 178.0,
+          "k3-fold_moe_finalize": 185.0, "k3+fold_moe_finalize": 200.0, "inductor_pdl": 195.0, "k3_pdl": 170.0}
+    row = dict(layer="kda", layer_id=46, shapes="tp8", world=2, M=1, blocks=3, ctx=1024, us=us,
+               kernels={"eager": 1, "inductor": 1, "k3": 1}, peak_bytes={"eager": 0, "inductor": 0, "k3": 0},
+               err_vs_eager={"k3": 0.0}, floor_us=50.0, speedup_vs_baseline=200 / 180, k3_vs_floor=3.6)
+    new = table(dict(rows=[row], ablation_base="k3-prefetch"))
+    assert "| 1 | fold_moe_finalize | 200.0 | -10.0 | 185.0 | -7.0 |" in new, new
+    assert "| 1 | prefetch |  |  | 178.0 | +12.0 |" in new, new
+    assert "| 1 | 200.0 | 195.0 | 180.0 | 170.0 | 1.15x |" in new, new
+    old = table(dict(rows=[row]))
+    assert "| 1 | fold_moe_finalize | 200.0 | -10.0 | 185.0 | +5.0 |" in old, old

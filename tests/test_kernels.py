@@ -339,6 +339,23 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt):
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
 
 
+def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value():
+    """The packed (score, index) key: biased scores below zero order as floats do (the sign trick),
+    equal scores go to the lower expert index, and a NaN logit is selected first, as torch.topk
+    ranks NaN above every number."""
+    E, k = 96, 12
+    logits = torch.randn(2, E, generator=torch.Generator().manual_seed(7))
+    logits[:, ::3] = 0.25                    # many exact ties
+    bias = torch.linspace(-1.5, 0.2, E)      # most biased scores negative
+    ids, _ = launch.router_topk(logits, bias, k, 1.0)
+    biased = torch.sigmoid(logits) + bias
+    order = sorted(range(E), key=lambda e: (-biased[0, e].item(), e))[:k]
+    assert ids[0].tolist() == order and ids[1].tolist() == sorted(range(E), key=lambda e: (-biased[1, e].item(), e))[:k]
+    logits[1, 40] = float("nan")
+    ids, w = launch.router_topk(logits, bias, k, 1.0)
+    assert ids[1, 0].item() == 40 and ids[0].tolist() == order
+
+
 def test_mxfp4_cute_variant_falls_back_to_v3_with_reason(monkeypatch):
     """variant="cute" (the AOT-built CuTe GEMVs) cannot run on CPU: launch.mxfp4_experts runs
     CUTE_FALLBACK (Triton v3) instead, with the same result, and choose.fallbacks() says why."""

@@ -1,12 +1,18 @@
 """Triton kernel for the MoE router's top-k selection (the `k3::router_topk` op).
 
 One program per token row: sigmoid of the fp32 router logits, plus the correction bias, then k
-rounds of (max, lowest index holding it, mask it out) over the row held in registers, then the
-selected *unbiased* scores renormalised to sum 1 times the routed scaling factor, the K3 router
-of K3-SPEC.md (noaux_tc, one group). It replaces what the unfused graph launches for this (an
-elementwise kernel, torch.topk's radix select + sort, a gather/sum/div kernel). Ties go to the
-lower expert index (torch.topk leaves their order unspecified). A row with a NaN logit has no
-maximum to find; its ids then fall back to expert 0 rather than an out-of-range index.
+rounds of (max, mask it out) over the row held in registers, then the selected *unbiased* scores
+renormalised to sum 1 times the routed scaling factor, the K3 router of K3-SPEC.md (noaux_tc, one
+group). It replaces what the unfused graph launches for this (an elementwise kernel, torch.topk's
+radix select + sort, a gather/sum/div kernel).
+
+Each round is ONE reduction: the biased score and the expert index are packed into one int64 key,
+the score's fp32 bits made order-preserving as a signed int (negative floats: bits ^ 0x7FFFFFFF) in
+the high word, (BLOCK - 1 - index) in the low word, so the maximum key is the highest score and,
+among equal scores, the lowest index (torch.topk leaves the order of ties unspecified). A NaN
+score sorts above every number, as in torch.topk. The selected weights are gathered from the
+logits after the loop. (The first version did three block reductions per round, max, lowest
+index holding it, and the weight: 48 for top-16; bench/results in BENCHMARKS.md "router top-k".)
 """
 from __future__ import annotations
 
@@ -20,17 +26,20 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
     offs = tl.arange(0, BLOCK)
     m = offs < E
     s = tl.sigmoid(tl.load(logits + r * E + offs, mask=m, other=0.0).to(tl.float32))
-    v = tl.where(m, s + tl.load(bias + offs, mask=m, other=0.0).to(tl.float32), float("-inf"))
+    bits = (s + tl.load(bias + offs, mask=m, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    low = (BLOCK - 1 - offs).to(tl.int64)
+    key = tl.where(m, (key << 32) | low, -9223372036854775807 - 1)  # int64 min: never selected
     kk = tl.arange(0, KP)
     sel = tl.zeros([KP], tl.int32)
-    ws = tl.zeros([KP], tl.float32)
     for j in tl.static_range(K):
-        top = tl.max(v, 0)
-        i = tl.min(tl.where(v == top, offs, BLOCK), 0)
-        i = tl.where(i < E, i, 0)
+        top = tl.max(key, 0)
+        i = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
         sel = tl.where(kk == j, i, sel)
-        ws = tl.where(kk == j, tl.sum(tl.where(offs == i, s, 0.0), 0), ws)
-        v = tl.where(offs == i, float("-inf"), v)
-    tot = tl.sum(ws, 0)  # entries kk >= K are 0
-    tl.store(ids + r * K + kk, sel.to(tl.int64), mask=kk < K)
-    tl.store(w + r * K + kk, ws / tot * scale, mask=kk < K)
+        key = tl.where(offs == i, -9223372036854775807 - 1, key)
+    ok = kk < K
+    ws = tl.sigmoid(tl.load(logits + r * E + sel, mask=ok, other=0.0).to(tl.float32))
+    ws = tl.where(ok, ws, 0.0)
+    tot = tl.sum(ws, 0)
+    tl.store(ids + r * K + kk, sel.to(tl.int64), mask=ok)
+    tl.store(w + r * K + kk, ws / tot * scale, mask=ok)
