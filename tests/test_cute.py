@@ -7,6 +7,10 @@
   fails, so CI cannot pass these tests without running them.
 - Loader (no DSL, no GPU): parameter packing against a built manifest with a fake TMA encoder,
   artifact lookup, and dispatch falling back with the reason.
+- JIT path: build.ensure writes the same cubin / PTX / manifest as the AOT build and hits its
+  cache the second time; dispatch (choose._find) builds a missing artifact on first use, but not
+  with K3_CUTE_JIT=0, without the DSL, for shapes the build has no variant for, or inside a CUDA
+  graph capture (not memoised); a failed JIT build is a fallback reason.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import struct
 import pytest
 import torch
 
-from k3compile.kernels import choose
+from k3compile.kernels import choose, cute
 from k3compile.kernels.cute import dsl_available, loader
 
 if not dsl_available():
@@ -147,17 +151,21 @@ def test_dispatch_default_is_torch_and_forced_falls_back_with_reason(monkeypatch
     torch.testing.assert_close(choose.gemm("oproj", x, w), torch.mm(x, w.t()))
     # a wanted call on a "CUDA" tensor with no artifact falls back to torch.mm with the reason
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
+    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
     choose._WHY.clear()
-
-    class FakeCuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
     xc = x.as_subclass(FakeCuda)
     got = choose.gemm("oproj", xc, w)
     torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
     why = choose.fallbacks()
     assert list(why) == ["oproj N=8 K=16 M=3"] and "no CuTe artifact directory" in why["oproj N=8 K=16 M=3"]
+    assert "no JIT build: the CuTe build has no variant for these shapes" in why["oproj N=8 K=16 M=3"]
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so dispatch looks for a CuTe kernel."""
+    @property
+    def is_cuda(self):
+        return True
 
 
 # ---------------------------------------------------------------- MXFP4 expert GEMV (mxfp4_experts.py)
@@ -244,3 +252,113 @@ def test_dispatch_memoises_artifacts(built, monkeypatch):
     g1, _ = choose._find("gemm", "oproj_gemm", 7168, 1536, 4)
     assert a1 is a2 and a1 is not None and g1 is choose._find("gemm", "oproj_gemm", 7168, 1536, 4)[0]
     assert choose._find("mxfp4", 384, 3584, 16, "f16x2")[0] is not a1
+
+
+# ---------------------------------------------------------------- JIT path (build.ensure, choose._find)
+
+def _count_compiles(monkeypatch, fail: str = "") -> list[str]:
+    """build.compile_variant wrapped to record the variants it compiles (or to raise `fail`)."""
+    calls, real = [], build.compile_variant
+
+    def compile_variant(v, out):
+        calls.append(v["name"])
+        if fail:
+            raise RuntimeError(fail)
+        return real(v, out)
+    monkeypatch.setattr(build, "compile_variant", compile_variant)
+    return calls
+
+
+def _jit_env(monkeypatch, d):
+    monkeypatch.setenv("K3_CUTE_DIR", str(d))
+    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
+    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(choose, "_WHY", {})
+
+
+def test_jit_ensure_writes_the_aot_build_and_then_hits_its_cache(built, tmp_path, monkeypatch):
+    out, _ = built
+    v = next(v for v in build.mxfp4_variants() if v["mode"] == "gate_up" and v["I"] == 384 and v["math"] == "f32")
+    name, d = v["name"], tmp_path / "jit"
+    calls = _count_compiles(monkeypatch)
+    mf = build.ensure(name, d)
+    assert mf == d / f"{name}.json" and calls == [name]
+    for ext in (".cubin", ".ptx"):
+        assert (d / f"{name}{ext}").read_bytes() == (out / f"{name}{ext}").read_bytes(), ext
+
+    def man(p):
+        return {k: x for k, x in json.loads(p.read_text()).items() if k != "compile_s"}
+    assert man(mf) == man(out / f"{name}.json")
+    assert build.ensure(v, d) == mf and calls == [name]          # cached: not compiled again
+    assert build.cached(v, d)["key"] == build.cache_key(v)
+    with pytest.raises(KeyError, match="no CuTe build variant"):
+        build.ensure("mxfp4_nope", d)
+
+
+def test_jit_variants_cover_what_the_loader_looks_up():
+    assert [v["name"] for v in build.jit_variants("gemm", "oproj_gemm", 7168, 1536, 9)] == \
+        ["skinny_gemm_bf16_n7168_k1536_mt16"]
+    assert build.jit_variants("gemm", "oproj_gemm", 7168, 1536, 65) == []
+    assert build.jit_variants("gemm", "oproj_gemm", 8, 16, 3) == []
+    h2 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2")
+    assert sorted(v["op"] for v in h2) == ["mxfp4_down", "mxfp4_gate_up"]
+    assert all(v["I"] == 384 and v["math"] == "f16x2" for v in h2)
+    assert build.jit_variants("mxfp4", 384, 3584, 8, "f32") == []   # top-k is compiled into gate-up
+
+
+def test_dispatch_builds_a_missing_artifact_on_first_use(built, tmp_path, monkeypatch):
+    out, _ = built
+    d = tmp_path / "jit"
+    _jit_env(monkeypatch, d)
+    calls = _count_compiles(monkeypatch)
+    art, why = choose._find("gemm", "oproj_gemm", 7168, 1536, 3)
+    assert art is not None and art.man["m_max"] == 8, why
+    assert calls == ["skinny_gemm_bf16_n7168_k1536_mt8"]
+    assert art.cubin == (out / "skinny_gemm_bf16_n7168_k1536_mt8.cubin").read_bytes()
+    assert choose._find("gemm", "oproj_gemm", 7168, 1536, 3)[0] is art    # memoised
+    monkeypatch.setattr(choose, "_FOUND", {})
+    assert choose._find("gemm", "oproj_gemm", 7168, 1536, 8)[0].path == art.path and len(calls) == 1  # on disk
+    art, why = choose._find("gemm", "oproj_gemm", 7168, 1536, 65)
+    assert art is None and why.endswith("no JIT build: the CuTe build has no variant for these shapes")
+    assert len(calls) == 1
+
+
+def test_jit_off_and_no_dsl_fall_back_with_the_reason(tmp_path, monkeypatch):
+    d = tmp_path / "empty"
+    _jit_env(monkeypatch, d)
+    monkeypatch.setenv("K3_CUTE", "1")
+    calls = _count_compiles(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1536, generator=g).bfloat16()
+    w = (torch.randn(7168, 1536, generator=g) / 40).bfloat16()
+    key = "oproj N=7168 K=1536 M=3"
+    for env, dsl, reason in (("0", True, "JIT build off (K3_CUTE_JIT=0)"),
+                             (None, False, "no JIT build: the CuTe DSL is not installed")):
+        if env is None:
+            monkeypatch.delenv("K3_CUTE_JIT")
+        else:
+            monkeypatch.setenv("K3_CUTE_JIT", env)
+        monkeypatch.setattr(cute, "dsl_available", lambda: dsl)
+        monkeypatch.setattr(choose, "_FOUND", {})
+        monkeypatch.setattr(choose, "_WHY", {})
+        got = choose.gemm("oproj", x.as_subclass(FakeCuda), w)
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
+        why = choose.fallbacks()
+        assert list(why) == [key] and why[key].startswith("no CuTe artifact directory"), why
+        assert why[key].endswith(reason), why
+    assert calls == [] and not d.exists()
+
+
+def test_jit_never_inside_graph_capture_and_a_failed_build_is_the_reason(tmp_path, monkeypatch):
+    _jit_env(monkeypatch, tmp_path / "jit")
+    calls = _count_compiles(monkeypatch, fail="ptxas died")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    arts, why = choose._find("mxfp4", 384, 3584, 16, "f32")
+    assert arts is None and why.endswith("not built just in time inside a CUDA graph capture"), why
+    assert calls == [] and not choose._FOUND               # not memoised: the next eager call builds
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert choose._find("mxfp4", 384, 3584, 16, "f32") == (None, "JIT build failed: RuntimeError: ptxas died")
+    assert len(calls) == 1
+    assert choose._find("mxfp4", 384, 3584, 16, "f32")[1].startswith("JIT build failed")
+    assert len(calls) == 1                                  # memoised: not retried on every call

@@ -8,6 +8,9 @@ replayed from a CUDA graph with new input values copied into the captured buffer
 untouched (a guard row after the output). MXFP4 experts (gate-up + SiTU, down): the artifacts vs
 the model op's reference, eager and CUDA-graphed, and launch.mxfp4_experts(variant="cute") with no
 fallback. Never run yet: written on a machine without a GPU.
+JIT path (needs the DSL importable on the GPU machine, else skipped; not yet run on a GPU): with
+an empty K3_CUTE_DIR, launch.mxfp4_experts through dispatch builds the MXFP4 artifacts on first
+use (build.ensure), runs them without fallback, eagerly and replayed from a CUDA graph.
 """
 from __future__ import annotations
 
@@ -171,3 +174,64 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
         out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
         assert not choose.fallbacks(), choose.fallbacks()
         assert ((out.float() - ref).abs().max() / ref.abs().max()).item() <= MXFP4_TOL[math], variant
+
+
+def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
+    """Empty K3_CUTE_DIR, DSL importable: the first dispatch call of each math (the default
+    variant, cute_h2, and cute) compiles its gate-up + down variants into the directory
+    (build.ensure, once each), the kernels equal the model op's reference at M = 1 and 4 (TP=8
+    shapes), eagerly and replayed from a CUDA graph, with no fallback and no compile after the
+    first call (none inside the capture)."""
+    from k3compile.kernels.cute import dsl_available
+    if not dsl_available():
+        pytest.skip("the CuTe DSL is not importable (the JIT path needs it)")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a cubins")
+    from k3compile.kernels import choose, launch
+    from k3compile.kernels.cute import build
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    d = tmp_path / "jit"
+    monkeypatch.setenv("K3_CUTE_DIR", str(d))
+    for var in ("K3_CUTE_JIT", "K3_CUTE", "K3_MXFP4"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(choose, "_WHY", {})
+    calls, real = [], build.compile_variant
+    monkeypatch.setattr(build, "compile_variant", lambda v, out: calls.append(v["name"]) or real(v, out))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    E, I, L, K = 32, 384, 3584, 16
+    w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
+    for variant, math in ((None, "f16x2"), ("cute", "f32")):
+        want = sorted(v["name"] for v in build.jit_variants("mxfp4", I, L, K, math))
+        for M in (1, 4):
+            x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
+            if variant is None:
+                assert launch.mxfp4_variant(None, x, I, M) == "cute_h2"
+            out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+            torch.cuda.synchronize()
+            assert not choose.fallbacks(), choose.fallbacks()
+            assert len(want) == 2 and sorted(calls[-2:]) == want and all((d / f"{n}.cubin").exists() for n in want)
+            ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            print(f"mxfp4 JIT {math} M={M}: eager err {err:.3e}")
+            assert out.shape == (M, K, L) and err <= MXFP4_TOL[math], (math, M, err)
+            n_calls = len(calls)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                gout = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+            x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
+            ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
+            err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
+            print(f"mxfp4 JIT {math} M={M}: graphed err {err:.3e}")
+            assert err <= MXFP4_TOL[math], (math, M, "graphed", err)
+            assert len(calls) == n_calls and not choose.fallbacks(), (calls, choose.fallbacks())
+    assert len(calls) == 4, calls      # two variants per math, each compiled once

@@ -392,16 +392,29 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
 
 def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):
     """The match report's kernel note says which MXFP4 expert kernel a CUDA graph will run: the CuTe
-    f16x2 GEMVs where an artifact fits and M is in choose.CUTE_M, else Triton v3 with the reason."""
-    from k3compile.kernels import choose
+    f16x2 GEMVs where an artifact fits (or the DSL can build it on the first call) and M is in
+    choose.CUTE_M, else Triton v3 with the reason. The note itself never builds."""
+    from k3compile.kernels import choose, cute
     from k3compile.kernels.registry import describe
     monkeypatch.delenv("K3_MXFP4", raising=False)
     monkeypatch.delenv("K3_CUTE", raising=False)
+    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cute, "dsl_available", lambda: False)
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "none"))
     monkeypatch.setattr(choose, "_FOUND", {})
     note = describe("cuda", None, (384, 3584, 16, 1, True))
     assert note.startswith("kernels: CUDA kernels, TP=1") and "MXFP4 experts: Triton v3 (no CuTe artifact directory" in note
+    assert note.endswith("no JIT build: the CuTe DSL is not installed)")
+    # with the DSL the first call would build the artifacts (the JIT path); the note does not
+    monkeypatch.setattr(cute, "dsl_available", lambda: True)
+    monkeypatch.setattr(choose, "_FOUND", {})
+    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith(
+        f"MXFP4 experts: CuTe f16x2 GEMVs (built just in time on the first call into {tmp_path / 'none'})")
+    assert not (tmp_path / "none").exists() and not choose._FOUND
+    monkeypatch.setenv("K3_CUTE_JIT", "0")
+    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_CUTE_JIT=0))")
+    monkeypatch.setattr(choose, "_FOUND", {})
     assert "Triton v3 (M=65; CuTe at M in [1, 64])" in describe("cuda", None, (384, 3584, 16, 65, True))
     assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
     monkeypatch.setenv("K3_MXFP4", "v3")

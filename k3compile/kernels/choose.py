@@ -6,9 +6,13 @@ Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, c
 so they are the default there for bf16 activations. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
 turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
-When CuTe was chosen but cannot run (no artifact for the shape, not CUDA, wrong dtype, loader
-error) the op falls back to its default path (Triton v3 for the experts, cuBLAS for the GEMM),
-warns once per reason, and `fallbacks()` lists the reasons.
+JIT: where the DSL is installed and no artifact fits a wanted shape that the build has a variant
+for (`build.jit_variants`), the first call builds it into that directory (`build.ensure`: the AOT
+build's code, cache key and checks) and loads it; `K3_CUTE_JIT=0` turns this off, and it never
+runs inside a CUDA graph capture (warm up eagerly first). Not yet run on a GPU machine.
+When CuTe was chosen but cannot run (no artifact for the shape and no JIT build, not CUDA, wrong
+dtype, JIT build or loader error) the op falls back to its default path (Triton v3 for the
+experts, cuBLAS for the GEMM), warns once per reason, and `fallbacks()` lists the reasons.
 """
 from __future__ import annotations
 
@@ -51,15 +55,48 @@ def _artifact_dir():
 _FOUND: dict[tuple, tuple] = {}
 
 
-def _find(kind: str, *key):
+def _jit_variants(kind: str, key: tuple) -> tuple[list[dict], str]:
+    """The build variants the JIT path would compile for this lookup, or ([], why it cannot)."""
+    from . import cute
+    if os.environ.get("K3_CUTE_JIT") == "0":
+        return [], "JIT build off (K3_CUTE_JIT=0)"
+    if not cute.dsl_available():
+        return [], "no JIT build: the CuTe DSL is not installed"
+    from .cute.build import jit_variants
+    vs = jit_variants(kind, *key)
+    return vs, "" if vs else "no JIT build: the CuTe build has no variant for these shapes"
+
+
+def _find(kind: str, *key, jit: bool = True):
     """loader.find / loader.find_mxfp4, memoised per (artifact dir, shapes): an Artifact reads its
     cubin and loads the module on first launch, so a fresh one per call would re-read the files
-    and load a new module every call (and cuModuleLoadData inside a CUDA-graph capture)."""
+    and load a new module every call (and cuModuleLoadData inside a CUDA-graph capture).
+    Where nothing fits, the JIT path builds the variants (build.ensure) and looks again, unless
+    `jit` is False or a CUDA graph is being captured: those misses are not memoised, so a later
+    call can still build."""
     from .cute import loader
-    k = (kind, str(_artifact_dir()), *key)
+    d = _artifact_dir()
+    k = (kind, str(d), *key)
     if k not in _FOUND:
         fn = loader.find if kind == "gemm" else loader.find_mxfp4
-        _FOUND[k] = fn(_artifact_dir(), *key)
+        got = fn(d, *key)
+        if got[0] is None:
+            vs, why = _jit_variants(kind, key)
+            if why:
+                got = None, f"{got[1]}; {why}"
+            elif not jit:
+                return got
+            elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None, f"{got[1]}; not built just in time inside a CUDA graph capture"
+            else:
+                from .cute import build
+                try:
+                    for v in vs:
+                        build.ensure(v, d)
+                    got = fn(d, *key)
+                except Exception as e:  # noqa: BLE001 - a failed build falls back, with the reason
+                    got = None, f"JIT build failed: {type(e).__name__}: {e}"
+        _FOUND[k] = got
     return _FOUND[k]
 
 
@@ -123,11 +160,13 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
         if M is None:
             return "MXFP4 experts: Triton v3 (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
         return f"MXFP4 experts: Triton v3 (M={M}; CuTe at M in [{lo}, {hi}])"
-    try:
-        arts, why = _find("mxfp4", I, L, K, "f16x2")
+    try:   # no JIT build for a report: the first call builds
+        arts, why = _find("mxfp4", I, L, K, "f16x2", jit=False)
+        jit = arts is None and not _jit_variants("mxfp4", (I, L, K, "f16x2"))[1]
     except Exception as e:  # noqa: BLE001 - a broken artifact directory is a reason, not a crash
-        arts, why = None, f"loader error: {type(e).__name__}: {e}"
-    if arts is None:
+        arts, why, jit = None, f"loader error: {type(e).__name__}: {e}", False
+    if arts is None and not jit:
         return f"MXFP4 experts: Triton v3 ({why})"
     where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v3 above (M is dynamic)"
-    return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({_artifact_dir()})"
+    how = "built just in time on the first call into " if jit else ""
+    return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({how}{_artifact_dir()})"

@@ -1,13 +1,16 @@
-"""CuTe DSL kernels for sm_90a, compiled ahead of time (issue 6).
+"""CuTe DSL kernels for sm_90a, compiled ahead of time, or just in time where the DSL is installed (issue 6).
 
 - `skinny_gemm.py`: the decode o-proj / up-projection GEMM (swap-AB, TMA + wgmma, S-stage
-  mbarrier pipeline). Imports the DSL: only `build.py` and the JIT path import it.
+  mbarrier pipeline). Imports the DSL: only `build.py` imports it (AOT build and JIT build).
 - `mxfp4_experts.py`: the MXFP4 routed-expert GEMVs (gate-up with SiTU fused, down) for decode:
   CUDA cores, cp.async-staged 16-byte weight vectors, two-codes-per-IMAD dequantisation, fp32
   FMAs; `mxfp4_ref.py` is its PyTorch emulation for CPU tests (no DSL).
 - `build.py`: `python -m k3compile.kernels.cute.build [--out DIR]` compiles every kernel for
   sm_90a on a machine with no GPU (fake tensors) into a cubin + PTX + JSON manifest per variant,
-  cached by (kernel source, shapes / tile config, DSL version).
+  cached by (kernel source, shapes / tile config, DSL version). `build.ensure` builds one
+  variant the same way: the JIT path, which `choose._find` takes on first use when the DSL is
+  installed and no artifact fits (`K3_CUTE_JIT=0` turns it off; never inside a CUDA graph
+  capture). Not yet run on a GPU machine.
 - `loader.py`: loads a cubin with the CUDA driver and launches it (no DSL at run time).
 - `choose.py` (in `kernels/`): CuTe or the default path per op and M.
 

@@ -28,12 +28,19 @@ Export route (issue 6 asked to evaluate three):
   torch. What the DSL's host code did (encode the TMA descriptors, pick grid and shared memory)
   the loader redoes from the manifest; the build checks the manifest against the PTX entry's
   parameter list, so a DSL change in the kernel ABI fails the build instead of the launch.
-JIT path: `SkinnyGemmSm90` can be passed to `cute.compile` with real (from_dlpack) tensors where
-the DSL and a GPU are present; that path is not wired into dispatch and has not been run.
+JIT path: where the DSL is installed, dispatch (`kernels/choose.py`, `_find`) builds a missing
+artifact on first use: when the loader finds no artifact for a wanted shape and `jit_variants`
+names the variants that cover it, `ensure` compiles each into the artifact directory with this
+same code (fake tensors, `--gpu-arch sm_90a` whatever GPU the process runs on, the same cache
+key and manifest checks) under a per-variant file lock (TP ranks share the directory), and the
+loader looks again. `K3_CUTE_JIT=0` turns it off; it never compiles inside a CUDA graph capture. A
+stale artifact (another key) is still used as found; only a missing one is built. Tested on CPU
+(tests/test_cute.py); not yet run on a GPU machine (tests/test_gpu_cute.py has the test).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -210,24 +217,67 @@ def compile_variant(v: dict, out: Path) -> dict:
                     lambda symbol, params: _skinny_gemm_manifest(v, symbol, params))
 
 
+def cached(v: dict, out: Path) -> dict | None:
+    """The manifest of `v` in `out` if it and its cubin are there with the current cache key."""
+    mf = out / f"{v['name']}.json"
+    if not (mf.exists() and (out / f"{v['name']}.cubin").exists()):
+        return None
+    try:
+        old = json.loads(mf.read_text())
+    except ValueError:   # half-written by another process: not there yet
+        return None
+    return old if old.get("key") == cache_key(v) else None
+
+
 def build(out: Path | None = None, force: bool = False, only: str | None = None, log=print) -> dict[str, dict]:
     out = Path(out) if out else default_dir()
     done = {}
     for v in variants():
         if only and only not in v["name"]:
             continue
-        mf = out / f"{v['name']}.json"
-        if not force and mf.exists() and (out / f"{v['name']}.cubin").exists():
-            old = json.loads(mf.read_text())
-            if old.get("key") == cache_key(v):
-                log(f"{v['name']}: cached")
-                done[v["name"]] = old
-                continue
+        old = None if force else cached(v, out)
+        if old is not None:
+            log(f"{v['name']}: cached")
+            done[v["name"]] = old
+            continue
         man = compile_variant(v, out)
         size = (out / f"{v['name']}.cubin").stat().st_size
         log(f"{v['name']}: built in {man['compile_s']} s, cubin {size} bytes, smem {man['smem']}")
         done[v["name"]] = man
     return done
+
+
+def jit_variants(kind: str, *key) -> list[dict]:
+    """The variants dispatch needs for one lookup (`choose._find`'s kind and key), [] where
+    `variants()` has none: "gemm" (op, n, k, m): the smallest token tile covering m;
+    "mxfp4" (I, L, K, math): the gate-up (top-k K compiled in) and the down GEMV."""
+    if kind == "gemm":
+        op, n, k, m = key
+        fit = [v for v in variants()
+               if v["kernel"] == "skinny_gemm" and v["op"] == op and v["n"] == n and v["k"] == k and m <= v["mt"]]
+        return sorted(fit, key=lambda v: v["mt"])[:1]
+    I, L, K, math = key
+    fit = [v for v in mxfp4_variants()
+           if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
+    return fit if len(fit) == 2 else []
+
+
+def ensure(v: dict | str, out: Path | None = None) -> Path:
+    """The JIT build: compile one variant (a `variants()` dict or its name) into `out` unless it
+    is there with the current cache key (`cached`); returns its manifest's path. A lock file per
+    variant makes concurrent processes (TP ranks sharing `out`) wait for one compile."""
+    if isinstance(v, str):
+        name, v = v, next((x for x in variants() if x["name"] == v), None)
+        if v is None:
+            raise KeyError(f"no CuTe build variant named {name!r}")
+    out = Path(out) if out else default_dir()
+    if cached(v, out) is None:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"{v['name']}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if cached(v, out) is None:   # another process may have built it while we waited
+                compile_variant(v, out)
+    return out / f"{v['name']}.json"
 
 
 def main(argv=None) -> int:
