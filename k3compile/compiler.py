@@ -98,6 +98,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, to
     from torch._inductor.compile_fx import compile_fx
 
     patches = {"post_grad_custom_post_pass": mgr}
+    pdl, why = pdl_choice(opts.pdl, example_inputs)
+    mgr.notes.append(f"inductor: PDL {'on' if pdl else 'off'} ({why})")
+    if pdl:
+        patches["triton.enable_pdl"] = True
     if torch_mode in ("reduce-overhead", "max-autotune"):
         patches["triton.cudagraphs"] = True
     if torch_mode in ("max-autotune", "max-autotune-no-cudagraphs"):
@@ -110,6 +114,26 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, to
     return compiled
 
 
+def pdl_choice(pdl: str, example_inputs) -> tuple[bool, str]:
+    """(use Inductor's Programmatic Dependent Launch, why) for options.pdl on these inputs."""
+    import torch._inductor.config as ic
+    if pdl == "off":
+        return False, "pdl='off'"
+    if not hasattr(ic.triton, "enable_pdl"):
+        if pdl == "on":
+            warnings.warn(f"k3: pdl='on' but torch {torch.__version__} has no Inductor option triton.enable_pdl")
+        return False, f"torch {torch.__version__} has no triton.enable_pdl"
+    if pdl == "on":
+        return True, "pdl='on'"
+    devs = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+    if not devs:
+        return False, "no CUDA inputs"
+    cap = min(torch.cuda.get_device_capability(d) for d in devs)
+    if cap < (9, 0):
+        return False, f"sm_{cap[0]}{cap[1]} < sm_90"
+    return True, f"sm_{cap[0]}{cap[1]}"
+
+
 def k3_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Entry point for `torch.compile(..., backend="k3", mode=..., options={...})`."""
     return _compile(gm, example_inputs, K3Options.make(**(options or {})), torch_mode=mode)
@@ -119,7 +143,7 @@ def backend(**options):
     """A configured k3 backend: `torch.compile(model, backend=k3compile.backend(**options))`.
 
     Options (see `K3Options`): passes, skip, strict, mode ("inductor"|"eager"), dtypes, tp_sizes,
-    m_ranges, gate, prefetch, verbose. Unknown names raise ValueError at once."""
+    m_ranges, gate, prefetch, fuse_topk, pdl, verbose. Unknown names raise ValueError at once."""
     opts = K3Options.make(**options)
 
     def k3(gm, example_inputs, mode: str | None = None, options: dict | None = None):

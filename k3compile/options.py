@@ -64,6 +64,12 @@ class K3Options:
     # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
     # in as constants, guarded at run time (a changed value runs the graph without the K3 passes)
     bake_module_floats: bool = True
+    # Programmatic Dependent Launch in Inductor's Triton kernels (config triton.enable_pdl): "auto" turns
+    # it on for CUDA graphs on Hopper or newer where this torch has the option; "on" / "off" force it
+    # (K3_PDL). Measured on 2 x H200 (BENCHMARKS.md "PDL", commit 6eecf90): k3 4.2-14.9 us faster per
+    # layer step (KDA / MLA, TP=8 shapes, M=1 and 16), errors unchanged; plain Inductor gained at
+    # most 6 us and lost up to 8.7 with it
+    pdl: str = "auto"
     verbose: bool = False  # print the match report after each compile
 
     @classmethod
@@ -93,6 +99,10 @@ class K3Options:
             kw["gate"] = os.environ["K3_GATE"]
         if kw.get("gate", "measured") not in ("measured", "off"):
             raise ValueError(f"gate must be 'measured' or 'off', got {kw['gate']!r}")
+        if os.environ.get("K3_PDL") and "pdl" not in kw:
+            kw["pdl"] = os.environ["K3_PDL"]
+        if kw.get("pdl", "auto") not in ("auto", "on", "off"):
+            raise ValueError(f"pdl must be 'auto', 'on' or 'off', got {kw['pdl']!r}")
         m_ranges = dict(DEFAULT_M_RANGES)
         m_ranges.update(kw.get("m_ranges", {}))
         kw["m_ranges"] = m_ranges

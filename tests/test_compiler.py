@@ -420,6 +420,35 @@ def test_inductor_end_to_end_dynamic_batch():
         assert rep.get("fuse_oproj_allreduce").matched == 4, rep.render()
         assert rep.get("fold_moe_finalize").matched == 3, rep.render()
         assert rep.get("overlap_shared_expert").matched == 3, rep.render()
+        assert "inductor: PDL off (no CUDA inputs)" in rep.render(), rep.render()
+
+
+def test_pdl_choice_by_option_device_and_torch(monkeypatch):
+    """options.pdl: 'auto' turns Inductor's PDL on for CUDA inputs on sm_90+ only, 'on' / 'off'
+    force it, a torch without the config option never gets it (with a warning when forced), and
+    a bad value or K3_PDL value is refused at once."""
+    import torch._inductor.config as ic
+    from k3compile.compiler import pdl_choice
+    cpu = [torch.zeros(2)]
+    assert pdl_choice("off", cpu) == (False, "pdl='off'")
+    if hasattr(ic.triton, "enable_pdl"):
+        assert pdl_choice("auto", cpu) == (False, "no CUDA inputs")
+        assert pdl_choice("on", cpu) == (True, "pdl='on'")
+        fake_cuda = torch.empty(2, device="meta")
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+        for cap, want in (((8, 0), (False, "sm_80 < sm_90")), ((9, 0), (True, "sm_90"))):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=cap: c)
+            assert pdl_choice("auto", [fake_cuda]) == want
+        monkeypatch.undo()
+    monkeypatch.delattr(ic.triton, "enable_pdl", raising=False)
+    with pytest.warns(UserWarning, match="no Inductor option triton.enable_pdl"):
+        assert pdl_choice("on", cpu)[0] is False
+    assert pdl_choice("auto", cpu)[0] is False
+    with pytest.raises(ValueError, match="pdl must be"):
+        k3compile.backend(pdl="yes")
+    monkeypatch.setenv("K3_PDL", "sometimes")
+    with pytest.raises(ValueError, match="pdl must be"):
+        k3compile.backend()
 
 
 def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
