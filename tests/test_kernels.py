@@ -198,6 +198,29 @@ def test_router_latent_gather(world, rank):
     sim.check_signals(programs, 0)
 
 
+def test_rank_rows_one_weight_per_rank_views_or_one_kept_copy():
+    """The sharded router's rows for one GEMM: ranks inside one weight get views (no copy), the
+    straddling rank a copy made once, reused, remade after an in-place weight update, and dropped
+    with the weights."""
+    import gc
+    E, L, K, tp = 20, 44, 8, 4              # S = 16: rank 1 holds router rows 16..19 + latent rows 0..11
+    wr, wd = torch.randn(E, K), torch.randn(L, K)
+    for rank in (0, 2, 3):
+        w = launch.rank_rows(wr, wd, tp, rank)
+        assert w.untyped_storage().data_ptr() in (wr.untyped_storage().data_ptr(), wd.untyped_storage().data_ptr())
+        assert torch.equal(w, torch.cat([wr, wd])[rank * 16:(rank + 1) * 16])
+    w1 = launch.rank_rows(wr, wd, tp, 1)
+    assert torch.equal(w1, torch.cat([wr, wd])[16:32]) and launch.rank_rows(wr, wd, tp, 1) is w1
+    with torch.no_grad():
+        wd[0] += 1.0                          # in place: the version counter moves
+    w2 = launch.rank_rows(wr, wd, tp, 1)
+    assert w2 is not w1 and torch.equal(w2, torch.cat([wr, wd])[16:32])
+    n = len(launch._RANK_ROWS)
+    del wr, wd, w1, w2
+    gc.collect()
+    assert len(launch._RANK_ROWS) == n - 1
+
+
 @pytest.mark.parametrize("variant", ["v1", "dot", "v2b"])
 @pytest.mark.parametrize("N,K,E,I,L", [(1, 2, 4, 64, 64), (3, 4, 8, 32, 128), (2, 2, 3, 96, 96),
                                        (6, 2, 4, 64, 64)])  # N > 4: v2b's tuned pipelined tiles

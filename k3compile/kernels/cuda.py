@@ -6,8 +6,9 @@
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns.
-- router_latent_sharded: two cuBLAS GEMMs (this rank's router rows, its latent rows), then one
-  Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
+- router_latent_sharded: one cuBLAS GEMM on this rank's rows of [W_r; W_down] (a view of one
+  weight, or for the one rank whose rows straddle both a copy made once, `launch.rank_rows`), then
+  one Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
   Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
 - router_topk: one Triton kernel per call (sigmoid, biased top-k, renormalised weights).
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).

@@ -148,18 +148,44 @@ def add_up_shard(out, ln, w_up, rank):
     return out
 
 
-def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
-    """This rank's rows of [W_r; W_down] times x: [M*S], the router piece then the latent piece."""
-    M = x.shape[0]
+_RANK_ROWS: dict[tuple, tuple] = {}
+
+
+def rank_rows(w_router: torch.Tensor, w_down: torch.Tensor, tp: int, rank: int) -> torch.Tensor | None:
+    """This rank's rows [a, a+S) of [W_r; W_down] as one [S, K] weight, so that its shard is ONE
+    GEMM: a view where the rows lie in one of the two weights; where they straddle both (one rank
+    of the group), a concatenated copy (S x K, e.g. 8 MB per MoE layer at TP=8) made on the first
+    call and reused while both weights are alive and unchanged (their version counters; an in-place
+    weight update makes a new copy). None inside a CUDA graph capture before the copy exists."""
     E, L = w_router.shape[0], w_down.shape[0]
     S, a, S1 = router_latent_split(E, L, tp, rank)
-    shard = torch.empty(M * S, dtype=x.dtype, device=x.device)
-    if S1:
-        torch.mm(x, w_router[a:a + S1].t(), out=shard[:M * S1].view(M, S1))
-    if S1 < S:
-        lo = max(a, E) - E
-        torch.mm(x, w_down[lo:lo + S - S1].t(), out=shard[M * S1:].view(M, S - S1))
-    return shard
+    if S1 == S:
+        return w_router[a:a + S]
+    if S1 == 0:
+        return w_down[a - E:a - E + S]
+    key = (w_router.device, w_router.data_ptr(), w_down.data_ptr(), tuple(w_router.shape), tuple(w_down.shape),
+           w_router.dtype, tp, rank)
+    ver = (w_router._version, w_down._version)
+    hit = _RANK_ROWS.get(key)
+    # the first weights seen still alive: their memory was not freed and reused by other tensors
+    if hit is not None and hit[0]() is not None and hit[1]() is not None and hit[2] == ver:
+        return hit[3]
+    if w_router.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    import weakref
+    w = torch.cat([w_router[a:], w_down[:S - S1]])
+    _RANK_ROWS[key] = (weakref.ref(w_router), weakref.ref(w_down), ver, w)
+    weakref.finalize(w_router, _RANK_ROWS.pop, key, None)  # the copy goes with the weights
+    return w
+
+
+def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
+    """This rank's rows of [W_r; W_down] times x: [M*S], row-major [M, S] (router columns first)."""
+    w = rank_rows(w_router, w_down, tp, rank)
+    if w is not None:
+        return torch.mm(x, w.t()).view(-1)
+    S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
+    return torch.cat([torch.mm(x, w_router[a:].t()), torch.mm(x, w_down[:S - S1].t())], 1).view(-1)
 
 
 def router_latent(x, w_router, w_down, peers: Peers):

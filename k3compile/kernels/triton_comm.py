@@ -221,10 +221,9 @@ def gather_router_latent_kernel(
     ptrs, pads, epoch, HALF, shard, router, latent, M, S, E, L,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
 ):
-    """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M*S] result
-    laid out as two row-major pieces, the router part [M, S1] then the latent part [M, S - S1]
-    (S1_p = clamp(E - p*S, 0, S) for rank p, whose columns are [p*S, (p+1)*S) of [router|latent]).
-    Writes router [M, E] and latent [M, L]."""
+    """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M, S] result,
+    row-major (rank p holds columns [p*S, (p+1)*S) of [router | latent]). Writes router [M, E] and
+    latent [M, L]."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     base = _half(epoch, HALF, WORLD)
@@ -240,9 +239,7 @@ def gather_router_latent_kernel(
         row = i // (E + L)
         c = i % (E + L)
         p = c // S
-        j = c % S
-        s1 = tl.minimum(tl.maximum(E - p * S, 0), S)
-        off = tl.where(j < s1, row * s1 + j, M * s1 + row * (S - s1) + (j - s1))
+        off = row * S + c % S
         src = tl.load(ptrs + p, mask=valid, other=0).to(tl.pointer_type(DTYPE)) + base
         v = tl.load(src + off, mask=valid, other=0.0)
         tl.store(router + row * E + c, v, mask=valid & (c < E))

@@ -5,7 +5,9 @@ Matches, once per MoE layer (anchored on each routed-expert op), at TP > 1:
     lat    = x @ W_down.T   # [N, L], replicated weight, the expert op's input
 Emits:
     logits, lat = k3::router_latent_sharded(x, W_r, W_down, rank, tp, group)
-(rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, one all-gather.)
+(rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, in one GEMM, then one
+all-gather; the one rank whose rows straddle both weights keeps a copy of them, s x hidden, made on
+its first call: 8 MB per MoE layer at TP=8 (kernels/launch.rank_rows).)
 and, with options.fuse_topk, where the logits feed the K3 router's selection
 (`patterns.router`: sigmoid, + correction bias, topk, gather, renormalise, * scale):
     ids, w = k3::router_topk(logits, bias, k, scale)      # one kernel instead of three or four
