@@ -97,7 +97,11 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, to
         return aot_autograd(fw_compiler=fw, decompositions=select_decomp_table())(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"post_grad_custom_post_pass": mgr}
+    # shape_padding off: Inductor's pad_mm pads a GEMM whose dims it finds misaligned when its
+    # compile-time benchmark says so (pad -> mm -> slice), which hides the sites from the post-grad
+    # passes, and being timing-based it differed run to run (the flaky GPU test: 0/3 sites, then
+    # a whole graph unrewritten). K3's real widths are aligned: nothing to gain from it there.
+    patches = {"post_grad_custom_post_pass": mgr, "shape_padding": False}
     pdl, why = pdl_choice(opts.pdl, example_inputs)
     mgr.notes.append(f"inductor: PDL {'on' if pdl else 'off'} ({why})")
     if pdl:

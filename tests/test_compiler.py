@@ -423,6 +423,19 @@ def test_inductor_end_to_end_dynamic_batch():
         assert "inductor: PDL off (no CUDA inputs)" in rep.render(), rep.render()
 
 
+def test_k3_compiles_with_inductor_shape_padding_off(monkeypatch):
+    """pad_mm's padded GEMMs (pad -> mm -> slice, chosen by a compile-time benchmark) hid the sites
+    from the passes on the GPU: the backend turns shape_padding off for its compiles."""
+    import torch._inductor.compile_fx as cfx
+    from k3compile.compiler import _compile_graph
+    from k3compile.options import K3Options
+    seen = {}
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, ex, config_patches: seen.update(config_patches) or gm)
+    gm = torch.fx.symbolic_trace(nn.Linear(4, 4))
+    _compile_graph(gm, [torch.zeros(1, 4)], K3Options.make())
+    assert seen["shape_padding"] is False and seen["post_grad_custom_post_pass"] is not None
+
+
 def test_pdl_choice_by_option_device_and_torch(monkeypatch):
     """options.pdl: 'auto' turns Inductor's PDL on for CUDA inputs on sm_90+ only, 'on' / 'off'
     force it, a torch without the config option never gets it (with a warning when forced), and

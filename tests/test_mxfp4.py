@@ -81,6 +81,15 @@ def test_constants():
     assert math.copysign(1.0, E2M1_VALUES[0]) == 1.0
 
 
+def test_code_values_computed_elementwise_equal_the_table_with_signs():
+    """Dequantisation decodes codes arithmetically (no device table kept across calls, which broke
+    CUDA-graph-trees warm-ups); every code, -0.0 included, gives the E2M1 table's value."""
+    from k3compile.model.mxfp4 import _e2m1_values
+    v = _e2m1_values(torch.arange(16, dtype=torch.uint8))
+    t = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    assert torch.equal(v, t) and torch.equal(torch.signbit(v), torch.signbit(t))
+
+
 def test_nibble_order_raw_bytes():
     codes = torch.tensor([1, 2, 3, 4, 15, 0, 0, 8], dtype=torch.uint8)
     packed = pack_fp4(codes)

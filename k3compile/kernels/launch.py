@@ -173,10 +173,36 @@ def rank_rows(w_router: torch.Tensor, w_down: torch.Tensor, tp: int, rank: int) 
     if w_router.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     import weakref
-    w = torch.cat([w_router[a:], w_down[:S - S1]])
+    w = _off_thread(lambda: torch.cat([w_router[a:], w_down[:S - S1]]), w_router.device)
     _RANK_ROWS[key] = (weakref.ref(w_router), weakref.ref(w_down), ver, w)
     weakref.finalize(w_router, _RANK_ROWS.pop, key, None)  # the copy goes with the weights
     return w
+
+
+def _off_thread(make, device: torch.device):
+    """make() on a helper thread, for a tensor kept across calls: during a CUDA-graph-trees warm-up
+    (mode="reduce-overhead") every allocation of the calling thread goes to the graph's private
+    pool, and a kept tensor there is an untracked live allocation (cudagraph_trees refuses it).
+    On CUDA the helper waits for its stream, so the result is ready when this returns."""
+    if device.type != "cuda":
+        return make()
+    import threading
+    out: list = []
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                out.append(make())
+                torch.cuda.current_stream(device).synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            out.append(e)
+    torch.cuda.current_stream(device).synchronize()  # the weights' last writes, if any, are done
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:

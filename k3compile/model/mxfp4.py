@@ -300,22 +300,22 @@ def dequantize(packed: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat
     return out.movedim(-1, d) if moved else out
 
 
-_TABLES: dict = {}
-
-
-def _e2m1_table(device: torch.device) -> Tensor:
-    """The 16 code values on `device`, made once per device (no host copy inside CUDA-graph capture)."""
-    if device.type == "meta":
-        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    if device not in _TABLES:
-        _TABLES[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return _TABLES[device]
+def _e2m1_values(codes: Tensor) -> Tensor:
+    """fp32 values of E2M1 codes (0..15), computed elementwise: no device table, so nothing is
+    allocated once and kept (a tensor made during a CUDA-graph-trees warm-up would live in the
+    graph's private pool, which mode="reduce-overhead" refuses). Exponent e = bits 1-2, mantissa
+    m = bit 0, sign = bit 3: e == 0 -> m / 2, else 2^(e-1) * (1 + m / 2)."""
+    c = codes.to(torch.int32)
+    m = (c & 1).to(torch.float32)
+    e = (c >> 1) & 3
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).to(torch.float32)) * (1.0 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def _dequantize(packed: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """Unchecked dequantisation along the last dim."""
     codes = _unpack_fp4(packed)
     K = codes.shape[-1]
-    vals = _e2m1_table(packed.device)[codes.to(torch.int64)].reshape(*codes.shape[:-1], K // BLOCK, BLOCK)
+    vals = _e2m1_values(codes).reshape(*codes.shape[:-1], K // BLOCK, BLOCK)
     vals = vals * _e8m0_to_float32(scales).unsqueeze(-1)
     return vals.reshape(*codes.shape[:-1], K).to(dtype)
