@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (env: K3_MS, K3_ABLATE and
-# K3_LB_EXTRA (more flags: --pdl, --attribute) for the layer steps, K3_VARIANTS for the expert steps)  (run from the repo root on the
+# K3_LB_EXTRA (more flags: --pdl, --attribute, --gemv-table F) for the layer steps, K3_VARIANTS for the expert steps)  (run from the repo root on the
 # GPU machine). The results name the commit from .k3_commit (here, before the call:
 # `git rev-parse --short HEAD > .k3_commit`, and carry it: it is git-ignored) or K3_COMMIT. Each step's output goes
 # to $OUT/r/STEP.log (JSON results beside it) and one summary line (rc, seconds) to
@@ -35,14 +35,17 @@ for st in "$@"; do
     sweep8) step sweep8 200 python3 bench/experts_bench.py --variants $XV --sweep --shapes tp8 --ms 1,16 \
               --no-reference-time --out "$R/experts_sweep_tp8.json" ;;
     # the CuTe DSL JIT path: the DSL's wheels (97 MB) exceed one call's 64 MiB, so the big one travels
-    # in two parts: .whlA (carried by the call before, left on the warm machine) and .whlB
+    # in two parts: build/dslA (carried by the call before, left on the warm machine: build/ is
+    # git-ignored) and build/dslB (this call)
     cutejit) W=/tmp/whl/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-             mkdir -p /tmp/whl && cat .whlA/cu13.part1 .whlB/cu13.part2 > $W && cp .whlB/*.whl /tmp/whl/ \
-               && (cd /tmp/whl && sha256sum -c "$OLDPWD/.whlB/cu13.sha256") > "$R/dsl_install.log" 2>&1 \
+             ls -la build/dslA build/dslB > "$R/dsl_install.log" 2>&1
+             mkdir -p /tmp/whl && cat build/dslA/cu13.part1 build/dslB/cu13.part2 > $W && cp build/dslB/*.whl /tmp/whl/ \
+               && (cd /tmp/whl && sha256sum -c "$OLDPWD/build/dslB/cu13.sha256") >> "$R/dsl_install.log" 2>&1 \
                && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                     --target /tmp/site /tmp/whl/*.whl >> "$R/dsl_install.log" 2>&1
              echo "dsl install rc=$?" | tee -a "$R/summary.txt"
              step cute_jit 240 env PYTHONPATH=/tmp/site python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py -k jit ;;
+    gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;

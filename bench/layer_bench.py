@@ -17,6 +17,8 @@ step of that layer, CUDA-graphed, for:
               GEMVs); all of them without the L2 prefetch, which the gate applies nowhere (until
               commit d4e7aeb they had it, which mixed its cost into every pass's row)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
+  k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
+              bench/gemv_bench.py) found it faster than cuBLAS, with that sweep's best configs
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
@@ -116,7 +118,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
     return total
 
 
-def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False):
+def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table=""):
     import torch
 
     import k3compile
@@ -173,6 +175,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         if pdl:  # Programmatic Dependent Launch in Inductor's Triton kernels (CFG below), both compilers
             variants["inductor_pdl"] = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
             variants["k3_pdl"] = k3c(gate="measured")
+        if gemv_table:  # k3 with the Triton GEMV in its ops where that sweep found it faster (ENV below)
+            variants["k3_gemv"] = k3c(gate="measured")
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
@@ -208,6 +212,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             if attribute and name in ("inductor", "k3"):
                 attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 
+        if gemv_table:
+            ENV["k3_gemv"] = {"K3_GEMV_TABLE": gemv_table}
         for name, fn in variants.items():
             # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
             with _env(ENV.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
@@ -324,6 +330,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
     ap.add_argument("--attribute", action="store_true",
                     help="per-op device time of one un-graphed Inductor and k3 step (which GEMM is which)")
+    ap.add_argument("--gemv-table", default="", help="a bench/gemv_bench.py result: adds the k3_gemv variant")
     ap.add_argument("--pdl", action="store_true", help="also time Inductor and k3 with Inductor's PDL (CFG)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -334,6 +341,7 @@ def main():
     world = 1 if a.smoke else a.world
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
+                    os.path.abspath(a.gemv_table) if a.gemv_table else "",
                     **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 

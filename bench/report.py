@@ -15,6 +15,10 @@ import json
 from pathlib import Path
 
 MODES = ("eager", "inductor", "k3")
+# variants beside the main table (layer_bench.py's docstring); the baseline is the best of eager,
+# Inductor and (where measured) Inductor with PDL
+EXTRA = {"inductor_pdl": "Inductor with its PDL", "k3_pdl": "k3 with Inductor's PDL",
+         "k3_gemv": "k3 with the Triton GEMV where the sweep found it faster"}
 
 
 def _all(us: dict) -> float:
@@ -48,16 +52,16 @@ def table(d: dict) -> str:
                    f"{r['speedup_vs_baseline']:.2f}x | {allp} | {r['floor_us']:.1f} | {r['k3_vs_floor']:.2f}x | "
                    f"{kn['eager']}/{kn['inductor']}/{kn['k3']} | "
                    + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g} |")
-    pdl = [r for r in d["rows"] if "k3_pdl" in r["us"]]
-    if pdl:
-        out += ["", "With Inductor's Programmatic Dependent Launch (`triton.enable_pdl`), same run:", "",
-                "| M | Inductor us | Inductor+PDL us | k3 us | k3+PDL us | k3+PDL vs best of the four baselines |",
-                "|---|---|---|---|---|---|"]
-        for r in pdl:
+    extra = [v for v in EXTRA if any(v in r["us"] for r in d["rows"])]
+    if extra:
+        out += ["", "Extra variants, same run (" + "; ".join(f"`{v}`: {EXTRA[v]}" for v in extra) + "):", "",
+                "| M | best baseline us | k3 us | " + " | ".join(f"{v} us | {v} vs baseline" for v in extra) + " |",
+                "|---|---|---|" + "---|---|" * len(extra)]
+        for r in d["rows"]:
             us = r["us"]
-            best = min(us["eager"], us["inductor"], us["inductor_pdl"])
-            out.append(f"| {r['M']} | {us['inductor']:.1f} | {us['inductor_pdl']:.1f} | {us['k3']:.1f} | "
-                       f"{us['k3_pdl']:.1f} | {best / us['k3_pdl']:.2f}x |")
+            best = min(us["eager"], us["inductor"], us.get("inductor_pdl", float("inf")))
+            cells = " | ".join(f"{us[v]:.1f} | {best / us[v]:.2f}x" if v in us else " | " for v in extra)
+            out.append(f"| {r['M']} | {best:.1f} | {us['k3']:.1f} | {cells} |")
     abl = [r for r in d["rows"] if any(k.startswith("k3-") for k in r["us"])]
     base_name = d.get("ablation_base")
     if abl:

@@ -190,3 +190,39 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
                     _graphed(torch.ops.k3.mxfp4_experts, x, ids, w13, s13, w2, s2, 4.0, 25.0)):
             err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             assert err <= 1e-2, (M, err)
+
+
+@pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (3584, 3584), (7168, 768), (6284, 7168)])
+def test_gemv_matches_matmul_bf16_graphed(N, K):
+    """The Triton decode GEMV at the layer's weight shapes, bf16 (the CPU interpreter cannot check
+    bf16 math faithfully), M = 1 / 4 / 8, each config of the sweep, eagerly; the default config
+    graphed with new inputs; and the accumulate-into-columns form of the latent tail."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.gemv_bench import CONFIGS
+    from k3compile.kernels import launch
+    g = torch.Generator("cuda").manual_seed(N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    for M in (1, 4, 8):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        ref = x.float() @ w.float().t()
+        for cfg in CONFIGS:
+            out = launch.gemv(x, w, cfg=cfg)
+            assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (M, cfg)
+        wide = torch.randn(M, N + 64, device="cuda", generator=g).bfloat16()
+        want = wide.float().clone()
+        want[:, 32:32 + N] += ref
+        launch.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True)
+        assert ((wide.float() - want).abs().max() / want.abs().max()).item() < 1e-2, M
+    xs = torch.randn(4, K, device="cuda", generator=g).bfloat16()
+    out = torch.empty(4, N, device="cuda", dtype=torch.bfloat16)
+    launch.gemv(xs, w, out=out)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.gemv(xs, w, out=out)
+    xs.copy_(torch.randn(4, K, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    ref = xs.float() @ w.float().t()
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2

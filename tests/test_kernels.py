@@ -198,6 +198,59 @@ def test_router_latent_gather(world, rank):
     sim.check_signals(programs, 0)
 
 
+@pytest.mark.parametrize("M, N, K, cfg, dt", [(1, 40, 96, (8, 32, 4, 2), torch.float32),
+                                             (3, 37, 100, (4, 64, 4, 2), torch.float16),
+                                             (8, 64, 64, (16, 16, 4, 2), torch.bfloat16),
+                                             (5, 20, 128, None, torch.float16)])
+def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K, cfg, dt):
+    """The decode GEMV: out = x @ W^T, out += x @ W^T, and into a column slice of a wider buffer
+    (the latent tail's up-projection), ragged N and K, M not a power of two."""
+    g = torch.Generator().manual_seed(M * 100 + N)
+    x, w = torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)
+    ref = x.float() @ w.float().t()
+    tol = dict(atol=2e-2 * ref.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(launch.gemv(x, w, cfg=cfg).float(), ref, **tol)
+    base = torch.randn(M, N, generator=g).to(dt)
+    acc = launch.gemv(x, w, out=base.clone(), accumulate=True, cfg=cfg)
+    torch.testing.assert_close(acc.float(), base.float() + ref, **tol)
+    wide = torch.zeros(M, N + 10, dtype=dt)
+    launch.gemv(x, w, out=wide[:, 5:5 + N], cfg=cfg)
+    torch.testing.assert_close(wide[:, 5:5 + N].float(), ref, **tol)
+    assert wide[:, :5].abs().max() == 0 and wide[:, 5 + N:].abs().max() == 0
+
+
+def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
+    """choose.gemv_plan: CUDA, 1 <= M <= GEMV_MAX_M, bf16/fp16, unit K stride, and a measured
+    config for this weight shape at an M >= this M (GEMV_TABLE, or a sweep's JSON through
+    K3_GEMV_TABLE: only rows faster than cuBLAS); K3_GEMV=1 / 0 force it on / off."""
+    import json
+    from k3compile.kernels import choose
+    from k3compile.kernels.launch import GEMV_DEFAULT
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    for v in ("K3_GEMV", "K3_GEMV_TABLE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(choose, "GEMV_TABLE", {(64, 32): {1: (4, 32, 4, 2), 4: (8, 32, 4, 3)}})
+    bf = dict(dtype=torch.bfloat16)
+    w, x = torch.zeros(64, 32, **bf), torch.zeros(4, 32, **bf)
+    assert choose.gemv_plan(x[:1], w) == (4, 32, 4, 2)
+    assert choose.gemv_plan(x[:2], w) == choose.gemv_plan(x, w) == (8, 32, 4, 3)
+    assert choose.gemv_plan(torch.zeros(5, 32, **bf), w) is None              # above the measured Ms
+    assert choose.gemv_plan(x, torch.zeros(48, 32, **bf)) is None             # shape not measured
+    assert choose.gemv_plan(x.float(), w.float()) is None                     # fp32
+    assert choose.gemv_plan(torch.zeros(32, 4, **bf).t(), w) is None          # K not unit stride
+    rows = [dict(N=48, K=32, M=1, best="gemv 16/64/8/4", speedup_vs_cublas=1.3),
+            dict(N=48, K=32, M=4, best="gemv 2/64/4/4", speedup_vs_cublas=0.9)]
+    (tmp_path / "g.json").write_text(json.dumps(dict(rows=rows)))
+    monkeypatch.setenv("K3_GEMV_TABLE", str(tmp_path / "g.json"))
+    assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) == (16, 64, 8, 4)
+    assert choose.gemv_plan(x, torch.zeros(48, 32, **bf)) is None and choose.gemv_plan(x, w) is None
+    monkeypatch.setenv("K3_GEMV", "1")
+    assert choose.gemv_plan(torch.zeros(8, 32, **bf), torch.zeros(40, 32, **bf)) == GEMV_DEFAULT
+    assert choose.gemv_plan(torch.zeros(9, 32, **bf), w) is None              # above GEMV_MAX_M
+    monkeypatch.setenv("K3_GEMV", "0")
+    assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) is None
+
+
 def test_rank_rows_one_weight_per_rank_views_or_one_kept_copy():
     """The sharded router's rows for one GEMM: ranks inside one weight get views (no copy), the
     straddling rank a copy made once, reused, remade after an in-place weight update, and dropped

@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 
 from . import triton_comm as K
 from . import triton_moe as KM
+from . import triton_gemv as KG
 from . import triton_router as KR
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -64,6 +65,11 @@ def variants():
                 dict(BLOCK=1024)))
     out.append(("router_topk E896", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32", ids="*i64",
                                                                  scale="fp32"), dict(K=16, KP=16, BLOCK=1024)))
+    gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32")
+    for mp, bn, bk in ((1, 8, 512), (4, 4, 1024), (8, 16, 256)):  # M = 1 / 4 / 8 tiles of the sweep
+        out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,
+                    dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
+    out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))

@@ -100,10 +100,54 @@ def _find(kind: str, *key, jit: bool = True):
     return _FOUND[k]
 
 
-def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.t() through the CuTe skinny GEMM where wanted and possible, else torch.mm."""
+CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = hidden)
+
+# Triton GEMV (kernels/triton_gemv.py) instead of cuBLAS, by weight shape (N, K): {M: config} for
+# the M values where it measured faster (bench/gemv_bench.py, cold weights, one H200); a call with M
+# takes the config of the smallest measured M >= M. K3_GEMV_TABLE=<gemv_bench JSON> uses a sweep's
+# result instead; K3_GEMV=1 forces the GEMV for every shape at M <= launch.GEMV_MAX_M (tuned config
+# or launch.GEMV_DEFAULT), K3_GEMV=0 turns it off.
+GEMV_TABLE: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {}
+_TABLES: dict[str, dict] = {}
+
+
+def gemv_table_from(path: str) -> dict:
+    """The GEMV table of a bench/gemv_bench.py result: per shape and M, the best config where it beat
+    cuBLAS."""
+    if path not in _TABLES:
+        import json
+        t: dict = {}
+        for r in json.load(open(path))["rows"]:
+            if r.get("speedup_vs_cublas", 0) > 1.0:
+                t.setdefault((r["N"], r["K"]), {})[r["M"]] = tuple(int(v) for v in r["best"].split()[1].split("/"))
+        _TABLES[path] = t
+    return _TABLES[path]
+
+
+def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None):
+    """The GEMV config for x @ w.t() (into out), or None where cuBLAS runs it."""
+    from .launch import GEMV_DEFAULT, GEMV_MAX_M
     m = x.shape[0]
-    if x.is_cuda and x.dim() == 2 and wanted(op, m):
+    flag = os.environ.get("K3_GEMV", "")
+    if flag == "0" or not (x.is_cuda and 1 <= m <= GEMV_MAX_M and x.dim() == 2 and w.dim() == 2):
+        return None
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1:
+        return None
+    if out is not None and (out.dtype != x.dtype or out.stride(-1) != 1):
+        return None
+    path = os.environ.get("K3_GEMV_TABLE")
+    by_m = (gemv_table_from(path) if path else GEMV_TABLE).get((w.shape[0], w.shape[1]), {})
+    fit = [mm for mm in sorted(by_m) if mm >= m]
+    if fit:
+        return by_m[fit[0]]
+    return GEMV_DEFAULT if flag not in ("", "0") else None
+
+
+def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.t(): the CuTe skinny GEMM where wanted and possible, else the Triton GEMV where it
+    measured faster for this weight shape and M (GEMV_TABLE), else torch.mm."""
+    m = x.shape[0]
+    if op in CUTE_GEMM_OPS and x.is_cuda and x.dim() == 2 and wanted(op, m):
         key = f"{op} N={w.shape[0]} K={x.shape[1]} M={m}"
         if x.dtype != torch.bfloat16 or w.dtype != x.dtype:
             _note(key, f"dtype {x.dtype} (the CuTe kernels are bf16)")
@@ -115,7 +159,21 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 _note(key, why)
             except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
                 _note(key, f"loader error: {type(e).__name__}: {e}")
+    cfg = gemv_plan(x, w)
+    if cfg is not None:
+        from .launch import gemv
+        return gemv(x, w, cfg=cfg)
     return torch.mm(x, w.t())
+
+
+def gemm_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out += x @ w.t() in place (out may be a column slice): the Triton GEMV where GEMV_TABLE says
+    so, else addmm_."""
+    cfg = gemv_plan(x, w, out)
+    if cfg is not None:
+        from .launch import gemv
+        return gemv(x, w, out=out, accumulate=True, cfg=cfg)
+    return out.addmm_(x, w.t())
 
 
 def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, math: str = "f32"):

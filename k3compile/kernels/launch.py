@@ -144,7 +144,7 @@ def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps
 def add_up_shard(out, ln, w_up, rank):
     """out[:, this rank's columns] += ln @ w_up.T (all columns when w_up covers them), in place."""
     n = w_up.shape[0]
-    (out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n]).addmm_(ln, w_up.t())
+    choose.gemm_add_(out if n == out.shape[-1] else out[:, rank * n:(rank + 1) * n], ln, w_up)
     return out
 
 
@@ -209,7 +209,7 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
     """This rank's rows of [W_r; W_down] times x: [M*S], row-major [M, S] (router columns first)."""
     w = rank_rows(w_router, w_down, tp, rank)
     if w is not None:
-        return torch.mm(x, w.t()).view(-1)
+        return choose.gemm("router_shard", x, w).view(-1)
     S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
     return torch.cat([torch.mm(x, w_router[a:].t()), torch.mm(x, w_down[:S - S1].t())], 1).view(-1)
 
@@ -218,6 +218,29 @@ def router_latent(x, w_router, w_down, peers: Peers):
     """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
     shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
     return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
+
+
+GEMV_MAX_M = 8
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of triton_gemv where no tuned config is given
+# (choose.GEMV_TABLE has the measured ones)
+GEMV_DEFAULT = (8, 512, 4, 3)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
+         cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8;
+    x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
+    from . import triton_gemv as KG
+    M, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bn, bk, nw, ns = cfg or GEMV_DEFAULT
+    if M:
+        KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                              MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
+                                              EVEN_K=K % bk == 0, ACC=accumulate, num_warps=nw, num_stages=ns)
+    return out
 
 
 def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -234,7 +257,8 @@ def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor
 
 def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
     """The shared expert: GEMM, the SiTU kernel, GEMM (model.functional.situ_mlp's math)."""
-    return torch.mm(situ(torch.mm(x, w_gate_up.t()), beta, linear_beta), w_down.t())
+    mid = situ(choose.gemm("shared_gate_up", x, w_gate_up), beta, linear_beta)
+    return choose.gemm("shared_down", mid, w_down)
 
 
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
