@@ -70,7 +70,7 @@ def main():
             row["best"], row["speedup_vs_cublas"] = best, row["us"]["cublas"] / gem[best]
             rows.append(row)
             print(f"{name:20s} M={M} cublas {row['us']['cublas']:6.2f} us  best {best} {gem[best]:6.2f} us "
-                  f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / gem[best] / 1e6 / 1e3:.2f} TB/s; floor "
+                  f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / gem[best] / 1e6:.2f} TB/s; floor "
                   f"{row['floor_us']:.2f})", flush=True)
     save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                      torch=torch.__version__), t0)

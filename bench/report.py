@@ -114,7 +114,10 @@ def plots(d: dict, png_dir: Path) -> list[Path]:
             x = range(len(ps))
             ax.bar([i - 0.2 for i in x], [us["k3-" + p] for p in ps], 0.4, label="all passes but this one")
             ax.bar([i + 0.2 for i in x], [us.get("k3+" + p, float("nan")) for p in ps], 0.4, label="this pass alone")
-            ax.axhline(_all(us), color="k", ls="--", label="all passes")
+            if d.get("ablation_base"):
+                ax.axhline(us[d["ablation_base"]], color="k", ls="--", label="all passes, no prefetch (the base)")
+            else:
+                ax.axhline(_all(us), color="k", ls="--", label="all passes")
             if "k3none" in us:
                 ax.axhline(us["k3none"], color="g", ls="-.", label="no pass (k3none)")
             ax.axhline(min(us["eager"], us["inductor"]), color="r", ls=":", label="best baseline")

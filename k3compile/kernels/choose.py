@@ -104,7 +104,9 @@ CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = 
 
 # Triton GEMV (kernels/triton_gemv.py) instead of cuBLAS, by weight shape (N, K): {M: config} for
 # the M values where it measured faster (bench/gemv_bench.py, cold weights, one H200); a call with M
-# takes the config of the smallest measured M >= M. K3_GEMV_TABLE=<gemv_bench JSON> uses a sweep's
+# takes the config of the smallest measured M >= M. Empty: the sweep at e2f234a (BENCHMARKS.md
+# "Decode GEMV sweep") found it 0.86-1.01x of cuBLAS at M=1 on the shapes of k3's ops and
+# 0.29-0.76x at M = 4 / 8. K3_GEMV_TABLE=<gemv_bench JSON> uses a sweep's
 # result instead; K3_GEMV=1 forces the GEMV for every shape at M <= launch.GEMV_MAX_M (tuned config
 # or launch.GEMV_DEFAULT), K3_GEMV=0 turns it off.
 GEMV_TABLE: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {}
