@@ -98,6 +98,8 @@ load_general_plugins()  # K3_VLLM=1: every CompilationConfig made from now on ca
 c = CompilationConfig()
 mine = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": CallableInductorPass(lambda g: None, uuid="mine")})
 out.update(plugin=repr(c.inductor_compile_config.get("post_grad_custom_post_pass")), plugin_hash=c.compute_hash(),
+           padding=c.inductor_compile_config.get("shape_padding"),
+           padding_mine=mine.inductor_compile_config.get("shape_padding", "unset"),
            mine=repr(mine.inductor_compile_config["post_grad_custom_post_pass"]))
 print(json.dumps(out))
 """
@@ -129,8 +131,9 @@ def test_uuid_and_config_hashes_stable_across_processes(other_process):
 def test_plugin_turns_the_hook_on_from_the_environment(other_process, monkeypatch):
     assert other_process["plugin"] == ("K3VllmPass(passes=['shard_router_latent', 'fold_moe_finalize', "
                                        "'fuse_oproj_allreduce', 'overlap_shared_expert'], strict=False)")
-    # a pass the user configured is kept, and the log says so
-    assert "CallableInductorPass" in other_process["mine"]
+    assert other_process["padding"] is False           # pad_mm off where the hook adds the pass
+    # a pass the user configured is kept, and the log says so (and its config is left alone)
+    assert "CallableInductorPass" in other_process["mine"] and other_process["padding_mine"] == "unset"
     assert "left as configured" in other_process["stderr"]
     # here K3_VLLM is unset: loading the plugins leaves CompilationConfig alone
     monkeypatch.delenv("K3_VLLM", raising=False)

@@ -116,7 +116,8 @@ def make_pass(**options) -> K3VllmPass:
 def install_config_hook() -> None:
     """From now on, every vLLM `CompilationConfig` made in this process gets the K3 pass in
     `inductor_compile_config["post_grad_custom_post_pass"]` (options from the K3_* environment
-    variables), unless it already has a pass there or in `inductor_passes`. Idempotent."""
+    variables), unless it already has a pass there or in `inductor_passes`, and `shape_padding`
+    False unless set (pad_mm's padded GEMMs hide sites from the passes). Idempotent."""
     from vllm.config import CompilationConfig
     orig = CompilationConfig.__post_init__
     if getattr(orig, "_k3_hook", False):
@@ -132,6 +133,8 @@ def install_config_hook() -> None:
                         "left as configured (the K3 pass is not added)", key)
         else:
             self.inductor_compile_config[key] = make_pass()
+            # as the k3 backend does: Inductor's timing-based pad_mm hides GEMM sites from the pass
+            self.inductor_compile_config.setdefault("shape_padding", False)
         return orig(self, *args, **kwargs)
 
     __post_init__._k3_hook = True
