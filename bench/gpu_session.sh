@@ -47,6 +47,12 @@ for st in "$@"; do
              # the wheel's .pth (adding dsl_packages) is not read from a PYTHONPATH directory
              step cute_jit 240 env PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages \
                python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k just_in_time ;;
+    # fla-core for the KDA ops (prefill chunk_kda; decode fused_recurrent_kda, opt-in): the wheel in
+    # build/fla/ (pip download --no-deps fla-core==0.6.0; einops is on the GPU machine); the steps
+    # after it in this invocation import it and run the decode on it
+    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla build/fla/*.whl > "$R/fla_install.log" 2>&1
+         echo "fla install rc=$?" | tee -a "$R/summary.txt"
+         export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} K3_FLA_DECODE=1 K3_REQUIRE_FLA=1 ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton

@@ -436,6 +436,76 @@ def test_fla_chunk_kda_matches_reference(dtype, K, V, T):
         assert err > 2 * tol, f"test would not detect: {what} (err {err:.3g})"
 
 
+_FLA_DECODE_CPU = """
+import os, sys, torch
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.environ["K3_TESTS"])
+from test_attention_ops import kda_inputs
+from k3compile.model import attention_ops as ops
+worst = 0.0
+for dtype, K, V in ((torch.float32, 16, 16), (torch.float32, 32, 8), (torch.float16, 16, 16)):
+    q, k, v, g, beta, state = kda_inputs(M=3, H=2, K=K, V=V, dtype=dtype, seed=K + V, k_scale=0.8)
+    st_ref, st_fla = state.clone(), state.clone()
+    o_ref = ops.kda_decode_reference(q, k, v, g, beta, st_ref)
+    o_fla = ops._kda_decode_fla(q, k, v, g, beta, st_fla)
+    assert o_fla.dtype == v.dtype and o_fla.shape == o_ref.shape
+    for a, b in ((o_fla, o_ref), (st_fla, st_ref)):
+        worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
+print(worst)
+"""
+
+
+def test_fla_decode_matches_reference_in_the_triton_interpreter():
+    """The opt-in decode path (K3_FLA_DECODE=1): fla-core's fused_recurrent_kda with our
+    conventions (layout, K-major state, log decay, scale 1, no in-kernel norms) equals the
+    reference recurrence, output and state, run by Triton's CPU interpreter. Skipped where fla-core
+    is not installed (CI); `pip install fla-core einops` runs it."""
+    import subprocess
+    import sys
+    env = dict(os.environ, K3_FLA_DECODE="1", K3_TESTS=os.path.dirname(os.path.abspath(__file__)))
+    env.pop("K3_DISABLE_FLA", None)
+    probe = subprocess.run([sys.executable, "-c", "import fla.ops.kda, einops"], env=env, capture_output=True)
+    if probe.returncode:
+        pytest.skip("fla-core (and einops) not installed")
+    r = subprocess.run([sys.executable, "-c", _FLA_DECODE_CPU], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) < 2e-3, r.stdout
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fla_decode_matches_reference_on_cuda(dtype, monkeypatch):
+    """K3_FLA_DECODE=1 on CUDA: the decode op runs fla's fused_recurrent_kda, equal to the
+    reference (output and state), also when replayed from a CUDA graph."""
+    monkeypatch.setenv("K3_FLA_DECODE", "1")
+    ops._fla_fused_recurrent_kda.cache_clear()
+    try:
+        if ops._fla_fused_recurrent_kda() is None:
+            msg = "fla-core (fla.ops.kda.fused_recurrent_kda) is not importable / has an unexpected API"
+            if os.environ.get("K3_REQUIRE_FLA", "0") not in ("", "0"):
+                pytest.fail(msg)
+            pytest.skip(msg)
+        q, k, v, g, beta, state = kda_inputs(M=4, H=4, K=128, V=128, dtype=dtype, device="cuda", seed=21,
+                                             k_scale=0.8)
+        assert ops._fla_decode_fits(q, k, v, g, beta, state)
+        st_ref, st_op = state.clone(), state.clone()
+        o_ref = ops.kda_decode_reference(q, k, v, g, beta, st_ref)
+        o_op = KDA_DECODE(q, k, v, g, beta, st_op)
+        tol = 5e-3 if dtype == torch.float32 else 3e-2
+        assert _rel_err(o_op, o_ref) < tol and _rel_err(st_op, st_ref) < tol
+        st_g = state.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g = KDA_DECODE(q, k, v, g, beta, st_g)
+        st_g.copy_(state)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(o_g, o_ref) < tol and _rel_err(st_g, st_ref) < tol
+    finally:
+        ops._fla_fused_recurrent_kda.cache_clear()
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)

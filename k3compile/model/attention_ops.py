@@ -22,6 +22,9 @@ Ops (all return a fresh tensor; the cache / state argument is mutated in place):
     (In the spec's notation with S' = S^T of shape [V, K]:
     ``S' *= decay; S' += beta * (v - S' k) (x) k; o = S' q``.)
 
+    On CUDA with K3_FLA_DECODE=1 it runs fla-core's ``fused_recurrent_kda`` (opt-in: checked on
+    CPU only so far).
+
 ``k3model::kda_prefill(q, k, v, g, beta, state) -> Tensor``  mutates ``state``
     q, k, g [M, T, H, K]; v [M, T, H, V]; beta [M, T, H]. The recurrence over T,
     starting from ``state``; the final state is left in ``state``. Returns
@@ -269,6 +272,53 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
     return o.to(v.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_fused_recurrent_kda():
+    """Import fla-core's decode kernel ``fused_recurrent_kda`` and check its keyword API; None if
+    not, or unless K3_FLA_DECODE=1: the decode path has been checked against the reference on CPU
+    (Triton's interpreter) only, not yet on a GPU, so it is opt-in until then."""
+    if os.environ.get("K3_FLA_DECODE", "0") in ("", "0") or os.environ.get("K3_DISABLE_FLA", "0") not in ("", "0"):
+        return None
+    try:
+        from fla.ops.kda import fused_recurrent_kda  # noqa: PLC0415
+        params = inspect.signature(fused_recurrent_kda).parameters
+    except Exception:
+        return None
+    needed = {"scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"}
+    return fused_recurrent_kda if needed.issubset(params) else None
+
+
+def _fla_decode_fits(q, k, v, g, beta, state) -> bool:
+    return (q.is_cuda and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
+            and _fla_fused_recurrent_kda() is not None)
+
+
+def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
+    """kda_decode through fla-core 0.6 ``fused_recurrent_kda`` with T = 1 (one Triton kernel for the
+    decay, the delta-rule update and the read-out). Mutates ``state``. The conventions are the
+    prefill's (``_kda_prefill_fla``): [B, T, H, K] layout with B = M, K-major fp32 state, natural-log
+    decay, scale 1.0, no in-kernel norms or beta sigmoid; output cast to v.dtype."""
+    fused_recurrent_kda = _fla_fused_recurrent_kda()
+    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
+        cdt = torch.float32
+    qc, kc, vc = (x.to(cdt).unsqueeze(1).contiguous() for x in (q, k, v))
+    kwargs = dict(scale=1.0, initial_state=state.contiguous(), output_final_state=True,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    if "state_v_first" in inspect.signature(fused_recurrent_kda).parameters:
+        kwargs["state_v_first"] = False
+    with torch.no_grad():
+        o, final_state = fused_recurrent_kda(qc, kc, vc, g.to(torch.float32).unsqueeze(1).contiguous(),
+                                             beta.to(torch.float32).unsqueeze(1).contiguous(), **kwargs)[:2]
+    if final_state is None or _shape(final_state) != _shape(state) or _shape(o) != (q.shape[0], 1, *v.shape[1:]):
+        raise RuntimeError(f"fla fused_recurrent_kda returned o {list(o.shape)} and final state "
+                           f"{None if final_state is None else list(final_state.shape)}; expected "
+                           f"{[q.shape[0], 1, *v.shape[1:]]} and {list(state.shape)}")
+    state.copy_(final_state)
+    return o[:, 0].to(v.dtype)
+
+
 @torch.library.custom_op("k3model::kda_decode", mutates_args=("state",))
 def kda_decode(
     q: torch.Tensor,
@@ -279,6 +329,8 @@ def kda_decode(
     state: torch.Tensor,
 ) -> torch.Tensor:
     _validate_kda(q, k, v, g, beta, state, prefill=False)
+    if _fla_decode_fits(q, k, v, g, beta, state):
+        return _kda_decode_fla(q, k, v, g, beta, state)
     return kda_decode_reference(q, k, v, g, beta, state)
 
 
