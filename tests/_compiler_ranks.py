@@ -14,7 +14,8 @@ PASS_SETS = {
 
 
 def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None):
-    """For each pass set: compile once, decode 2 steps per batch size, return max |diff| and reports."""
+    """For each pass set: compile once, decode 2 steps per batch size, return max |diff| and reports.
+    `batches`: the batch sizes, or a dict pass set -> batch sizes."""
     import k3compile
     from k3compile.model import K3Config, K3Model, TPInfo
     if style:
@@ -28,7 +29,7 @@ def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None)
         k3compile.clear_reports()
         f = torch.compile(model, backend=k3compile.backend(mode="eager", passes=PASS_SETS[name]), fullgraph=True)
         worst = 0.0
-        for M in batches:
+        for M in (batches[name] if isinstance(batches, dict) else batches):
             ce, cc = model.new_cache(M), model.new_cache(M)
             g = torch.Generator().manual_seed(M)
             for _ in range(2):

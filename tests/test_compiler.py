@@ -40,12 +40,13 @@ def _expect_full_match(passes, tp):
 
 
 def test_tp1_each_pass_and_all_batches_1_to_8():
+    """Every pass set at one static M (M=4), every pass together at M = 1..8."""
     res = compiled_vs_eager(0, 1, range(1, 9), ["all"])
-    res.update(compiled_vs_eager(0, 1, [1, 4], [p for p in PASS_SETS if p != "all"]))
+    res.update(compiled_vs_eager(0, 1, [4], [p for p in PASS_SETS if p != "all"]))
     for name, r in res.items():
         assert r["err"] == 0.0, (name, r["err"])
         # automatic dynamic shapes: one graph for M=1 (specialised by dynamo), one for M=2..8
-        assert r["compiles"] == 2, (name, r["compiles"])
+        assert r["compiles"] == (2 if name == "all" else 1), (name, r["compiles"])
         _expect_full_match(r["passes"], tp=1)
     # expected counts come from the layer structure: o-proj sites = layers, MoE sites = MoE layers
     cfg = K3Config.tiny()
@@ -54,7 +55,9 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
 
 
 def test_tp2_each_pass_and_all():
-    res = run_ranks(compiled_vs_eager, 2, [1, 3, 8], list(PASS_SETS))
+    """Every pass set at one static M (3); every pass together at M = 1, 3, 8 (a static and a
+    dynamic graph). (All sets at all three batch sizes took 197 s of CI's 15 minutes.)"""
+    res = run_ranks(compiled_vs_eager, 2, {p: [1, 3, 8] if p == "all" else [3] for p in PASS_SETS}, list(PASS_SETS))
     for rank_res in res:
         for name, r in rank_res.items():
             assert r["err"] == 0.0, (name, r["err"])
