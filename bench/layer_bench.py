@@ -142,6 +142,10 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     if dev.type == "cuda":
         _best_standalone_experts()
     rows = []
+    if pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        pdl = False
+        print(f"--pdl: this torch ({torch.__version__}) has no inductor config triton.enable_pdl", flush=True)
+    env = dict(ENV, k3_gemv={"K3_GEMV_TABLE": gemv_table}) if gemv_table else ENV
 
     for M in ms:
         cache = model.new_cache(M, max_seq=ctx + 8)
@@ -169,9 +173,6 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                     "inductor": torch.compile(step, backend="inductor", fullgraph=True, dynamic=False),
                     "k3": k3c(gate="measured"),  # what backend="k3" gives: the gate's measured table
                     "k3all": k3c()}              # every pass in its batch range, with the L2 prefetch
-        if pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
-            pdl = False
-            print(f"--pdl: this torch ({torch.__version__}) has no inductor config triton.enable_pdl", flush=True)
         if pdl:  # Programmatic Dependent Launch in Inductor's Triton kernels (CFG below), both compilers
             variants["inductor_pdl"] = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
             variants["k3_pdl"] = k3c(gate="measured")
@@ -212,11 +213,9 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             if attribute and name in ("inductor", "k3"):
                 attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 
-        if gemv_table:
-            ENV["k3_gemv"] = {"K3_GEMV_TABLE": gemv_table}
         for name, fn in variants.items():
             # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
-            with _env(ENV.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
+            with _env(env.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
                 measure(name, fn)
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)

@@ -103,7 +103,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, opts: K3Options, to
     # a whole graph unrewritten). K3's real widths are aligned: nothing to gain from it there.
     patches = {"post_grad_custom_post_pass": mgr, "shape_padding": False}
     pdl, why = pdl_choice(opts.pdl, example_inputs)
-    mgr.notes.append(f"inductor: PDL {'on' if pdl else 'off'} ({why})")
+    mgr.compile_note = f"inductor: PDL {'on' if pdl else 'off'} ({why})"  # set per compile: a manager may compile twice
     if pdl:
         patches["triton.enable_pdl"] = True
     if torch_mode in ("reduce-overhead", "max-autotune"):

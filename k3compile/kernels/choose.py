@@ -9,7 +9,7 @@ turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` pu
 JIT: where the DSL is installed and no artifact fits a wanted shape that the build has a variant
 for (`build.jit_variants`), the first call builds it into that directory (`build.ensure`: the AOT
 build's code, cache key and checks) and loads it; `K3_CUTE_JIT=0` turns this off, and it never
-runs inside a CUDA graph capture (warm up eagerly first). Not yet run on a GPU machine.
+runs inside a CUDA graph capture (warm up eagerly first). Run on the H200 (BENCHMARKS.md).
 When CuTe was chosen but cannot run (no artifact for the shape and no JIT build, not CUDA, wrong
 dtype, JIT build or loader error) the op falls back to its default path (Triton v3 for the
 experts, cuBLAS for the GEMM), warns once per reason, and `fallbacks()` lists the reasons.

@@ -182,26 +182,47 @@ def kda_prefill_reference(q, k, v, g, beta, state) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _fla_chunk_kda():
-    """Import fla-core's ``chunk_kda`` and check it has the keyword API we rely on; None if not."""
+_FLA_KWARGS = {"scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
+               "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"}
+
+
+def _fla_kda(name: str, needed: set):
+    """fla-core's ``fla.ops.kda.<name>`` if importable with the keywords we pass; None if not, or
+    with K3_DISABLE_FLA set."""
     if os.environ.get("K3_DISABLE_FLA", "0") not in ("", "0"):
         return None
     try:
-        from fla.ops.kda import chunk_kda  # noqa: PLC0415
+        import fla.ops.kda  # noqa: PLC0415
+        fn = getattr(fla.ops.kda, name)
+        params = inspect.signature(fn).parameters
     except Exception:
         return None
-    try:
-        params = inspect.signature(chunk_kda).parameters
-    except (TypeError, ValueError):
-        return None
-    needed = {
-        "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-        "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "cu_seqlens",
-    }
-    if not needed.issubset(params):
-        return None
-    return chunk_kda
+    return fn if needed.issubset(params) else None
+
+
+def _fla_args(fn, q, k, v, g, beta, state) -> tuple[tuple, dict]:
+    """(positional, keyword) arguments of an fla KDA kernel for our conventions (``_kda_prefill_fla``'s
+    docstring): q, k, v in their common float dtype, fp32 g and beta, all contiguous; scale 1.0, our
+    state as the initial state (K-major), no in-kernel norms, gate or beta sigmoid."""
+    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
+        cdt = torch.float32
+    args = (*(x.to(cdt).contiguous() for x in (q, k, v)), g.to(torch.float32).contiguous(),
+            beta.to(torch.float32).contiguous())
+    kwargs = dict(scale=1.0, initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
+                  use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    params = inspect.signature(fn).parameters
+    if "state_v_first" in params:
+        kwargs["state_v_first"] = False
+    if "safe_gate" in params:
+        kwargs["safe_gate"] = False  # our g is not guaranteed to be bounded
+    return args, kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_chunk_kda():
+    """Import fla-core's ``chunk_kda`` and check it has the keyword API we rely on; None if not."""
+    return _fla_kda("chunk_kda", _FLA_KWARGS | {"cu_seqlens"})
 
 
 def _fla_chunk_kda_available() -> bool:
@@ -236,28 +257,9 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
       * output: fla returns ``o.type_as(q)``; we cast to v.dtype.
     """
     chunk_kda = _fla_chunk_kda()
-    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
-        cdt = torch.float32
-    qc, kc, vc = (x.to(cdt).contiguous() for x in (q, k, v))
-    gc = g.to(torch.float32).contiguous()
-    bc = beta.to(torch.float32).contiguous()
-    kwargs = dict(
-        scale=1.0,
-        initial_state=state.contiguous(),
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=False,
-        use_beta_sigmoid_in_kernel=False,
-        cu_seqlens=None,
-    )
-    params = inspect.signature(chunk_kda).parameters
-    if "state_v_first" in params:
-        kwargs["state_v_first"] = False
-    if "safe_gate" in params:
-        kwargs["safe_gate"] = False  # our g is not guaranteed to be bounded
+    args, kwargs = _fla_args(chunk_kda, q, k, v, g, beta, state)
     with torch.no_grad():
-        res = chunk_kda(qc, kc, vc, gc, bc, **kwargs)
+        res = chunk_kda(*args, cu_seqlens=None, **kwargs)
     o, final_state = res[0], res[1]
     if final_state is None or _shape(final_state) != _shape(state):
         raise RuntimeError(
@@ -277,16 +279,9 @@ def _fla_fused_recurrent_kda():
     """Import fla-core's decode kernel ``fused_recurrent_kda`` and check its keyword API; None if
     not, or unless K3_FLA_DECODE=1: the decode path has been checked against the reference on CPU
     (Triton's interpreter) only, not yet on a GPU, so it is opt-in until then."""
-    if os.environ.get("K3_FLA_DECODE", "0") in ("", "0") or os.environ.get("K3_DISABLE_FLA", "0") not in ("", "0"):
+    if os.environ.get("K3_FLA_DECODE", "0") in ("", "0"):
         return None
-    try:
-        from fla.ops.kda import fused_recurrent_kda  # noqa: PLC0415
-        params = inspect.signature(fused_recurrent_kda).parameters
-    except Exception:
-        return None
-    needed = {"scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
-              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"}
-    return fused_recurrent_kda if needed.issubset(params) else None
+    return _fla_kda("fused_recurrent_kda", _FLA_KWARGS)
 
 
 def _fla_decode_fits(q, k, v, g, beta, state) -> bool:
@@ -300,17 +295,9 @@ def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
     prefill's (``_kda_prefill_fla``): [B, T, H, K] layout with B = M, K-major fp32 state, natural-log
     decay, scale 1.0, no in-kernel norms or beta sigmoid; output cast to v.dtype."""
     fused_recurrent_kda = _fla_fused_recurrent_kda()
-    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
-        cdt = torch.float32
-    qc, kc, vc = (x.to(cdt).unsqueeze(1).contiguous() for x in (q, k, v))
-    kwargs = dict(scale=1.0, initial_state=state.contiguous(), output_final_state=True,
-                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
-    if "state_v_first" in inspect.signature(fused_recurrent_kda).parameters:
-        kwargs["state_v_first"] = False
+    args, kwargs = _fla_args(fused_recurrent_kda, *(x.unsqueeze(1) for x in (q, k, v, g, beta)), state)  # T = 1
     with torch.no_grad():
-        o, final_state = fused_recurrent_kda(qc, kc, vc, g.to(torch.float32).unsqueeze(1).contiguous(),
-                                             beta.to(torch.float32).unsqueeze(1).contiguous(), **kwargs)[:2]
+        o, final_state = fused_recurrent_kda(*args, **kwargs)[:2]
     if final_state is None or _shape(final_state) != _shape(state) or _shape(o) != (q.shape[0], 1, *v.shape[1:]):
         raise RuntimeError(f"fla fused_recurrent_kda returned o {list(o.shape)} and final state "
                            f"{None if final_state is None else list(final_state.shape)}; expected "

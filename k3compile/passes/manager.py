@@ -84,7 +84,7 @@ class PassManager(CustomGraphPass):
         # (options.m_ranges) does not contain it is skipped. None: no range known (plain torch.compile).
         self.compile_range = compile_range
         self.last: CompileReport | None = None
-        self.notes: list[str] = []  # the compiler's own facts (Inductor PDL), added to the report's notes
+        self.compile_note: str | None = None  # the compiler's own fact for this compile (Inductor PDL), a report note
         self.graphs: list[tuple[str, str, str]] = []  # (pass, readable graph before, after) when dump=True
 
     def uuid(self):
@@ -161,8 +161,8 @@ class PassManager(CustomGraphPass):
         kernels = describe_kernels(info.device, info.group, _moe_shapes(info)) if report.is_k3 else None  # None off CUDA
         if kernels:
             report.passes[-1].notes.append(kernels)
-        if report.is_k3 and report.passes:
-            report.passes[-1].notes.extend(self.notes)
+        if report.is_k3 and report.passes and self.compile_note:
+            report.passes[-1].notes.append(self.compile_note)
         report.seconds = time.perf_counter() - t0
         self.last = report
         record(report)

@@ -35,7 +35,7 @@ same code (fake tensors, `--gpu-arch sm_90a` whatever GPU the process runs on, t
 key and manifest checks) under a per-variant file lock (TP ranks share the directory), and the
 loader looks again. `K3_CUTE_JIT=0` turns it off; it never compiles inside a CUDA graph capture. A
 stale artifact (another key) is still used as found; only a missing one is built. Tested on CPU
-(tests/test_cute.py); not yet run on a GPU machine (tests/test_gpu_cute.py has the test).
+(tests/test_cute.py) and on the H200 (tests/test_gpu_cute.py, with the DSL installed from wheels).
 """
 from __future__ import annotations
 
