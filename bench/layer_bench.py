@@ -235,7 +235,11 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                      f"({row['floor_us']:.1f}us); kernels {kernels}" if res else "")
                   + f"  err {errs}  passes {reports.get('k3')}", flush=True)
     # ablation_base: the row the `without` ablation rows are compared with (report.py)
+    from k3compile.model import attention_ops
+    kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops._fla_fused_recurrent_kda()
+                  else "PyTorch reference recurrence")  # what every mode's KDA decode op ran
     return dict(rows=rows, ablation_base="k3-prefetch", hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
+                kda_decode=kda_decode,
                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)
 
 
