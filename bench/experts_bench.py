@@ -7,6 +7,8 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (fp32 / f16x2 math) (k3compile/kernels/cute/mxfp4_experts.py,
                      artifacts in K3_CUTE_DIR, launched by the driver-only loader; no tiles; a
                      missing artifact is reported as an error, not timed as its v3 fallback);
+                     "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
+                     Dependent Launch (K3_CUTE_PDL=0; the plain names run with it, the default);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
@@ -99,6 +101,9 @@ def main():
             for v, tiles in cases:
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)
+                # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch
+                os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
+                v = v.removesuffix("_nopdl")
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")

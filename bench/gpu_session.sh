@@ -48,7 +48,7 @@ for st in "$@"; do
              # the wheel's .pth (adding dsl_packages) is not read from a PYTHONPATH directory
              step cute_jit 240 env PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages \
                python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k just_in_time ;;
-    # fla-core for the KDA ops (prefill chunk_kda; decode fused_recurrent_kda, opt-in): the wheel in
+    # fla-core for the KDA ops (prefill chunk_kda; decode fused_recurrent_kda): the wheel in
     # build/fla/ (pip download --no-deps fla-core==0.6.0; einops is on the GPU machine); the steps
     # after it in this invocation import it and run the decode on it
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla build/fla/*.whl > "$R/fla_install.log" 2>&1

@@ -458,7 +458,7 @@ print(worst)
 
 
 def test_fla_decode_matches_reference_in_the_triton_interpreter():
-    """The opt-in decode path (K3_FLA_DECODE=1): fla-core's fused_recurrent_kda with our
+    """The decode path on CUDA (K3_FLA_DECODE=1, the default): fla-core's fused_recurrent_kda with our
     conventions (layout, K-major state, log decay, scale 1, no in-kernel norms) equals the
     reference recurrence, output and state, run by Triton's CPU interpreter. Skipped where fla-core
     is not installed (CI); `pip install fla-core einops` runs it."""
@@ -531,3 +531,31 @@ def test_ops_on_cuda_match_cpu(dtype):
         o_g = op(args[0].cuda(), args[1].cuda(), args[2].cuda(), c_g, args[4].cuda(), SCALE)
         torch.testing.assert_close(o_g.cpu().float(), o_c.float(), **tol)
         torch.testing.assert_close(c_g.cpu(), c_c, equal_nan=True, atol=0, rtol=0)
+
+
+def test_fla_decode_is_on_by_default_when_importable(monkeypatch):
+    """fla's decode kernel is used wherever fla-core imports with the keyword API we pass (checked
+    on the H200); K3_FLA_DECODE=0 turns the decode one off, K3_DISABLE_FLA=1 both."""
+    import sys
+    import types
+
+    def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                            use_beta_sigmoid_in_kernel=False, **kw):
+        raise AssertionError("not called here")
+    fla, fops, fkda = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.kda"))
+    fkda.fused_recurrent_kda = fused_recurrent_kda
+    fla.ops, fops.kda = fops, fkda
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.ops", fops)
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fkda)
+    for env, want in (({}, True), ({"K3_FLA_DECODE": "0"}, False), ({"K3_DISABLE_FLA": "1"}, False)):
+        for k in ("K3_FLA_DECODE", "K3_DISABLE_FLA"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        ops._fla_fused_recurrent_kda.cache_clear()
+        try:
+            assert (ops._fla_fused_recurrent_kda() is fused_recurrent_kda) == want, env
+        finally:
+            ops._fla_fused_recurrent_kda.cache_clear()

@@ -124,6 +124,60 @@ def test_params_storage_is_aligned():
     assert ctypes.string_at(p.array[0], 128) == b"a" * 128 and ctypes.string_at(p.array[1], 8) == b"b" * 8
 
 
+class _FakeCu:
+    """Records the driver launches a Driver makes (no GPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cuLaunchKernel(self, fn, *args):
+        self.calls.append(("plain", fn, args[:7]))
+        return 0
+
+    def cuLaunchKernelEx(self, cfg_ref, fn, params, extra):
+        import ctypes
+        cfg = ctypes.cast(cfg_ref, ctypes.POINTER(loader.LaunchConfig)).contents
+        attrs = [cfg.attrs[i] for i in range(cfg.numAttrs)]
+        self.calls.append(("ex", fn, (tuple(cfg.grid), tuple(cfg.block), cfg.sharedMemBytes, cfg.hStream,
+                                      [(a.id, struct.unpack("<i", ctypes.string_at(ctypes.addressof(a) + 8, 4))[0]) for a in attrs])))
+        return 0
+
+
+def test_pdl_launch_config_layout_and_use(built, monkeypatch):
+    """The down GEMV is launched with Programmatic Dependent Launch (cuLaunchKernelEx with the
+    programmatic-stream-serialisation attribute = 1) unless K3_CUTE_PDL=0; gate-up never is. The
+    ctypes structs have cuda.h's x86-64 layout (CUlaunchAttribute 72 bytes, CUlaunchConfig 56)."""
+    import ctypes
+    import types
+    assert ctypes.sizeof(loader.LaunchAttribute) == 72 and loader.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(loader.LaunchConfig) == 56
+    assert [loader.LaunchConfig.hStream.offset, loader.LaunchConfig.attrs.offset,
+            loader.LaunchConfig.numAttrs.offset] == [32, 40, 48]
+    out, _ = built
+    gu, dn = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")[0]
+    drv = loader.Driver.__new__(loader.Driver)
+    drv.cu, drv.has_launch_ex = _FakeCu(), True
+    gu._fn[0], dn._fn[0] = gu.man["symbol"], dn.man["symbol"]      # "loaded" on device 0
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0x77))
+    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, beta=4.0, linear_beta=25.0)
+    dev = torch.device("cuda", 0)
+    for env, want_down in (("1", "ex"), ("0", "plain")):
+        monkeypatch.setenv("K3_CUTE_PDL", env)
+        drv.cu.calls.clear()
+        gu.launch_values(vals, dict(P=16), dev, drv)
+        dn.launch_values(vals, dict(P=16), dev, drv)
+        (k1, f1, _), (k2, f2, a2) = drv.cu.calls
+        assert (k1, f1) == ("plain", gu.man["symbol"]) and (k2, f2) == (want_down, dn.man["symbol"]), env
+        if k2 == "ex":
+            assert a2 == (loader.grid_of(dn.man, P=16), tuple(dn.man["block"]), dn.man["smem"], 0x77,
+                          [(loader.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)])
+    drv.has_launch_ex = False           # an old driver: a plain launch (griddepcontrol is a no-op then)
+    monkeypatch.setenv("K3_CUTE_PDL", "1")
+    drv.cu.calls.clear()
+    dn.launch_values(vals, dict(P=16), dev, drv)
+    assert drv.cu.calls[0][0] == "plain"
+
+
 def test_find_picks_smallest_covering_tile(built, tmp_path):
     out, _ = built
     for m, mt in ((1, 8), (8, 8), (9, 16), (17, 32), (64, 64)):
@@ -206,6 +260,17 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
         else:
             # one f16x2 FMA per code pair, the pairs' activations packed once per thread
             assert ptx.count("fma.rn.f16x2") == rpg * 16 and ptx.count("cvt.rn.f16x2.f32") == 16, name
+        # Programmatic Dependent Launch: gate-up lets down start once its own loads are issued;
+        # down issues every weight load, then waits, then reads mid (the activations)
+        if v["mode"] == "gate_up":
+            assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx, name
+            assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("cp.async.cg.shared.global"), name
+            assert man["pdl"] == "trigger", name
+        else:
+            assert ptx.count("griddepcontrol.wait") == 1 and "launch_dependents" not in ptx, name
+            wait = ptx.index("griddepcontrol.wait")
+            assert ptx.rindex("cp.async.cg.shared.global") < wait < ptx.index("ld.global.nc.v4.u32"), name
+            assert man["pdl"] == "wait", name
         assert ".minnctapersm 1" in ptx, name
         assert "ld.local" not in ptx and "st.local" not in ptx, name
         assert f".reqntid {man['block'][0]}, 1, 1" in ptx, name

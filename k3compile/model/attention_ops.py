@@ -22,8 +22,8 @@ Ops (all return a fresh tensor; the cache / state argument is mutated in place):
     (In the spec's notation with S' = S^T of shape [V, K]:
     ``S' *= decay; S' += beta * (v - S' k) (x) k; o = S' q``.)
 
-    On CUDA with K3_FLA_DECODE=1 it runs fla-core's ``fused_recurrent_kda`` (opt-in: checked on
-    CPU only so far).
+    On CUDA it runs fla-core's ``fused_recurrent_kda`` when importable (equal to the reference on
+    the H200 and in Triton's CPU interpreter; K3_FLA_DECODE=0 or K3_DISABLE_FLA=1 turn it off).
 
 ``k3model::kda_prefill(q, k, v, g, beta, state) -> Tensor``  mutates ``state``
     q, k, g [M, T, H, K]; v [M, T, H, V]; beta [M, T, H]. The recurrence over T,
@@ -277,9 +277,9 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _fla_fused_recurrent_kda():
     """Import fla-core's decode kernel ``fused_recurrent_kda`` and check its keyword API; None if
-    not, or unless K3_FLA_DECODE=1: the decode path has been checked against the reference on CPU
-    (Triton's interpreter) only, not yet on a GPU, so it is opt-in until then."""
-    if os.environ.get("K3_FLA_DECODE", "0") in ("", "0"):
+    not, or with K3_FLA_DECODE=0 (decode only) / K3_DISABLE_FLA=1 (prefill too). Checked against the
+    reference on the H200 (eagerly and graphed, fp32 and bf16) and in Triton's CPU interpreter."""
+    if os.environ.get("K3_FLA_DECODE", "1") in ("", "0"):
         return None
     return _fla_kda("fused_recurrent_kda", _FLA_KWARGS)
 

@@ -165,6 +165,9 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
                 params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_PARAMS)],
                 shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
                 math=v["math"],
+                # Programmatic Dependent Launch: gate-up triggers its dependents, down waits for its
+                # predecessor after issuing its weight loads and is launched with the PDL attribute
+                pdl="trigger" if v["mode"] == "gate_up" else "wait",
                 # what the loader checks before launching: base alignment (bytes) of each tensor
                 align=dict(x=16, w=16, s=4, out=4, ids=4))
 

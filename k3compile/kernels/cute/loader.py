@@ -27,6 +27,36 @@ TMA_L2 = {0: 0, 64: 1, 128: 2, 256: 3}                             # CU_TENSOR_M
 TMA_OOB = {"zero": 0, "nan": 1}
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1}
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, 4 bytes of padding, a 64-byte value union (cuda.h)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h), for cuLaunchKernelEx."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("sharedMemBytes", ctypes.c_uint),
+                ("hStream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+def pdl_config(grid, block, smem: int, stream: int) -> tuple[LaunchConfig, LaunchAttribute]:
+    """A launch config with programmatic stream serialisation allowed (Programmatic Dependent
+    Launch): the kernel may start before the previous one in the stream has finished, and waits for
+    it where it executes griddepcontrol.wait. Returns the attribute too: it must outlive the launch."""
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value = struct.pack("<i", 1).ljust(64, b"\0")   # programmaticStreamSerializationAllowed = 1
+    cfg = LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, ctypes.c_void_p(stream),
+                       ctypes.pointer(attr), 1)
+    return cfg, attr
+
+
+def pdl_enabled() -> bool:
+    """Launch the kernels whose manifest says "pdl": "wait" with Programmatic Dependent Launch
+    (env K3_CUTE_PDL, default on; read per launch, so also per CUDA-graph capture)."""
+    import os
+    return os.environ.get("K3_CUTE_PDL", "1") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -130,6 +160,9 @@ class Driver:
         for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel",
                      "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent"):
             getattr(self.cu, name).restype = ctypes.c_int
+        self.has_launch_ex = hasattr(self.cu, "cuLaunchKernelEx")   # CUDA >= 12.0
+        if self.has_launch_ex:
+            self.cu.cuLaunchKernelEx.restype = ctypes.c_int
 
     def check(self, rc: int, what: str) -> None:
         if rc:
@@ -162,7 +195,13 @@ class Driver:
             f"cuTensorMapEncodeTiled({s})")
         return ctypes.string_at(base, 128)
 
-    def launch(self, fn, grid, block, smem: int, stream: int, params: _Params) -> None:
+    def launch(self, fn, grid, block, smem: int, stream: int, params: _Params, pdl: bool = False) -> None:
+        """pdl: launch with Programmatic Dependent Launch (cuLaunchKernelEx), for kernels that
+        execute griddepcontrol.wait before they read what the previous kernel wrote."""
+        if pdl and self.has_launch_ex:
+            cfg, attr = pdl_config(grid, block, smem, stream)
+            self.check(self.cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params.array, None), "cuLaunchKernelEx(PDL)")
+            return
         self.check(self.cu.cuLaunchKernel(fn, *grid, *block, ctypes.c_uint(smem), ctypes.c_void_p(stream),
                                           params.array, None), "cuLaunchKernel")
 
@@ -216,7 +255,8 @@ class Artifact:
         dev = device.index if device.index is not None else torch.cuda.current_device()
         params = _Params(pack_values(self.man, values))
         drv.launch(self._function(dev, drv), grid_of(self.man, **grid_dims), tuple(self.man["block"]),
-                   self.man["smem"], torch.cuda.current_stream(device).cuda_stream, params)
+                   self.man["smem"], torch.cuda.current_stream(device).cuda_stream, params,
+                   pdl=self.man.get("pdl") == "wait" and pdl_enabled())
 
 
 def mxfp4_check(man: dict, tensors: dict) -> str:

@@ -37,6 +37,12 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   x < 2^-26 max |x| become fp16 subnormals, negligible against the block); the two halves summed
   in fp32 and scaled by 2^(s - 127 + 14) * 2^-kx. SASS: ~5.3 instructions per weight byte in the
   body vs ~7.7 for f32; error vs the fp32 reference ~6e-3 of max |out| on CPU emulation (f32: 0).
+- Programmatic Dependent Launch (Hopper): the gate-up kernel executes
+  `griddepcontrol.launch_dependents` once its weight bytes are in flight, and the down kernel
+  issues its own weight and scale loads, then `griddepcontrol.wait`s before it reads mid. The
+  loader launches down with programmatic stream serialisation (manifest "pdl": "wait"; env
+  K3_CUTE_PDL=0 turns it off), so its CTAs start and fetch weights while gate-up drains instead
+  of after it; without the attribute both instructions are no-ops.
 `emulate_mxfp4_experts` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
 order in PyTorch (CPU-tested against `k3compile.model.mxfp4`).
 
@@ -79,6 +85,29 @@ def ld_v4_keep(addr: Int64, *, loc=None, ip=None):
     r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
              "=r,=r,=r,=r,l")
     return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_v4_after_wait(addr: Int64, *, loc=None, ip=None):
+    """ld_v4_keep as a side-effecting asm: never hoisted above `pdl_wait` (a pure asm could be)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", side=True)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def pdl_trigger(*, loc=None, ip=None) -> None:
+    """Programmatic Dependent Launch: this CTA lets the next kernel in the stream be scheduled
+    (a no-op unless that kernel is launched with programmatic stream serialisation)."""
+    _asm(None, [], "griddepcontrol.launch_dependents;", "", side=True)
+
+
+@dsl_user_op
+def pdl_wait(*, loc=None, ip=None) -> None:
+    """Wait until the previous kernel in the stream has completed and its writes are visible (a
+    no-op when this kernel was launched without programmatic stream serialisation)."""
+    _asm(None, [], "griddepcontrol.wait;", "~{memory}", side=True)
 
 
 @dsl_user_op
@@ -330,6 +359,10 @@ class Mxfp4ExpertGemvSm90:
             cp_async16(wsm + r * self.threads * 16, wbase + row * self.kb)
             if cutlass.const_expr(r % per == per - 1):
                 cp_async_commit()
+        if cutlass.const_expr(self.mode == "gate_up"):
+            pdl_trigger()      # every byte is in flight: the down kernel may start its own weight loads
+        else:
+            pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
 
         # activations: 32 values of this thread's block, fp32, pre-scaled by 2^100 (f32 math; f16x2
         # scales them below)
@@ -345,7 +378,7 @@ class Mxfp4ExpertGemvSm90:
         else:
             xa = x + (Int64(p) * self.I + Int64(v) * 32) * 4
             for i in cutlass.range_constexpr(8):
-                q4 = ld_v4_keep(xa + 16 * i)
+                q4 = ld_v4_after_wait(xa + 16 * i)
                 for j in cutlass.range_constexpr(4):
                     xs.append(as_f32(q4[j]) * pre)
 
