@@ -63,6 +63,8 @@ for st in "$@"; do
     cutemoe) step cute_moe_tests 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
              step cute_moe8 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-v3,cute,cute_h2} \
                --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
+    pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
+           --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

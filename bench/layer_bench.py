@@ -13,8 +13,9 @@ step of that layer, CUDA-graphed, for:
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
               k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`
               rows compare with), k3-topk (every pass, shard_router_latent without the fused top-k
-              selection) and k3-cute (every pass, the experts on Triton v3 rather than the CuTe
-              GEMVs); all of them without the L2 prefetch, which the gate applies nowhere (until
+              selection), k3-cute (every pass, the experts on Triton v3 rather than the CuTe
+              GEMVs) and k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
+              between gate-up and down, K3_CUTE_PDL=0); all of them without the L2 prefetch, which the gate applies nowhere (until
               commit d4e7aeb they had it, which mixed its cost into every pass's row)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
   k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
@@ -45,8 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert")
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
-# on Triton v3 instead of the CuTe f16x2 GEMVs (the baselines and the other variants take the default)
-ENV = {"k3-cute": {"K3_CUTE": "0"}}
+# on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
+# other variants take the default)
+ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}}
 # Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
@@ -183,6 +185,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
             variants["k3-topk"] = k3c(prefetch=False, fuse_topk=False)  # the router's top-k not fused
             variants["k3-cute"] = k3c(prefetch=False)      # the experts on Triton v3 (ENV below)
+            variants["k3-cute_pdl"] = k3c(prefetch=False)  # the CuTe experts without PDL (ENV below)
             for p in PASSES:
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
