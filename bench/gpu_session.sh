@@ -27,7 +27,7 @@ XV=${K3_VARIANTS:-v2b,v3}  # MXFP4 expert variants the experts / sweep8 steps ti
 LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1} ${K3_LB_EXTRA:-}"
 for st in "$@"; do
   case $st in
-    tests) step gpu_tests 300 python3 -m pytest -m gpu -q -rA tests/ ;;
+    tests) step gpu_tests 420 python3 -m pytest -m gpu -q -rA tests/ ;;
     flatests) step fla_tests 420 python3 -m pytest -m gpu -q -rA -s --durations=0 tests/test_attention_ops.py ;;
     experts) step experts8 150 python3 bench/experts_bench.py --variants $XV --no-reference-time \
                --shapes tp8 --ms 1,4,16,64 --out "$R/experts_tp8.json"

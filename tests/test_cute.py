@@ -145,7 +145,7 @@ class _FakeCu:
 
 def test_pdl_launch_config_layout_and_use(built, monkeypatch):
     """The down GEMV is launched with Programmatic Dependent Launch (cuLaunchKernelEx with the
-    programmatic-stream-serialisation attribute = 1) unless K3_CUTE_PDL=0; gate-up never is. The
+    programmatic-stream-serialisation attribute = 1) when asked (choose.cute_pdl); gate-up never is. The
     ctypes structs have cuda.h's x86-64 layout (CUlaunchAttribute 72 bytes, CUlaunchConfig 56)."""
     import ctypes
     import types
@@ -161,20 +161,18 @@ def test_pdl_launch_config_layout_and_use(built, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0x77))
     vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, beta=4.0, linear_beta=25.0)
     dev = torch.device("cuda", 0)
-    for env, want_down in (("1", "ex"), ("0", "plain")):
-        monkeypatch.setenv("K3_CUTE_PDL", env)
+    for pdl, want_down in ((True, "ex"), (False, "plain")):
         drv.cu.calls.clear()
-        gu.launch_values(vals, dict(P=16), dev, drv)
-        dn.launch_values(vals, dict(P=16), dev, drv)
+        gu.launch_values(vals, dict(P=16), dev, drv, pdl=pdl)      # gate-up: never (it does not wait)
+        dn.launch_values(vals, dict(P=16), dev, drv, pdl=pdl)
         (k1, f1, _), (k2, f2, a2) = drv.cu.calls
-        assert (k1, f1) == ("plain", gu.man["symbol"]) and (k2, f2) == (want_down, dn.man["symbol"]), env
+        assert (k1, f1) == ("plain", gu.man["symbol"]) and (k2, f2) == (want_down, dn.man["symbol"]), pdl
         if k2 == "ex":
             assert a2 == (loader.grid_of(dn.man, P=16), tuple(dn.man["block"]), dn.man["smem"], 0x77,
                           [(loader.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1)])
     drv.has_launch_ex = False           # an old driver: a plain launch (griddepcontrol is a no-op then)
-    monkeypatch.setenv("K3_CUTE_PDL", "1")
     drv.cu.calls.clear()
-    dn.launch_values(vals, dict(P=16), dev, drv)
+    dn.launch_values(vals, dict(P=16), dev, drv, pdl=True)
     assert drv.cu.calls[0][0] == "plain"
 
 
@@ -427,3 +425,15 @@ def test_jit_never_inside_graph_capture_and_a_failed_build_is_the_reason(tmp_pat
     assert len(calls) == 1
     assert choose._find("mxfp4", 384, 3584, 16, "f32")[1].startswith("JIT build failed")
     assert len(calls) == 1                                  # memoised: not retried on every call
+
+
+def test_cute_pdl_by_measured_batch_and_env(monkeypatch):
+    """PDL for the down kernel where it measured faster: TP=8 shapes (I=384) from 2 tokens (32 pairs,
+    not the one-wave M=1), TP=2 shapes from 1; K3_CUTE_PDL=0 / 1 force it."""
+    monkeypatch.delenv("K3_CUTE_PDL", raising=False)
+    assert not choose.cute_pdl(384, 16) and choose.cute_pdl(384, 32) and choose.cute_pdl(1536, 16)
+    assert choose.cute_pdl(999, 1)                      # unmeasured shapes: on
+    monkeypatch.setenv("K3_CUTE_PDL", "1")
+    assert choose.cute_pdl(384, 16)
+    monkeypatch.setenv("K3_CUTE_PDL", "0")
+    assert not choose.cute_pdl(1536, 64)

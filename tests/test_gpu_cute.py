@@ -113,10 +113,12 @@ def test_mxfp4_artifacts_present():
 
 @pytest.mark.parametrize("math", ["f32", "f16x2"])
 @pytest.mark.parametrize("I", [384, 1536])
-def test_mxfp4_experts_match_reference_eager_and_graphed(I, math):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
     """The gate-up (SiTU fused) + down artifacts through the driver-only loader vs the model op's
     reference (bf16 x, random codes incl. +-0.5 subnormal operands, scales 2^-9 .. 2^-4), eagerly
-    and replayed from a CUDA graph with new x and ids copied into the captured buffers."""
+    and replayed from a CUDA graph with new x and ids copied into the captured buffers; down
+    launched plainly and with Programmatic Dependent Launch."""
     pairs = dict(_mxfp4_pairs(math))
     tol = MXFP4_TOL[math]
     if I not in pairs or torch.cuda.get_device_capability() != (9, 0):
@@ -130,29 +132,29 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math):
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
-        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
         torch.cuda.synchronize()
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-        print(f"mxfp4 cute {math} I={I} M={M}: eager err {err:.3e}")
+        print(f"mxfp4 cute {math} pdl={pdl} I={I} M={M}: eager err {err:.3e}")
         assert out.shape == (M, K, L) and out.dtype == torch.bfloat16
         assert err <= tol, (I, M, err)
         # CUDA graph: capture once, replay with new inputs copied into the captured buffers
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+            loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            gout = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0)
+            gout = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
         x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
         ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
-        print(f"mxfp4 cute {math} I={I} M={M}: graphed err {err:.3e}")
+        print(f"mxfp4 cute {math} pdl={pdl} I={I} M={M}: graphed err {err:.3e}")
         assert err <= tol, (I, M, "graphed", err)
 
 

@@ -52,13 +52,6 @@ def pdl_config(grid, block, smem: int, stream: int) -> tuple[LaunchConfig, Launc
     return cfg, attr
 
 
-def pdl_enabled() -> bool:
-    """Launch the kernels whose manifest says "pdl": "wait" with Programmatic Dependent Launch
-    (env K3_CUTE_PDL, default on; read per launch, so also per CUDA-graph capture)."""
-    import os
-    return os.environ.get("K3_CUTE_PDL", "1") not in ("", "0")
-
-
 @dataclass(frozen=True)
 class TmaSpec:
     """Arguments of one cuTensorMapEncodeTiled call (dims innermost first, strides in bytes)."""
@@ -248,15 +241,18 @@ class Artifact:
                 self._fn[dev] = drv.load(self.cubin, self.man["symbol"], self.man["smem"])
         return self._fn[dev]
 
-    def launch_values(self, values: dict, grid_dims: dict, device, driver: Driver | None = None) -> None:
-        """Launch with named parameter values (pack_values) on torch's current stream of `device`."""
+    def launch_values(self, values: dict, grid_dims: dict, device, driver: Driver | None = None,
+                      pdl: bool = False) -> None:
+        """Launch with named parameter values (pack_values) on torch's current stream of `device`;
+        pdl: with Programmatic Dependent Launch if the kernel waits for its predecessor (manifest
+        "pdl": "wait"; otherwise the flag is ignored)."""
         import torch
         drv = driver or _driver()
         dev = device.index if device.index is not None else torch.cuda.current_device()
         params = _Params(pack_values(self.man, values))
         drv.launch(self._function(dev, drv), grid_of(self.man, **grid_dims), tuple(self.man["block"]),
                    self.man["smem"], torch.cuda.current_stream(device).cuda_stream, params,
-                   pdl=self.man.get("pdl") == "wait" and pdl_enabled())
+                   pdl=pdl and self.man.get("pdl") == "wait")
 
 
 def mxfp4_check(man: dict, tensors: dict) -> str:
@@ -276,9 +272,10 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
 
 
 def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
-                  beta: float, linear_beta: float, driver: Driver | None = None):
+                  beta: float, linear_beta: float, driver: Driver | None = None, pdl: bool = False):
     """The two MXFP4 expert GEMVs (gate-up with SiTU, then down): [N, K, L] in x.dtype (bf16),
-    unweighted, on torch's current stream (CUDA-graph capturable: no host syncs)."""
+    unweighted, on torch's current stream (CUDA-graph capturable: no host syncs). pdl: down starts
+    while gate-up drains (Programmatic Dependent Launch; choose.cute_pdl decides)."""
     import torch
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
@@ -307,7 +304,7 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
             raise ValueError(f"{art.path.stem}: {why}")
         vals = {k: v.data_ptr() for k, v in ts.items()}
         vals.update(beta=beta, linear_beta=linear_beta)
-        art.launch_values(vals, dict(P=P), x.device, driver)
+        art.launch_values(vals, dict(P=P), x.device, driver, pdl=pdl)
     return out
 
 
