@@ -25,8 +25,8 @@ CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 64)}   # from GPU ben
 # Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains), from
 # how many (token, slot) pairs on, by intermediate size I. Measured (`bench/gpu_session.sh pdl`,
 # d86b84b, nvidia-h200-x2, each case twice in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
-# M=1, where gate-up's 768 CTAs are one wave, 1.0-1.3 us slower with it; M = 2/4/8 1.3-2.1 us faster;
-# M=16 within noise. TP=2 shapes (I=1536): 1.3-1.9 us faster at M = 1/2/4, within noise at 8/16.
+# M=1, where gate-up's 768 CTAs are one wave, 0.9-1.3 us slower with it; M = 2/4/8 1.3-2.6 us faster;
+# M=16 within noise. TP=2 shapes (I=1536): 1.3-2.4 us faster at M = 1/2/4, within noise at 8/16.
 # Unmeasured I: on. K3_CUTE_PDL=0 / 1 force it off / on.
 CUTE_PDL_MIN_PAIRS: dict[int, int] = {384: 32, 1536: 1}
 _WHY: dict[str, str] = {}
