@@ -14,26 +14,46 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+class GraphTimer:
+    """`reps` calls of fn captured in one CUDA graph (after an eager warm-up call), kept so that it
+    can be timed again later: `time()` is the median over `iters` replays of the per-call time in us.
+    Re-timing several variants' graphs in rounds spreads drift (clocks, the other GPU) over all of
+    them alike."""
+
+    def __init__(self, fn, reps=20):
+        import torch
+        fn()
+        torch.cuda.synchronize()
+        self.reps = reps
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(reps):
+                fn()
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def time(self, iters=30) -> float:
+        import torch
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / self.reps)
+        times.sort()
+        return times[len(times) // 2]
+
+
 def time_graph(fn, reps=20, iters=30):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    times.sort()
-    return times[len(times) // 2]
+    return GraphTimer(fn, reps).time(iters)
+
+
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 BW_SEEN: dict[str, float] = {}

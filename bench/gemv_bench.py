@@ -9,6 +9,15 @@ leaves to cuBLAS. Each config's result must match fp32 x @ w.t() to 1e-2 relativ
 dropped. Output: every config's time, the best per (shape, M) and its speed-up over cuBLAS.
 
     python bench/gemv_bench.py [--ms 1,4,8] [--out r.json]
+
+--chain SWEEP.json: instead, the six GEMMs of a KDA decode step at TP=8 shapes back to back in one
+CUDA graph (cold weights), three ways: cuBLAS; the Triton GEMV with each shape's best config from
+that sweep; and the same GEMV with Programmatic Dependent Launch (each kernel reads its first
+weight tile before waiting for the previous one: kernels/triton_gemv.py). A cuBLAS call at M=1 spends
+~3 us it does not stream weights (the sweep: 11 MB in 5.7 us, 22 MB in 8.3 us); this measures how
+much of that a PDL chain hides.
+
+    python bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json --ms 1,4 --out r.json
 """
 from __future__ import annotations
 
@@ -31,9 +40,79 @@ CONFIGS = [(2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4), (8,
            (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 8, 3)]
 
 
+# a KDA decode step's GEMMs in order, TP=8 shapes (the attention input projection, o-proj, the
+# sharded router + latent rows, the shared expert, the latent up-projection)
+CHAIN = ("tp8 in_proj_kda", "tp8 oproj", "tp8 router_shard", "tp8 shared_gate_up", "tp8 shared_down", "tp8 latent_up")
+
+
+def chain_cfg(sweep: dict, shape: str, M: int, K: int) -> tuple[int, int, int, int]:
+    """The sweep's best GEMV config for (shape, M) (the nearest M above if not swept), with BLOCK_K
+    capped at K (the PDL GEMV reads one full tile before it waits)."""
+    ms = sorted(m for (s, m) in sweep if s == shape)
+    m = next((x for x in ms if x >= M), ms[-1])
+    bn, bk, nw, ns = sweep[(shape, m)]
+    while bk > K:
+        bk //= 2
+    return bn, bk, nw, ns
+
+
+def chain(a, ms, bw):
+    import json
+
+    import torch
+
+    from k3compile.kernels import launch
+    sweep = {(r["shape"], r["M"]): tuple(int(v) for v in r["best"].split()[1].split("/"))
+             for r in json.load(open(a.chain))["rows"]}
+    g = torch.Generator("cuda").manual_seed(0)
+    ws, rows = {}, []
+    for name in CHAIN:
+        N, K = SHAPES[name]
+        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+        # enough copies that the chain's weights exceed the L2 several times over: every call reads HBM
+        ncopy = max(2, -(-(120 << 20) // (N * K * 2)))
+        ws[name] = [w] + [w.clone() for _ in range(ncopy - 1)]
+    for M in ms:
+        xs = {n: torch.randn(M, SHAPES[n][1], device="cuda", generator=g).bfloat16() for n in CHAIN}
+        outs = {n: torch.empty(M, SHAPES[n][0], device="cuda", dtype=torch.bfloat16) for n in CHAIN}
+        refs = {n: xs[n].float() @ ws[n][0].float().t() for n in CHAIN}
+        cfgs = {n: chain_cfg(sweep, n, M, SHAPES[n][1]) for n in CHAIN}
+        step = {"i": 0}
+
+        def run(kind):
+            i = step["i"]
+            step["i"] += 1
+            for n in CHAIN:
+                w = ws[n][i % len(ws[n])]
+                if kind == "cublas":
+                    torch.mm(xs[n], w.t(), out=outs[n])
+                else:
+                    launch.gemv(xs[n], w, out=outs[n], cfg=cfgs[n], pdl=kind == "gemv_pdl")
+        nbytes = sum((SHAPES[n][0] + M) * SHAPES[n][1] * 2 + M * SHAPES[n][0] * 2 for n in CHAIN)
+        row = dict(M=M, chain=list(CHAIN), cfgs={n: list(c) for n, c in cfgs.items()}, bytes=nbytes,
+                   floor_us=nbytes / bw * 1e6, us={}, err={})
+        for kind in ("cublas", "gemv", "gemv_pdl", "cublas"):   # cuBLAS first and last: drift shows
+            try:
+                step["i"] = 0
+                run(kind)
+                torch.cuda.synchronize()
+                err = max(((outs[n].float() - refs[n]).abs().max() / refs[n].abs().max()).item() for n in CHAIN)
+                row["err"][kind] = err
+                t = time_graph(lambda kind=kind: run(kind), reps=12, iters=30)
+                row["us"].setdefault(kind, []).append(t)
+            except Exception as e:  # noqa: BLE001 - e.g. no launch_pdl in this Triton: recorded, go on
+                row["err"][kind] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        us = {k: min(v) for k, v in row["us"].items()}
+        print(f"chain M={M}: " + "  ".join(f"{k} {v:.1f} us" for k, v in us.items())
+              + f"  floor {row['floor_us']:.1f} us  err {row['err']}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--chain", default=None, help="a gemv_bench sweep result: time the GEMM chain (docstring)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -41,6 +120,11 @@ def main():
     from k3compile.kernels import launch
     t0 = time.time()
     bw = hbm_bandwidth()
+    if a.chain:
+        rows = chain(a, [int(m) for m in a.ms.split(",")], bw)
+        save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
+                         torch=torch.__version__, triton=__import__("triton").__version__), t0)
+        return
     g = torch.Generator("cuda").manual_seed(0)
     rows = []
     for name, (N, K) in SHAPES.items():

@@ -54,6 +54,8 @@ for st in "$@"; do
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla build/fla/*.whl > "$R/fla_install.log" 2>&1
          echo "fla install rc=$?" | tee -a "$R/summary.txt"
          export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} K3_FLA_DECODE=1 K3_REQUIRE_FLA=1 ;;
+    gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
+                 --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton

@@ -5,7 +5,8 @@ full-size seeded init would need 80 GB of host memory per expert tensor), with `
 blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens, and times one decode
 step of that layer, CUDA-graphed, for:
   eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
-              kernel, the model's PyTorch KDA decode step)
+              kernel, the model's KDA decode op: fla-core's kernel where importable, else PyTorch;
+              the result's `kda_decode` says which)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3"), default options: the passes the profitability gate
               (options.CUDA_PROFITABLE_M) applies at this M
@@ -22,6 +23,10 @@ step of that layer, CUDA-graphed, for:
               bench/gemv_bench.py) found it faster than cuBLAS, with that sweep's best configs
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
+Timing: each variant's step is captured 10 times in one CUDA graph and timed over 20 replays
+(median); every variant's graph is kept and timed again in `--rounds` rounds (default 3, in turn),
+and the median of the rounds is reported (`us`; every round in `us_rounds`). Peak memory leaves
+out the graphs kept from earlier variants.
 plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
 step must read: every non-expert weight, the distinct experts' MXFP4 bytes, the KV cache and KDA
 state), and peak memory per variant (the symmetric workspace is reported beside it: it does not
@@ -120,13 +125,13 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
     return total
 
 
-def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table=""):
+def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3):
     import torch
 
     import k3compile
     from k3compile.model import K3Model, TPInfo
     from k3compile.runtime import symm
-    from bench.common import BW_SEEN, hbm_bandwidth, time_graph
+    from bench.common import BW_SEEN, GraphTimer, hbm_bandwidth, median
 
     dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
     if dev.type == "cuda":
@@ -190,13 +195,16 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
         res, peak, kernels, errs, reports, top_kernels, attribution = {}, {}, {}, {}, {}, {}, {}
-        ref = {}
+        ref, timers, us_rounds = {}, {}, {}
+        base0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
 
         def measure(name, fn):
             k3compile.clear_reports()
+            held = 0
             if dev.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated() - base0  # the graphs kept from earlier variants
             restore()
             out = fn(prefix, delta, *blocks)
             if name == "eager":
@@ -208,8 +216,9 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
             if smoke:
                 return
-            res[name] = time_graph(lambda: fn(prefix, delta, *blocks), reps=10, iters=20)
-            peak[name] = torch.cuda.max_memory_allocated()
+            timers[name] = GraphTimer(lambda: fn(prefix, delta, *blocks), reps=10)
+            us_rounds[name] = [timers[name].time(iters=20)]
+            peak[name] = torch.cuda.max_memory_allocated() - held
             kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
@@ -220,11 +229,16 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
             with _env(env.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
                 measure(name, fn)
+        for _ in range(rounds - 1):  # every variant's graph timed again, in turn: drift hits them alike
+            for name, t in timers.items():
+                us_rounds[name].append(t.time(iters=20))
+        res = {name: median(ts) for name, ts in us_rounds.items()}
+        timers.clear()
         distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
                    kernels=kernels, top_kernels=top_kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
-                   floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct)
+                   floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct, us_rounds=us_rounds)
         if attribution:
             row["attribution"] = attribution
         if res:
@@ -338,6 +352,8 @@ def main():
                     help="per-op device time of one un-graphed Inductor and k3 step (which GEMM is which)")
     ap.add_argument("--gemv-table", default="", help="a bench/gemv_bench.py result: adds the k3_gemv variant")
     ap.add_argument("--pdl", action="store_true", help="also time Inductor and k3 with Inductor's PDL (CFG)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times every variant's kept graph this many times, in turn; the median is reported")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from bench.common import save
@@ -347,7 +363,7 @@ def main():
     world = 1 if a.smoke else a.world
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
-                    os.path.abspath(a.gemv_table) if a.gemv_table else "",
+                    os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds),
                     **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 

@@ -53,3 +53,15 @@ def test_report_compares_ablation_rows_with_the_prefetch_free_base_and_lists_pdl
     assert "| 1 | 195.0 | 180.0 | 195.0 | 1.00x | 170.0 | 1.15x |" in new, new
     old = table(dict(rows=[row]))
     assert "| 1 | fold_moe_finalize | 200.0 | -10.0 | 185.0 | +5.0 |" in old, old
+
+
+def test_gemv_chain_config_from_the_sweep():
+    """--chain takes each shape's best swept config at the nearest swept M at or above, BLOCK_K
+    capped at K (the PDL GEMV reads one whole tile before it waits)."""
+    from bench.gemv_bench import chain_cfg
+    sweep = {("tp8 shared_down", 1): (4, 1024, 4, 3), ("tp8 shared_down", 4): (8, 512, 4, 3),
+             ("tp8 oproj", 1): (8, 512, 4, 3)}
+    assert chain_cfg(sweep, "tp8 shared_down", 1, 768) == (4, 512, 4, 3)
+    assert chain_cfg(sweep, "tp8 shared_down", 2, 768) == (8, 512, 4, 3)
+    assert chain_cfg(sweep, "tp8 shared_down", 8, 768) == (8, 512, 4, 3)   # above the sweep: its largest M
+    assert chain_cfg(sweep, "tp8 oproj", 1, 1536) == (8, 512, 4, 3)

@@ -70,6 +70,7 @@ def variants():
         out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
     out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
+    out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
@@ -103,7 +104,11 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "cas ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
           "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
-          "mxfp4_v3": ["mma"]}   # v3's bf16 / fp16 tl.dot too
+          "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
+          "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]}
+# (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
+# before it waits for the previous kernel.
+ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
@@ -112,7 +117,8 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ")
+QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+         "gemv pdl")
 
 
 def main(argv=None) -> int:
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
         ptx = compile_one(fn, types, consts, aligned=name.startswith("mxfp4")).asm["ptx"]
         missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
         missing += [f"forbidden {i}" for key, ins in FORBID.items() if name.startswith(key) for i in ins if i in ptx]
+        missing += [f"{a} before {b}" for key, pairs in ORDER.items() if name.startswith(key) for a, b in pairs
+                    if not (a in ptx and b in ptx and ptx.index(a) < ptx.index(b))]
         bad += bool(missing)
         print(f"{name}: {'MISSING ' + ', '.join(missing) if missing else 'ok'} ({len(ptx)} chars of PTX)")
     return 1 if bad else 0

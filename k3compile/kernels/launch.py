@@ -227,19 +227,25 @@ GEMV_DEFAULT = (8, 512, 4, 3)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
-         cfg: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         cfg: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8;
-    x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
+    x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
+    with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
+    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K)."""
     from . import triton_gemv as KG
     M, K = x.shape
     N = w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bn, bk, nw, ns = cfg or GEMV_DEFAULT
+    if pdl and K < bk:
+        raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={bk})")
     if M:
         KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                               MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-                                              EVEN_K=K % bk == 0, ACC=accumulate, num_warps=nw, num_stages=ns)
+                                              EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
+                                              num_warps=nw, num_stages=ns,
+                                              **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 
 
