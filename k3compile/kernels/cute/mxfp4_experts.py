@@ -80,20 +80,12 @@ def ld_v4(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_v4_keep(addr: Int64, *, loc=None, ip=None):
-    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs)."""
+def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
+    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs).
+    ordered: a side-effecting asm, never hoisted above `pdl_wait` (a pure asm could be)."""
     st = llvm.StructType.get_literal([T.i32()] * 4)
     r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,l")
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ld_v4_after_wait(addr: Int64, *, loc=None, ip=None):
-    """ld_v4_keep as a side-effecting asm: never hoisted above `pdl_wait` (a pure asm could be)."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,l", side=True)
+             "=r,=r,=r,=r,l", side=ordered)
     return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
@@ -379,7 +371,7 @@ class Mxfp4ExpertGemvSm90:
         else:
             xa = x + (Int64(p) * self.I + Int64(v) * 32) * 4
             for i in cutlass.range_constexpr(8):
-                q4 = ld_v4_after_wait(xa + 16 * i)
+                q4 = ld_v4_keep(xa + 16 * i, True)
                 for j in cutlass.range_constexpr(4):
                     xs.append(as_f32(q4[j]) * pre)
 
