@@ -445,14 +445,18 @@ sys.path.insert(0, os.environ["K3_TESTS"])
 from test_attention_ops import kda_inputs
 from k3compile.model import attention_ops as ops
 worst = 0.0
+assert ops._fla_fused_recurrent_kda_fwd() is not None  # fla 0.6: the in-place step
 for dtype, K, V in ((torch.float32, 16, 16), (torch.float32, 32, 8), (torch.float16, 16, 16)):
     q, k, v, g, beta, state = kda_inputs(M=3, H=2, K=K, V=V, dtype=dtype, seed=K + V, k_scale=0.8)
-    st_ref, st_fla = state.clone(), state.clone()
+    st_ref = state.clone()
     o_ref = ops.kda_decode_reference(q, k, v, g, beta, st_ref)
-    o_fla = ops._kda_decode_fla(q, k, v, g, beta, st_fla)
-    assert o_fla.dtype == v.dtype and o_fla.shape == o_ref.shape
-    for a, b in ((o_fla, o_ref), (st_fla, st_ref)):
-        worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
+    # contiguous state: updated in place by the kernel; a strided one: the public API and a copy back
+    for st_fla in (state.clone(), state.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        ptr = st_fla.data_ptr()
+        o_fla = ops._kda_decode_fla(q, k, v, g, beta, st_fla)
+        assert o_fla.dtype == v.dtype and o_fla.shape == o_ref.shape and st_fla.data_ptr() == ptr
+        for a, b in ((o_fla, o_ref), (st_fla, st_ref)):
+            worst = max(worst, ((a.float() - b.float()).abs().max() / b.float().abs().max()).item())
 print(worst)
 """
 

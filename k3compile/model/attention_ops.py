@@ -45,6 +45,7 @@ Ops (all return a fresh tensor; the cache / state argument is mutated in place):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -284,6 +285,22 @@ def _fla_fused_recurrent_kda():
     return _fla_kda("fused_recurrent_kda", _FLA_KWARGS)
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_fused_recurrent_kda_fwd():
+    """fla-core's ``fused_recurrent_kda_fwd`` if it takes the keywords of an in-place decode step
+    (``inplace_final_state``, ``out``); None if not. The public ``fused_recurrent_kda`` allocates a
+    new final state (which we then copy back: the whole [M, H, K, V] fp32 state, 50 MB at M=64 with
+    TP=8 shapes) and zero-fills the output; this writes the state in place and the output into an
+    uninitialised buffer the kernel fills."""
+    try:
+        from fla.ops.kda import fused_recurrent  # noqa: PLC0415
+        fn = fused_recurrent.fused_recurrent_kda_fwd
+        params = inspect.signature(fn).parameters
+    except Exception:
+        return None
+    return fn if (_FLA_KWARGS | {"inplace_final_state", "out"}).issubset(params) else None
+
+
 def _fla_decode_fits(q, k, v, g, beta, state) -> bool:
     return (q.is_cuda and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
             and _fla_fused_recurrent_kda() is not None)
@@ -296,6 +313,15 @@ def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
     decay, scale 1.0, no in-kernel norms or beta sigmoid; output cast to v.dtype."""
     fused_recurrent_kda = _fla_fused_recurrent_kda()
     args, kwargs = _fla_args(fused_recurrent_kda, *(x.unsqueeze(1) for x in (q, k, v, g, beta)), state)  # T = 1
+    fwd = _fla_fused_recurrent_kda_fwd()
+    if fwd is not None and state.is_contiguous():
+        # in place: the kernel reads and writes each (token, head, V block) of `state` in one program
+        out = torch.empty_like(args[2])
+        with torch.no_grad(), (torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()):
+            o, final_state = fwd(*args, out=out, inplace_final_state=True, **kwargs)[:2]
+        if final_state is not state or o is not out:
+            raise RuntimeError("fla fused_recurrent_kda_fwd did not update the state in place / fill `out`")
+        return o[:, 0].to(v.dtype)
     with torch.no_grad():
         o, final_state = fused_recurrent_kda(*args, **kwargs)[:2]
     if final_state is None or _shape(final_state) != _shape(state) or _shape(o) != (q.shape[0], 1, *v.shape[1:]):
