@@ -14,6 +14,7 @@ PASS_ORDER = (
     "shard_router_latent",
     "fold_moe_finalize",
     "fuse_oproj_allreduce",
+    "fold_kda_gate",
     "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
@@ -46,7 +47,9 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fuse_oproj_allreduce": (1, 256),
     "overlap_shared_expert": (1, 256),
     "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
+    "fold_kda_gate": (1, 0),  # not yet measured on the GPU: applied by gate="off" only (the ablation rows)
 }
+CUDA_UNMEASURED = {"fold_kda_gate"}  # no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)

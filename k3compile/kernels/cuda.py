@@ -15,6 +15,8 @@
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
 - shared_expert_async / stream_join: the side-stream shared expert (GEMM, one SiTU kernel, GEMM).
+- kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
+  beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
@@ -161,6 +163,20 @@ def _ok_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
 @register("mxfp4_experts", "cuda", "triton_mxfp4", _ok_experts)
 def _experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
     return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
+
+
+def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    from ..model import attention_ops as A
+    # fla's in-kernel L2 norm adds 1e-6 under the square root: the same as clamping at eps <= 1e-6
+    # for any vector whose norm is not tiny
+    return (A._fla_fused_recurrent_kda() is not None and A._fla_fused_recurrent_kda_fwd() is not None
+            and q.dim() == 3 and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
+            and state.is_contiguous() and eps <= 1e-6)
+
+
+@register("kda_decode_gated", "cuda", "fla_fused_recurrent_kda", _ok_kda_gated)
+def _kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    return launch.kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower, scale)
 
 
 @register("shared_expert_async", "cuda", "side_stream")

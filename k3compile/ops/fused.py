@@ -2,7 +2,8 @@
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
 tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
-Inductor treats them as ordinary extern kernels.
+Inductor treats them as ordinary extern kernels; the exception is `k3::kda_decode_gated`, which
+takes the place of the model's mutating `k3model::kda_decode` inside its auto_functionalized node.
 """
 from __future__ import annotations
 
@@ -129,6 +130,24 @@ def _(x, group, prefetch):
     return torch.empty_like(x)
 
 
+# ----------------------------------------------------------------- KDA decode with its prologue (fold_kda_gate)
+@torch.library.custom_op("k3::kda_decode_gated", mutates_args=("state",))
+def kda_decode_gated(q: Tensor, k: Tensor, v: Tensor, f: Tensor, beta: Tensor, a_log: Tensor, dt_bias: Tensor,
+                     state: Tensor, lower: float, scale: float, eps: float, qk_dtype: torch.dtype) -> Tensor:
+    """`k3model::kda_decode` with the prologue folded in: q, k raw ([M, H, K], L2-normalised here, q
+    scaled), f the raw gate input (decay = lower * sigmoid(exp(A_log) * (f + dt_bias))), beta the raw
+    logits. Mutates `state` like kda_decode (the one k3 op that mutates an input: it replaces a
+    mutating op in place). On CUDA with fla-core: one fused_recurrent_kda kernel with in-kernel
+    norms, gate and beta sigmoid."""
+    return _run("kda_decode_gated", ref.kda_decode_gated, q, k, v, f, beta, a_log, dt_bias, state, lower, scale,
+                eps, qk_dtype)
+
+
+@kda_decode_gated.register_fake
+def _(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    return v.new_empty(v.shape)
+
+
 OPS = {
     "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
     "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
@@ -138,4 +157,5 @@ OPS = {
     "shared_expert_async": torch.ops.k3.shared_expert_async.default,
     "stream_join": torch.ops.k3.stream_join.default,
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
+    "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
 }

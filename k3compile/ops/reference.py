@@ -75,3 +75,18 @@ def router_topk(logits, bias, k, scale):
     _, ids = torch.topk(scores + bias, k, dim=-1)
     w = scores.gather(-1, ids)
     return ids, w / w.sum(-1, keepdim=True) * scale
+
+
+def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    """The KDA decode step from its raw inputs (patterns.kda): q, k L2-normalised per head (x /
+    clamp_min(||x||, eps)), q scaled, both cast to qk_dtype; decay = lower * sigmoid(exp(A_log) *
+    (f + dt_bias)); beta = sigmoid(beta); then the model's k3model::kda_decode (mutates state)."""
+    def l2(x):
+        x = x.float()
+        return x / x.pow(2).sum(-1, keepdim=True).pow(0.5).clamp_min(eps)
+    H, K = f.shape[-2], f.shape[-1]
+    qn = (l2(q) * scale).to(qk_dtype)
+    kn = l2(k).to(qk_dtype)
+    g = lower * torch.sigmoid(torch.exp(a_log.float()).view(1, H, 1) * (f.float() + dt_bias.float().view(1, H, K)))
+    b = torch.sigmoid(beta.float())
+    return torch.ops.k3model.kda_decode(qn, kn, v, g, b, state)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from ..options import CUDA_PROFITABLE_M, K3Options
+from ..options import CUDA_PROFITABLE_M, CUDA_UNMEASURED, K3Options
 from ..patterns.structure import GraphInfo
 from ..report import PassReport
 
@@ -24,8 +24,13 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     lo, hi = CUDA_PROFITABLE_M.get(name, (1, 0))
     if (lo <= m <= hi) if m is not None else lo <= hi:
         return None
+    where = f"M={'dynamic' if m is None else m}"
+    if name in CUDA_UNMEASURED:
+        return (f"not applied ({where}): on CUDA with Inductor a pass applies only where the per-layer "
+                f"benchmark measured it faster, and {name} has not been measured on the GPU yet "
+                "(options.CUDA_PROFITABLE_M); gate='off' or K3_GATE=off applies it")
     measured = f"M in [{lo}, {hi}]" if lo <= hi else "no M"
-    return (f"not applied (M={'dynamic' if m is None else m}): on CUDA with Inductor the per-layer benchmark "
+    return (f"not applied ({where}): on CUDA with Inductor the per-layer benchmark "
             f"measured {name} faster than Inductor alone at {measured} (options.CUDA_PROFITABLE_M, "
             "BENCHMARKS.md 'Per layer'); gate='off' or K3_GATE=off applies it")
 

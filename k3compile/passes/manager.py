@@ -25,7 +25,7 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
+from . import fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
 
 log = logging.getLogger("k3compile")
 
@@ -34,6 +34,7 @@ PASSES = {
         shard_router_latent.ShardRouterLatent(),
         fold_moe_finalize.FoldMoeFinalize(),
         fuse_oproj_allreduce.FuseOprojAllreduce(),
+        fold_kda_gate.FoldKdaGate(),
         overlap_shared_expert.OverlapSharedExpert(),
     )
 }
