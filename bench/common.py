@@ -14,6 +14,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 class GraphTimer:
     """`reps` calls of fn captured in one CUDA graph (after an eager warm-up call), kept so that it
     can be timed again later: `time()` is the median over `iters` replays of the per-call time in us.

@@ -111,6 +111,25 @@ def test_mxfp4_artifacts_present():
     assert _mxfp4_pairs(), "no CuTe MXFP4 artifacts: python -m k3compile.kernels.cute.build, K3_CUTE_DIR"
 
 
+def _graphed_with_new_inputs(fn, x, ids, E, g):
+    """fn() captured in a CUDA graph (after a warm-up call on a side stream), then replayed with new
+    random x and expert ids copied into the captured buffers; returns the graph's output."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    (M, L), K = x.shape, ids.shape[1]
+    x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
+    ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.mark.parametrize("math", ["f32", "f16x2"])
 @pytest.mark.parametrize("I", [384, 1536])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
@@ -140,18 +159,8 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
         assert out.shape == (M, K, L) and out.dtype == torch.bfloat16
         assert err <= tol, (I, M, err)
         # CUDA graph: capture once, replay with new inputs copied into the captured buffers
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            gout = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
-        x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
-        ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
+        gout = _graphed_with_new_inputs(lambda: loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0,
+                                                                     pdl=pdl), x, ids, E, g)
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
         print(f"mxfp4 cute {math} pdl={pdl} I={I} M={M}: graphed err {err:.3e}")
@@ -219,18 +228,8 @@ def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
             print(f"mxfp4 JIT {math} M={M}: eager err {err:.3e}")
             assert out.shape == (M, K, L) and err <= MXFP4_TOL[math], (math, M, err)
             n_calls = len(calls)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                gout = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
-            x.copy_(torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16))
-            ids.copy_(torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32))
-            graph.replay()
-            torch.cuda.synchronize()
+            gout = _graphed_with_new_inputs(lambda: launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0,
+                                                                         variant=variant), x, ids, E, g)
             ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
             err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
             print(f"mxfp4 JIT {math} M={M}: graphed err {err:.3e}")

@@ -6,8 +6,6 @@ CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the o
 """
 from __future__ import annotations
 
-import contextlib
-
 import os
 from dataclasses import dataclass
 
@@ -443,22 +441,11 @@ def kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower: float, 
     """k3::kda_decode_gated as one fla-core ``fused_recurrent_kda`` kernel (T = 1): q and k
     L2-normalised in the kernel (x / sqrt(sum(x^2) + 1e-6)), q scaled, the decay lower *
     sigmoid(exp(A_log) * (f + dt_bias)) and beta's sigmoid in the kernel; the K-major fp32 state
-    updated in place, the output written into an empty buffer. The caller checked
-    `attention_ops._fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
-    import inspect
-
-    from ..model.attention_ops import _fla_fused_recurrent_kda_fwd
-    fwd = _fla_fused_recurrent_kda_fwd()
-    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    qq, kk, vv = (x.to(cdt).contiguous().unsqueeze(1) for x in (q, k, v))  # [M, 1, H, K]: T = 1
-    out = torch.empty_like(vv)
-    extra = {"state_v_first": False} if "state_v_first" in inspect.signature(fwd).parameters else {}
-    with torch.no_grad(), (torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()):  # CPU: interpreter
-        o, final = fwd(qq, kk, vv, f.contiguous().unsqueeze(1), beta.contiguous().unsqueeze(1),
-                       A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
-                       scale=float(scale), initial_state=state, output_final_state=True, inplace_final_state=True,
-                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                       lower_bound=float(lower), out=out, **extra)[:2]
-    if final is not state or o is not out:
-        raise RuntimeError("fla fused_recurrent_kda_fwd did not update the state in place / fill `out`")
-    return o[:, 0].to(v.dtype)
+    updated in place, the output written into an empty buffer (attention_ops._fla_decode_in_place).
+    The caller checked `attention_ops._fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
+    from ..model.attention_ops import _fla_decode_in_place, _fla_qkv
+    args = tuple(x.unsqueeze(1) for x in (*_fla_qkv(q, k, v), f.contiguous(), beta.contiguous()))  # T = 1
+    return _fla_decode_in_place(args, dict(A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
+                                           scale=float(scale), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                           use_beta_sigmoid_in_kernel=True, lower_bound=float(lower)),
+                                state, v.dtype)

@@ -195,24 +195,34 @@ def _fla_kda(name: str, needed: set):
     try:
         import fla.ops.kda  # noqa: PLC0415
         fn = getattr(fla.ops.kda, name)
-        params = inspect.signature(fn).parameters
+        params = _fla_params(fn)
     except Exception:
         return None
     return fn if needed.issubset(params) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_params(fn) -> frozenset:
+    """The keyword names an fla function takes (inspected once, not on every call)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _fla_qkv(q, k, v) -> tuple:
+    """q, k, v in their common float dtype (fp32 for any other), contiguous: what fla's kernels take."""
+    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
+        cdt = torch.float32
+    return tuple(x.to(cdt).contiguous() for x in (q, k, v))
 
 
 def _fla_args(fn, q, k, v, g, beta, state) -> tuple[tuple, dict]:
     """(positional, keyword) arguments of an fla KDA kernel for our conventions (``_kda_prefill_fla``'s
     docstring): q, k, v in their common float dtype, fp32 g and beta, all contiguous; scale 1.0, our
     state as the initial state (K-major), no in-kernel norms, gate or beta sigmoid."""
-    cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    if cdt not in (torch.bfloat16, torch.float16, torch.float32):
-        cdt = torch.float32
-    args = (*(x.to(cdt).contiguous() for x in (q, k, v)), g.to(torch.float32).contiguous(),
-            beta.to(torch.float32).contiguous())
+    args = (*_fla_qkv(q, k, v), g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous())
     kwargs = dict(scale=1.0, initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                   use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
-    params = inspect.signature(fn).parameters
+    params = _fla_params(fn)
     if "state_v_first" in params:
         kwargs["state_v_first"] = False
     if "safe_gate" in params:
@@ -295,10 +305,29 @@ def _fla_fused_recurrent_kda_fwd():
     try:
         from fla.ops.kda import fused_recurrent  # noqa: PLC0415
         fn = fused_recurrent.fused_recurrent_kda_fwd
-        params = inspect.signature(fn).parameters
+        params = _fla_params(fn)
     except Exception:
         return None
     return fn if (_FLA_KWARGS | {"inplace_final_state", "out"}).issubset(params) else None
+
+
+def _fla_decode_in_place(args: tuple, kwargs: dict, state: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """One ``fused_recurrent_kda_fwd`` step (T = 1) on the [M, 1, H, *] `args` (q, k, v, g, beta)
+    with the kernel keywords `kwargs`: the contiguous K-major fp32 `state` is read and written in
+    place (each (token, head, V block) by one program), the output goes into an empty buffer the
+    kernel fills. Returns o [M, H, V] in out_dtype. Used by kda_decode and by k3's
+    kda_decode_gated (kernels/launch.py), which puts the norms and the gate in the kernel."""
+    fwd = _fla_fused_recurrent_kda_fwd()
+    kwargs = dict(kwargs, initial_state=state, output_final_state=True)
+    if "state_v_first" in _fla_params(fwd):
+        kwargs["state_v_first"] = False
+    out = torch.empty_like(args[2])
+    dev = args[0].device
+    with torch.no_grad(), (torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()):
+        o, final_state = fwd(*args, out=out, inplace_final_state=True, **kwargs)[:2]
+    if final_state is not state or o is not out:
+        raise RuntimeError("fla fused_recurrent_kda_fwd did not update the state in place / fill `out`")
+    return o[:, 0].to(out_dtype)
 
 
 def _fla_decode_fits(q, k, v, g, beta, state) -> bool:
@@ -313,15 +342,8 @@ def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
     decay, scale 1.0, no in-kernel norms or beta sigmoid; output cast to v.dtype."""
     fused_recurrent_kda = _fla_fused_recurrent_kda()
     args, kwargs = _fla_args(fused_recurrent_kda, *(x.unsqueeze(1) for x in (q, k, v, g, beta)), state)  # T = 1
-    fwd = _fla_fused_recurrent_kda_fwd()
-    if fwd is not None and state.is_contiguous():
-        # in place: the kernel reads and writes each (token, head, V block) of `state` in one program
-        out = torch.empty_like(args[2])
-        with torch.no_grad(), (torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()):
-            o, final_state = fwd(*args, out=out, inplace_final_state=True, **kwargs)[:2]
-        if final_state is not state or o is not out:
-            raise RuntimeError("fla fused_recurrent_kda_fwd did not update the state in place / fill `out`")
-        return o[:, 0].to(v.dtype)
+    if _fla_fused_recurrent_kda_fwd() is not None and state.is_contiguous():
+        return _fla_decode_in_place(args, kwargs, state, v.dtype)
     with torch.no_grad():
         o, final_state = fused_recurrent_kda(*args, **kwargs)[:2]
     if final_state is None or _shape(final_state) != _shape(state) or _shape(o) != (q.shape[0], 1, *v.shape[1:]):
