@@ -47,9 +47,12 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fuse_oproj_allreduce": (1, 256),
     "overlap_shared_expert": (1, 256),
     "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
-    "fold_kda_gate": (1, 0),  # not yet measured on the GPU: applied by gate="off" only (the ablation rows)
+    # KDA layer, TP=8 shapes, M=1 (92e6e28, medians of 3 rounds): -1.6 us with every other pass
+    # (k3-prefetch 187.7 vs k3-fold_kda_gate 189.3), -1.3 us alone (k3+fold_kda_gate 217.7 vs k3none
+    # 219.0); no ablation ran at M > 1 yet
+    "fold_kda_gate": (1, 1),
 }
-CUDA_UNMEASURED = {"fold_kda_gate"}  # no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)

@@ -317,19 +317,22 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     gets every pass with a non-empty range; gate="off", mode="eager" and CPU graphs are not gated."""
     import dataclasses
 
-    from k3compile.options import CUDA_PROFITABLE_M, CUDA_UNMEASURED, K3Options
+    import k3compile.passes.base as base
+    from k3compile.options import CUDA_PROFITABLE_M, K3Options
     from k3compile.passes.base import gated_off
     from k3compile.passes.manager import PASSES
     from k3compile.patterns.structure import GraphInfo
     cuda = GraphInfo(tp=2, m=1, dtype=torch.bfloat16, device="cuda")
-    # shipped: a pass never measured on the GPU is gated off there, and the reason says it is unmeasured
+    # a pass never measured on the GPU is gated off there, and the reason says it is unmeasured
+    monkeypatch.setattr(base, "CUDA_UNMEASURED", {"fold_kda_gate"})
+    monkeypatch.setitem(CUDA_PROFITABLE_M, "fold_kda_gate", (1, 0))
     assert "has not been measured on the GPU yet" in PASSES["fold_kda_gate"].skip_reason(cuda, K3Options.make())
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
         why = p.skip_reason(cuda, K3Options.make())
         assert why and "(M=1)" in why and "gate='off'" in why, why
-        assert ("not been measured" if p.name in CUDA_UNMEASURED else "at no M") in why, why
+        assert ("not been measured" if p.name == "fold_kda_gate" else "at no M") in why, why
         assert p.skip_reason(cuda, K3Options.make(gate="off")) is None
         assert p.skip_reason(cuda, K3Options.make(mode="eager")) is None
         assert p.skip_reason(dataclasses.replace(cuda, device="cpu"), K3Options.make()) is None
