@@ -67,6 +67,11 @@ for st in "$@"; do
                --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
+    # the CuTe push-epilogue o-proj: its GPU tests (and the refactored skinny GEMM's), then the op
+    # timed against the pull path, cold weights, 3 AttnRes blocks as in the layer bench
+    push) step push_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py tests/test_gpu_cute.py -k "push or skinny"
+          step ops_push 240 python3 bench/ops_bench.py --ops oproj_ar_norm --cute --cold 8 --blocks 3 \
+            --ms ${K3_MS:-1,4,16,64} --shapes tp8,tp2 --out "$R/ops_push.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

@@ -19,6 +19,8 @@ step of that layer, CUDA-graphed, for:
               between gate-up and down, K3_CUTE_PDL=0); all of them without the L2 prefetch, which the gate applies nowhere (until
               commit d4e7aeb they had it, which mixed its cost into every pass's row)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
+  k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_CUTE_PUSH=1:
+              partials stored into every rank's buffer, flags instead of a barrier)
   k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
               bench/gemv_bench.py) found it faster than cuBLAS, with that sweep's best configs
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
@@ -53,7 +55,7 @@ PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "f
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
 # on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
 # other variants take the default)
-ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}}
+ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_push": {"K3_CUTE_PUSH": "1"}}
 # Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
@@ -125,7 +127,8 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
     return total
 
 
-def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3):
+def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3,
+        push=False):
     import torch
 
     import k3compile
@@ -183,6 +186,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         if pdl:  # Programmatic Dependent Launch in Inductor's Triton kernels (CFG below), both compilers
             variants["inductor_pdl"] = torch.compile(step, backend="inductor", fullgraph=True, dynamic=False)
             variants["k3_pdl"] = k3c(gate="measured")
+        if push:  # k3 with the CuTe push-epilogue o-proj GEMM (ENV below)
+            variants["k3_push"] = k3c(gate="measured")
         if gemv_table:  # k3 with the Triton GEMV in its ops where that sweep found it faster (ENV below)
             variants["k3_gemv"] = k3c(gate="measured")
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
@@ -352,6 +357,7 @@ def main():
                     help="per-op device time of one un-graphed Inductor and k3 step (which GEMM is which)")
     ap.add_argument("--gemv-table", default="", help="a bench/gemv_bench.py result: adds the k3_gemv variant")
     ap.add_argument("--pdl", action="store_true", help="also time Inductor and k3 with Inductor's PDL (CFG)")
+    ap.add_argument("--push", action="store_true", help="also time k3 with the CuTe push-epilogue o-proj (k3_push)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="times every variant's kept graph this many times, in turn; the median is reported")
     ap.add_argument("--out", default=None)
@@ -363,7 +369,7 @@ def main():
     world = 1 if a.smoke else a.world
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
-                    os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds),
+                    os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds), a.push,
                     **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 

@@ -28,7 +28,7 @@ H, L, E, TOPK = 7168, 3584, 896, 16
 SHAPES = {"tp2": dict(heads_dim=12288 // 2, up=H // 2), "tp8": dict(heads_dim=12288 // 8, up=H // 8)}
 
 
-def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
+def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False):
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -78,6 +78,21 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
                 kcuda.ONESHOT_M[op] = keep
         return run
 
+    def with_env(fn, **env):
+        """fn() with these environment variables set (read by dispatch at call / capture time)."""
+        def run():
+            keep = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                return fn()
+            finally:
+                for k, v in keep.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        return run
+
     kop = {"oproj_ar_norm": "oproj_allreduce_residual", "latent_tail": "moe_latent_tail",
            "router_latent": "router_latent_sharded", "all_reduce": "all_reduce_prefetch"}
 
@@ -89,14 +104,21 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only=""):
         k3 = variants.pop("k3")
         variants["k3_oneshot"] = forced(kop[op], k3, True)
         variants["k3_nccl_path"] = forced(kop[op], k3, False)
+        if op == "oproj_ar_norm" and cute_variants:
+            # the CuTe skinny GEMM before the pull all-reduce kernel, and the CuTe GEMM with the
+            # push epilogue (every rank's partial stored into every buffer, flags instead of a barrier)
+            variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_CUTE="1", K3_CUTE_PUSH="0")
+            variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_CUTE_PUSH="1")
         for name, fn in variants.items():
             dist.barrier()
             outs[name] = fn()
             res[name] = time_graph(fn)
         errs = {n: check(outs[n], outs["eager"]) for n in outs if n != "eager"}
+        from k3compile.kernels import choose
+        why_not = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
         row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
                    ar_warps=os.environ.get("K3_AR_WARPS"), us=res, err_vs_eager=errs, bytes=nbytes,
-                   floor_us=nbytes / bw * 1e6)
+                   floor_us=nbytes / bw * 1e6, cute_fallbacks=why_not)
         base = min(res["eager"], res["inductor"])
         lo, hi = kcuda.ONESHOT_M[kop[op]]
         row["table_pick"] = "oneshot" if lo <= M <= hi else "nccl_path"
@@ -187,12 +209,15 @@ def main():
                          "and not the 60 MB L2, as in a model (8 is > L2 for every op)")
     ap.add_argument("--blocks", type=int, default=0, help="AttnRes blocks in the o-proj op (0: plain RMSNorm)")
     ap.add_argument("--ops", default="", help="comma list of ops to run (default: all)")
+    ap.add_argument("--cute", action="store_true",
+                    help="o-proj also as k3_cute_gemm (CuTe skinny GEMM + pull all-reduce) and k3_cute_push "
+                         "(CuTe GEMM with the push epilogue); needs the artifacts (K3_CUTE_DIR)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from k3compile.distributed import run_ranks
     t = time.time()
     res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, a.blocks, a.ops,
-                    backend="nccl")
+                    a.cute, backend="nccl")
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

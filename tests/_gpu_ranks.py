@@ -87,3 +87,79 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
     out["_kernels"] = {f"{k[0]}": v for k, v in registry.registered().items() if k[1] == "cuda"}
     out["_symm"] = symm.status()
     return out
+
+
+def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
+    """The o-proj op with the CuTe push GEMM forced (K3_CUTE_PUSH=1) vs the op's reference (NCCL),
+    eager and graphed, at both per-rank K of the build; then three calls with a plain all-reduce
+    between each (alternating buffer halves, rising sequence numbers) captured in one CUDA graph
+    and replayed three times, each output checked. Returns errors, which shapes pushed and the
+    CuTe fallback reasons."""
+    import os
+
+    import torch.distributed as dist
+
+    import k3compile.ops  # noqa: F401
+    from k3compile.kernels import choose
+    from k3compile.ops import reference as ref
+
+    os.environ["K3_CUTE_PUSH"] = "1"
+    dev = torch.device("cuda", rank)
+    group = dist.group.WORLD.group_name
+    bf = torch.bfloat16
+    H = 7168
+    out: dict = {}
+
+    def rnd(*shape, seed, scale=1.0, shared=True):
+        g = torch.Generator(device=dev).manual_seed(seed * 97 + (0 if shared else 1000 + rank))
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+    def op(x, w, res, blocks, wn, wq, gm):
+        return torch.ops.k3.oproj_allreduce_residual(x, w, res, blocks, wn if blocks else None, wq if blocks else None,
+                                                     gm, 1e-5, group, [])
+
+    def reference(x, w, res, blocks, wn, wq, gm):
+        return ref.oproj_allreduce_residual(x, w, res, blocks, wn if blocks else None, wq if blocks else None,
+                                            gm, 1e-5, group)
+
+    for K in (1536, 6144):
+        w = rnd(H, K, seed=2, scale=K ** -0.5)
+        wn, wq, gm = (rnd(H, seed=20 + i).abs() + 0.5 for i in range(3))
+        for M in Ms:
+            for nb in (0, 3):
+                args = (rnd(M, K, seed=M, shared=False), w, rnd(M, H, seed=3),
+                        [rnd(M, H, seed=10 + i) for i in range(nb)], wn, wq, gm)
+                r, k, kg = reference(*args), op(*args), _graphed(op, *args)
+                out[f"push K={K} M={M} blocks={nb}"] = dict(
+                    err=max(rel(a, b) for a, b in zip(k, r)), err_graphed=max(rel(a, b) for a, b in zip(kg, r)))
+        # three calls in one graph, a plain all-reduce kernel between them
+        M = 4
+        xs = [rnd(M, K, seed=50 + i, shared=False) for i in range(3)]
+        res = rnd(M, H, seed=4)
+        xa = rnd(M, H, seed=60, shared=False)
+
+        def three():
+            outs = []
+            for x in xs:
+                outs.append(op(x, w, res, [], wn, wq, gm))
+                torch.ops.k3.all_reduce_prefetch(xa, group, [])
+            return outs
+        three()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = three()
+        errs = []
+        for rep in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            for x, o in zip(xs, outs):
+                r = reference(x, w, res, [], wn, wq, gm)
+                errs.append(max(rel(a, b) for a, b in zip(o, r)))
+        out[f"push K={K} three calls x three replays"] = dict(err=max(errs), err_graphed=max(errs))
+    out["_pushed"] = sorted(f"N={k[1]} K={k[2]} M={k[3]}" for k, v in choose._PUSH.items() if v is not None)
+    out["_fallbacks"] = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
+    return out

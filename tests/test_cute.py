@@ -42,7 +42,7 @@ def built(tmp_path_factory):
 
 def test_every_variant_compiles_with_wgmma_and_tma(built):
     out, mans = built
-    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 16
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 24
     for name, man in mans.items():
         if not name.startswith("skinny_gemm"):
             continue
@@ -58,12 +58,36 @@ def test_every_variant_compiles_with_wgmma_and_tma(built):
         cubin = (out / f"{name}.cubin").read_bytes()
         assert cubin[:4] == b"\x7fELF" and 1000 < len(cubin) < 200_000, (name, len(cubin))
         assert man["smem"] <= 227 * 1024
+        if man["variant"].get("push"):   # the push epilogue: vector stores, then fence, then release
+            assert "st.global.v4.u32" in ptx and "st.shared.b16" in ptx, name
+            i_st, i_fence = ptx.rindex("st.global.v4.u32"), ptx.index("fence.acq_rel.sys")
+            assert i_st < i_fence < ptx.index("st.release.sys.global.u32"), name
+            assert [p["kind"] for p in man["params"][:9]] == ["tma", "tma", "ptr", "ptr", "i32", "i32", "i32",
+                                                              "i64", "i64"], name
+        else:
+            assert "st.release" not in ptx and "fence.acq_rel.sys" not in ptx, name
+
+
+def test_push_params_pack_rank_world_and_offsets(built):
+    out, mans = built
+    man = mans["skinny_gemm_push_bf16_n7168_k1536_mt8"]
+    assert man["variant"]["op"] == "oproj_push" and man["smem"] == 1024 + 8 * 64 * 64 * 2 + 8 * 8 * 64 * 2 + 1024 + 8 * 64 * 2
+    vals = dict(ptrs=0x7F0000300000, epoch=0x7F0000400000, rank=1, world=8, half_elems=(1 << 22) - 8192,
+                flag_off=(16 << 20) - (64 << 10))
+    blobs = loader.pack_params(man, w=(0x7F0000000000, 7168, 1536), x=(0x7F0000100000, 3, 1536), m_valid=3,
+                               values=vals, encode_tma=lambda spec: b"\0" * 128)
+    got = [struct.unpack({8: "<q", 4: "<i"}[len(b)], b)[0] for b in blobs[2:9]]
+    assert got == [vals["ptrs"], vals["epoch"], 3, 1, 8, vals["half_elems"], vals["flag_off"]]
+    # the plain GEMM's artifact is never picked for the push op, nor the other way round
+    art, _ = loader.find(out, "oproj_push", 7168, 1536, 5)
+    assert art is not None and art.path.stem == "skinny_gemm_push_bf16_n7168_k1536_mt8"
+    assert loader.find(out, "oproj_gemm", 7168, 1536, 5)[0].path.stem == "skinny_gemm_bf16_n7168_k1536_mt8"
 
 
 def test_cache_hits_and_misses(built, monkeypatch):
     out, mans = built
     logs = []
-    build.build(out, only="k1536_mt16", log=logs.append)
+    build.build(out, only="skinny_gemm_bf16_n7168_k1536_mt16", log=logs.append)
     assert logs == ["skinny_gemm_bf16_n7168_k1536_mt16: cached"]
     v = next(v for v in build.variants() if v["name"].endswith("k1536_mt16"))
     assert build.cache_key(v) == mans[v["name"]]["key"]

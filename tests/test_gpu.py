@@ -155,6 +155,23 @@ def test_kernels_match_reference_tp2_symmetric_memory():
         _check_kernel_results(res)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_oproj_push_gemm_matches_reference_tp2():
+    """The CuTe push-epilogue GEMM + flag-waiting all-reduce kernel (K3_CUTE_PUSH=1) equals the
+    o-proj reference at TP=2, eagerly, graphed, and over several calls replayed from one graph;
+    every shape must have taken the push path (no fallback)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _gpu_ranks import oproj_push_vs_reference
+    from k3compile.distributed import run_ranks
+    for res in run_ranks(oproj_push_vs_reference, 2):
+        print(res["_pushed"], res["_fallbacks"])
+        assert not res["_fallbacks"], res["_fallbacks"]
+        assert len(res["_pushed"]) == 2 * 4 + 2, res["_pushed"]   # K x M, and M=4 of the three-call graph
+        _check_kernel_results(res)
+
+
 def _check_kernel_results(res):
     """bf16 outputs: the kernels round like the references, so differences are a few bf16 steps
     relative to the output's largest value (NCCL sums in another order at TP>1)."""

@@ -34,14 +34,15 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2,
 class SimGroup:
     """Rank `rank` of `world`, every buffer and signal pad a CPU tensor."""
 
-    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048):
+    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048, flag_bytes: int = 0):
+        """nbytes: one buffer half; flag_bytes: a push-flag region after the two halves."""
         self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
-        self.bufs = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.bufs = [torch.zeros(2 * nbytes + flag_bytes, dtype=torch.uint8) for _ in range(world)]
         self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32) for _ in range(world)]
         self.epoch = torch.zeros(3, dtype=torch.int32)
         self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs]),
                                   torch.tensor([p.data_ptr() for p in self.pads]), self.epoch, rank, world,
-                                  self.nbytes, max_programs(pad_bytes, world))
+                                  self.nbytes, max_programs(pad_bytes, world), 2 * nbytes if flag_bytes else -1)
 
     def view(self, p, dtype, *shape, half=None):
         """Rank p's buffer half (default: the one the next call uses), as [*shape] of dtype."""
@@ -106,6 +107,101 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M):
     ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
     torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
     torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
+
+
+class FakePush:
+    """The CuTe push GEMM's contract (cute/skinny_gemm.SkinnyGemmPushSm90) played in PyTorch on a
+    SimGroup: rank r's partial x @ w^T goes into slot r of every rank's buffer half epoch[0]
+    (element (r * M + m) * N + n), and rank r's flags in every other rank's flag region
+    (int32 at flag_off, index r * 128 + t) get the call's sequence number for each 64-column tile."""
+
+    def __init__(self, sim, xs):
+        self.sim, self.xs = sim, xs
+
+    def launch_push(self, x, w, peers, flag_off):
+        sim = self.sim
+        M, N = x.shape[0], w.shape[0]
+        seq = int(sim.epoch[2]) + 1
+        assert torch.equal(x, self.xs[sim.rank])  # the op hands this rank's x to the GEMM
+        for r in range(sim.world):   # every rank's GEMM (this one included) pushes into every buffer
+            part = F.linear(self.xs[r], w)
+            for d in range(sim.world):
+                sim.view(d, x.dtype, sim.world * M * N)[r * M * N:(r + 1) * M * N].copy_(part.reshape(-1))
+                if d != r:
+                    sim.bufs[d][flag_off:].view(torch.int32)[r * 128:r * 128 + (N + 63) // 64] = seq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,rank,nb,M,N", [(2, 1, 0, 3, 160), (2, 0, 3, 2, 48), (4, 2, 1, 1, 130)])
+def test_oproj_with_pushed_partials(dtype, world, rank, nb, M, N):
+    """PUSHED: the all-reduce + residual + norm kernel after the push GEMM reads every rank's
+    partial from this rank's own buffer once the flags say it is there: no copy, no barrier
+    signals (the pads stay zero), the same result as the pull path, and the half flips."""
+    g = torch.Generator().manual_seed(world * 100 + N)
+    K = 24
+    xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
+    w = (torch.randn(N, K, generator=g) / 4).to(dtype)
+    res = torch.randn(M, N, generator=g).to(dtype)
+    blocks = [torch.randn(M, N, generator=g).to(dtype) for _ in range(nb)]
+    w_norm, w_qk, gam = _weights(N, dtype, g)
+    sim = SimGroup(world, rank, world * M * N * 4, flag_bytes=4 * 128 * world)
+    sim.epoch[2] = 41   # a later call: the flags must carry its number, 42
+    upd, nrm = launch.oproj(xs[rank], w, sim.peers, res, blocks, w_norm, w_qk, gam, 1e-5, push=FakePush(sim, xs))
+    y = sum(F.linear(x, w).float() for x in xs).to(dtype)
+    ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
+    torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
+    torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
+    assert all(int(p.abs().sum()) == 0 for p in sim.pads), "the pushed path sent barrier signals"
+    assert sim.epoch.tolist() == [1, 0, 42], "the buffer half did not flip / the call was not counted"
+
+
+class _Cuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so dispatch considers the CuTe push GEMM."""
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_push_gemm_choice_is_agreed_by_every_rank_and_memoised(monkeypatch):
+    """choose.push_gemm: off by default (no measured range), on with K3_CUTE_PUSH=1; never at TP=1,
+    without a flag region or for a call whose partials do not fit a half; the artifact is used only
+    when every rank found it (one all-reduce per shape, memoised), otherwise the reason is noted."""
+    from k3compile.kernels import choose
+    sim = SimGroup(2, 0, 1 << 16, flag_bytes=1024)
+    x, w = torch.zeros(3, 64, dtype=torch.bfloat16).as_subclass(_Cuda), torch.zeros(128, 64, dtype=torch.bfloat16)
+    art = object()
+    finds, votes, loads = [], [], []
+    monkeypatch.setattr(choose, "_find", lambda *k: finds.append(k) or (art, ""))
+    monkeypatch.setattr(choose, "_load", lambda a, dev: loads.append(a))
+    monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) or ok)
+    monkeypatch.setattr(choose, "_PUSH", {})
+    for var in ("K3_CUTE", "K3_CUTE_PUSH"):
+        monkeypatch.delenv(var, raising=False)
+    assert "oproj_push" not in choose.CUTE_M and choose.push_gemm(x, w, sim.peers, "tp") is None and not finds
+    monkeypatch.setenv("K3_CUTE_PUSH", "1")
+    assert choose.push_gemm(x, w, sim.peers, "tp") is art and choose.push_gemm(x, w, sim.peers, "tp") is art
+    assert finds == [("gemm", "oproj_push", 128, 64, 3)] and votes == [True] and loads == [art]  # decided once
+    assert choose.push_gemm(x.as_subclass(torch.Tensor), w, sim.peers, "tp") is None     # not CUDA
+    tp1 = SimGroup(1, 0, 1 << 16, flag_bytes=1024).peers
+    noflags = SimGroup(2, 0, 1 << 16).peers
+    assert choose.push_gemm(x, w, tp1, "tp") is None and choose.push_gemm(x, w, noflags, "tp") is None
+    monkeypatch.setenv("K3_CUTE_PUSH", "0")
+    assert choose.push_gemm(x, w, sim.peers, "tp2") is None and votes == [True]
+    # another rank could not load it: nobody pushes, and the report says why
+    monkeypatch.setenv("K3_CUTE_PUSH", "1")
+    monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) and False)
+    choose._WHY.clear()
+    with pytest.warns(UserWarning, match="another rank"):
+        assert choose.push_gemm(x, w, sim.peers, "tp3") is None
+    # partials that do not fit one half of the workspace: not tried, on any rank (all vote no)
+    big = torch.zeros(300, 64, dtype=torch.bfloat16).as_subclass(_Cuda)
+    with pytest.warns(UserWarning, match="do not fit"):
+        assert choose.push_gemm(big, w, sim.peers, "tp") is None
+    assert votes[-1] is False and len(finds) == 2
+    choose._WHY.clear()   # one warning per op and shape
+    with pytest.warns(UserWarning, match="dtype"):
+        assert choose.push_gemm(x.float(), w.float(), sim.peers, "tp") is None
+    assert "dtype torch.float32" in choose.fallbacks()["oproj_push N=128 K=64 M=3"]
 
 
 def test_oproj_without_norm_and_plain_all_reduce():

@@ -4,7 +4,8 @@
 (BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.14-1.38x faster than
 Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, commit 4477321),
 so they are the default there for bf16 activations. `oproj` (the skinny GEMM) has no range: it
-measured equal to cuBLAS at best. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
+measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
+epilogue, `push_gemm`) has none until measured. `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
 turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
 JIT: where the DSL is installed and no artifact fits a wanted shape that the build has a variant
 for (`build.jit_variants`), the first call builds it into that directory (`build.ensure`: the AOT
@@ -181,6 +182,66 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         from .launch import gemv
         return gemv(x, w, cfg=cfg)
     return torch.mm(x, w.t())
+
+
+_PUSH: dict[tuple, object] = {}
+
+
+def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
+    """The CuTe push-epilogue o-proj GEMM (cute/skinny_gemm.SkinnyGemmPushSm90) for this call, or
+    None: the op then runs its GEMM + pull all-reduce kernel. Wanted where CUTE_M["oproj_push"]
+    says so (no range until measured), or forced by K3_CUTE_PUSH=1 (K3_CUTE=1 too); K3_CUTE_PUSH=0
+    or K3_CUTE=0 turn it off. Every rank of the group must take the same path (a rank waiting for
+    flags a peer never pushes would hang), so the first eager call of each shape decides with one
+    all-reduce (MIN) over the group whether every rank found and loaded the artifact; the answer
+    is memoised. Inside a CUDA graph capture an undecided shape takes the pull path."""
+    flag = os.environ.get("K3_CUTE_PUSH", "")
+    m, k = x.shape
+    n = w.shape[0]
+    if flag == "0" or peers is None or peers.world < 2 or peers.flag_off < 0 or not x.is_cuda:
+        return None
+    if flag != "1" and not wanted("oproj_push", m):
+        return None
+    key = (group, n, k, m, x.dtype, w.dtype)
+    if key in _PUSH:
+        return _PUSH[key]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    art, why = None, ""
+    if x.dtype != torch.bfloat16 or w.dtype != x.dtype:
+        why = f"dtype {x.dtype} (the CuTe kernels are bf16)"
+    elif n % 64 or n // 64 > 128:
+        why = f"N={n}: the push epilogue needs N a multiple of 64, at most 128 tiles"
+    elif peers.world * m * n * x.element_size() > peers.nbytes // 2:
+        why = f"{peers.world} x {m} x {n} partials do not fit one half of the workspace ({peers.nbytes // 2} bytes)"
+    else:
+        try:
+            art, why = _find("gemm", "oproj_push", n, k, m)
+            if art is not None:   # load it now: a rank that cannot must say so before any rank pushes
+                _load(art, x.device)
+        except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
+            art, why = None, f"loader error: {type(e).__name__}: {e}"
+    ok = _all_ranks(art is not None, group, x.device)
+    if art is not None and not ok:
+        why = "another rank of the group cannot run it"
+    if why:
+        _note(f"oproj_push N={n} K={k} M={m}", why)
+    _PUSH[key] = art if ok else None
+    return _PUSH[key]
+
+
+def _load(art, device) -> None:
+    """Load an artifact's cubin on `device` now (cuModuleLoadData), instead of at first launch."""
+    from .cute.loader import _driver
+    art._function(device.index if device.index is not None else torch.cuda.current_device(), _driver())
+
+
+def _all_ranks(ok: bool, group: str, device) -> bool:
+    """True when `ok` holds on every rank of the group (one all-reduce MIN)."""
+    import torch.distributed as dist
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=dist.distributed_c10d._resolve_process_group(group))
+    return bool(t.item())
 
 
 def gemm_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 - oproj_allreduce_residual: cuBLAS GEMM, then one Triton kernel: copy of the partial into this
   rank's symmetric buffer, barrier, peer loads over NVLink (one-shot all-reduce), residual add,
-  AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers.
+  AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers. Where `choose.push_gemm`
+  picks it, the CuTe push GEMM instead stores the partial into every rank's buffer with per-tile
+  flags, and the Triton kernel waits on the flags and reads only its own buffer.
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns.
@@ -30,7 +32,7 @@ import torch
 
 from ..model.functional import situ_mlp
 from ..runtime import streams, symm
-from . import launch
+from . import choose, launch
 from .registry import register
 
 
@@ -62,7 +64,8 @@ def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int
         if ws is not None:
             symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
         return False, None
-    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.buf.numel(), ws.programs)
+    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.data_bytes, ws.programs,
+                              ws.buf.numel() - symm.FLAG_BYTES)
 
 
 def _prefetcher(weights: list[torch.Tensor]):
@@ -99,7 +102,8 @@ def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
     if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
         y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
         return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
-    return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
+    return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
+                        choose.push_gemm(x, w, peers, group))
 
 
 def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):

@@ -34,6 +34,7 @@ class Peers:
     world: int
     nbytes: int          # buffer size (two halves)
     programs: int        # most programs per kernel (signal-pad slots / world)
+    flag_off: int = -1   # byte offset of the push flags in every rank's buffer (-1: none)
 
     def half(self, dtype: torch.dtype) -> int:
         """Elements of `dtype` in one buffer half."""
@@ -48,12 +49,19 @@ def _programs(n: int, peers: "Peers | None") -> int:
     return max(1, min(n, peers.programs if peers is not None else MAX_PROGRAMS))
 
 
-def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.Tensor | None,
-                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float):
+def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
+                     g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
+                     pushed: tuple[int, int, torch.dtype] | None = None):
     """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
-    when g is None). `local` is this rank's [M, N] partial; peers None means TP=1."""
-    M, N = local.shape
-    dt = local.dtype
+    when g is None). `local` is this rank's [M, N] partial; peers None means TP=1.
+    pushed = (M, N, dtype): the partials are already in the buffers (the CuTe push GEMM ran);
+    `local` is None."""
+    if pushed is not None:
+        M, N, dt = pushed
+        local = residual if residual is not None else peers.ptrs   # a placeholder pointer, unread
+    else:
+        M, N = local.shape
+        dt = local.dtype
     upd = torch.empty(M, N, dtype=dt, device=local.device)
     nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
     bs = list(blocks) + [upd] * (8 - len(blocks))
@@ -63,10 +71,10 @@ def ar_residual_norm(local: torch.Tensor, peers: Peers | None, residual: torch.T
         peers.half(dt) if peers else 0, local,
         residual if residual is not None else local, upd, nrm,
         g if g is not None else local, w_norm if w_norm is not None else local,
-        w_qk if w_qk is not None else local, *bs, M, N, eps,
+        w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        num_warps=AR_WARPS or _warps(BLOCK))
+        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK))
     return upd, nrm
 
 
@@ -122,12 +130,21 @@ def _no_prefetch():
     return lambda: None
 
 
-def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
+          push=None):
     """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
-    runs between the two and returns the function that joins the prefetch."""
-    part = choose.gemm("oproj", x, w)  # CuTe where kernels/choose.py says so, else torch.mm
+    runs between the two and returns the function that joins the prefetch. push: the CuTe
+    push-epilogue GEMM artifact (choose.push_gemm): the GEMM stores this rank's partial into every
+    rank's buffer and flags it, and the kernel after it reads only this rank's buffer."""
+    if push is not None:
+        push.launch_push(x.contiguous(), w.contiguous(), peers, peers.flag_off)
+        pushed = (x.shape[0], w.shape[0], x.dtype)
+        part = None
+    else:
+        part = choose.gemm("oproj", x, w)  # CuTe where kernels/choose.py says so, else torch.mm
+        pushed = None
     join = start_prefetch()
-    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed)
     join()
     return upd, nrm
 

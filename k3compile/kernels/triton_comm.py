@@ -84,6 +84,32 @@ def _sum_peers(ptrs, base, local, off, mask, WORLD: tl.constexpr, DTYPE: tl.cons
 
 
 @triton.jit
+def _wait_pushed(flags, epoch, NT, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Wait until every peer's push GEMM (cute/skinny_gemm.SkinnyGemmPushSm90) has published all
+    NT column tiles of this call into this rank's buffer: flags[src * 128 + t] >= the call's
+    sequence number (int32 difference, so it wraps), read with system-scope acquire."""
+    seq = tl.load(epoch + 2) + 1
+    t = tl.arange(0, 128)
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            ready = 0
+            while ready == 0:
+                f = tl.atomic_add(flags + p * 128 + t, 0, mask=t < NT, sem="acquire", scope="sys")
+                ready = tl.min(tl.where(t < NT, f - seq, 0), axis=0) >= 0
+    tl.debug_barrier()
+
+
+@triton.jit
+def _sum_slots(mine, slot, off, mask, WORLD: tl.constexpr):
+    """sum over source ranks of mine[p * slot + off] (fp32; the push layout: rank p's partial in
+    slot p of this rank's own buffer), in rank order like _sum_peers."""
+    acc = tl.zeros(off.shape, tl.float32)
+    for p in tl.static_range(WORLD):
+        acc += tl.load(mine + p * slot + off, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _rms(xf, mask, N, eps):
     """xf * rsqrt(mean(xf^2) + eps) over the valid lanes."""
     ms = tl.sum(tl.where(mask, xf * xf, 0.0), axis=0) / N
@@ -118,13 +144,17 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 def ar_residual_norm_kernel(
     ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk,
     b0, b1, b2, b3, b4, b5, b6, b7,
-    M, N, eps,
+    M, N, eps, FLAG_OFF, NT,
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
+    PUSHED: tl.constexpr = False,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
-    `local` is this rank's [M, N] partial; rows are spread over the programs."""
+    `local` is this rank's [M, N] partial; rows are spread over the programs.
+    PUSHED (WORLD > 1): the push GEMM has already stored every rank's partial into this rank's
+    buffer (slot p = rank p) and flagged them (int32 flags at byte FLAG_OFF of this rank's buffer,
+    NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -132,16 +162,23 @@ def ar_residual_norm_kernel(
     base = _half(epoch, HALF, WORLD)
     if WORLD > 1:
         mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
-        for row in range(pid, M, npid):
-            tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
-        _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
+        if PUSHED:
+            flags = (tl.load(ptrs + RANK) + FLAG_OFF).to(tl.pointer_type(tl.int32))
+            _wait_pushed(flags, epoch, NT, RANK, WORLD)
+        else:
+            for row in range(pid, M, npid):
+                tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
+            _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
     if HAS_NORM:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
         if NB > 0:
             wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
                 tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
-        y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        if PUSHED and WORLD > 1:
+            y = _sum_slots(mine, M * N, row * N + offs, mask, WORLD).to(DTYPE).to(tl.float32)
+        else:
+            y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
         if HAS_RES:
             y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
         tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BYTES = int(os.environ.get("K3_SYMM_BYTES", 16 << 20))
+# the last FLAG_BYTES of the buffer: per-tile flags of the CuTe push GEMM (int32 [world, 128] per
+# rank; zeroed at allocation), outside the two data halves
+FLAG_BYTES = 64 << 10
 # programs per kernel x world must fit the signal pad (uint32 slots): at most this many programs
 MAX_PROGRAMS = 128
 
@@ -42,9 +45,14 @@ class Workspace:
     programs: int              # most programs one kernel may use (signal-pad slots / world)
     handle: object
 
+    @property
+    def data_bytes(self) -> int:
+        """The two alternating data halves; the push flags follow them (FLAG_BYTES)."""
+        return (self.buf.numel() - FLAG_BYTES) // 32 * 16
+
     def fits(self, nbytes: int) -> bool:
         """A call's partial must fit one half of the buffer (the halves alternate)."""
-        return nbytes <= self.buf.numel() // 2
+        return nbytes <= self.data_bytes // 2
 
 
 _WS: dict[tuple[str, int], Workspace] = {}

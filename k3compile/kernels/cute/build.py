@@ -12,7 +12,7 @@ into DIR (default `$K3_CUTE_DIR` or `~/.cache/k3compile/cute`):
                and what the loader puts there: a TMA descriptor, a pointer, an int), the TMA
                descriptors' encoding, and the cache key.
 A variant whose manifest holds the same key is not rebuilt: the key hashes the kernel's source
-file, this file, the variant's shapes and tile config, the DSL version and the target arch.
+file, its inline-PTX helpers (ptx.py), this file, the variant's shapes and tile config, the DSL version and the target arch.
 
 Export route (issue 6 asked to evaluate three):
 - `export_to_c` (.o + .h): the object's host launcher calls the CUDA *runtime* through
@@ -66,6 +66,12 @@ def variants() -> list[dict]:
         for mt in (8, 16, 32, 64):
             out.append(dict(name=f"skinny_gemm_bf16_n7168_k{k}_mt{mt}", kernel="skinny_gemm", op="oproj_gemm",
                             n=7168, k=k, mt=mt, stages=8, dtype="bf16"))
+    # the same GEMM with the push all-reduce epilogue (skinny_gemm.SkinnyGemmPushSm90): one
+    # artifact serves every rank and TP size (rank and world are kernel arguments)
+    for k in (1536, 6144):
+        for mt in (8, 16, 32, 64):
+            out.append(dict(name=f"skinny_gemm_push_bf16_n7168_k{k}_mt{mt}", kernel="skinny_gemm", op="oproj_push",
+                            n=7168, k=k, mt=mt, stages=8, dtype="bf16", push=True))
     out += mxfp4_variants()
     return out
 
@@ -104,7 +110,7 @@ def dsl_version() -> str:
 
 def cache_key(v: dict) -> str:
     h = hashlib.sha256()
-    for f in (HERE / f"{v['kernel']}.py", HERE / "build.py"):
+    for f in (HERE / f"{v['kernel']}.py", HERE / "ptx.py", HERE / "build.py"):
         h.update(f.read_bytes())
     h.update(json.dumps(v, sort_keys=True).encode())
     h.update(dsl_version().encode())
@@ -128,14 +134,22 @@ def ptx_entry_params(ptx: str) -> tuple[str, list[dict]]:
     return m.group(1), params
 
 
+# what the loader puts in each parameter of the skinny GEMMs, in the order of the kernel's signature
+_GEMM_PARAMS = [dict(kind="ptr", tensor="out"), dict(kind="i32", name="m_valid")]
+_PUSH_PARAMS = [dict(kind="ptr", tensor="ptrs"), dict(kind="ptr", tensor="epoch"), dict(kind="i32", name="m_valid"),
+                dict(kind="i32", name="rank"), dict(kind="i32", name="world"), dict(kind="i64", name="half_elems"),
+                dict(kind="i64", name="flag_off")]
+_SIZE = dict(tma=128, ptr=8, i32=4, i64=8, f32=4)
+
+
 def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
     n, k, mt, st = v["n"], v["k"], v["mt"], v["stages"]
-    # what the loader puts in each parameter, in the order of the kernel's signature
-    kinds = [dict(kind="tma", tensor="w", box=[64, 64]), dict(kind="tma", tensor="x", box=[64, mt]),
-             dict(kind="ptr", tensor="out"), dict(kind="i32", name="m_valid")]
-    if len(params) < len(kinds) or [p["size"] for p in params[:4]] != [128, 128, 8, 4]:
+    kinds = [dict(kind="tma", tensor="w", box=[64, 64]), dict(kind="tma", tensor="x", box=[64, mt])]
+    kinds += _PUSH_PARAMS if v.get("push") else _GEMM_PARAMS
+    want = [_SIZE[kd["kind"]] for kd in kinds]
+    if len(params) < len(kinds) or [p["size"] for p in params[:len(kinds)]] != want:
         raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"[tma 128, tma 128, ptr 8, i32 4, ...]: the DSL changed the kernel ABI")
+                         f"{[kd['kind'] for kd in kinds]} ({want} bytes): the DSL changed the kernel ABI")
     for p in params[len(kinds):]:   # empty structs (tiled MMA, layouts): one pad byte each
         if p["size"] != 1:
             raise ValueError(f"{v['name']}: unexpected trailing kernel parameter {p}")
@@ -143,6 +157,8 @@ def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
     # dynamic smem: 2 x stages mbarriers (padded to the 1024-byte aligned sA), sA, sB, +1 KiB for
     # the allocator aligning the dynamic-smem base to 1024
     smem = 1024 + st * 64 * 64 * 2 + st * mt * 64 * 2 + 1024
+    if v.get("push"):
+        smem += mt * 64 * 2   # the bf16 output tile the push epilogue stages
     return dict(symbol=symbol, block=[128, 1, 1], grid=["n/64", 1, 1], smem=smem,
                 params=[dict(p, **kd) for p, kd in zip(params, kinds)],
                 # TMA descriptors: 2-D, bf16, K innermost, 128-byte swizzle (the smem layout
@@ -210,11 +226,17 @@ def compile_variant(v: dict, out: Path) -> dict:
         return _compile_mxfp4(v, out)
     import cutlass
     from cutlass.cute.runtime import make_fake_tensor
-    from .skinny_gemm import SkinnyGemmSm90
+    from .skinny_gemm import SkinnyGemmPushSm90, SkinnyGemmSm90
 
     n, k, mt = v["n"], v["k"], v["mt"]
     w = make_fake_tensor(cutlass.BFloat16, (n, k), (k, 1), assumed_align=16)
     x = make_fake_tensor(cutlass.BFloat16, (mt, k), (k, 1), assumed_align=16)
+    if v.get("push"):
+        if n % 64 or n // 64 > 128:
+            raise ValueError(f"{v['name']}: the push epilogue needs N a multiple of 64 and N / 64 <= 128 tiles")
+        z, i = cutlass.Int64(0), cutlass.Int32(1)
+        return _compile(v, out, SkinnyGemmPushSm90(mt, v["stages"]), (w, x, z, z, cutlass.Int32(mt), i, i, z, z),
+                        lambda symbol, params: _skinny_gemm_manifest(v, symbol, params))
     o = make_fake_tensor(cutlass.BFloat16, (n, mt), (1, n), assumed_align=16)
     return _compile(v, out, SkinnyGemmSm90(mt, v["stages"]), (w, x, o, cutlass.Int32(mt)),
                     lambda symbol, params: _skinny_gemm_manifest(v, symbol, params))

@@ -74,19 +74,21 @@ def tma_spec(man: dict, p: dict, addr: int, rows: int, cols: int) -> TmaSpec:
                    TMA_SWIZZLE[t["swizzle"]], TMA_L2[t["l2_promotion"]], TMA_OOB[t["oob_fill"]])
 
 
-def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], out: int, m_valid: int,
-                encode_tma) -> list[bytes]:
+def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], encode_tma, out: int = 0,
+                m_valid: int = 0, values: dict | None = None) -> list[bytes]:
     """Kernel parameter values in signature order, each exactly the size the PTX entry declares.
     w, x = (device address, rows, cols) of the row-major bf16 weight [N, K] and tokens [M, K];
-    out = address of the row-major output [M, N]; encode_tma(TmaSpec) -> 128 bytes."""
+    out = address of the row-major output [M, N]; `values`: the other parameters by the manifest's
+    "tensor" / "name" (the push GEMM's ptrs, epoch, rank, ...); encode_tma(TmaSpec) -> 128 bytes."""
     tensors = {"w": w, "x": x}
+    named = dict(out=out, m_valid=m_valid, **(values or {}))
     vals = []
     for p in man["params"]:
         kind = p["kind"]
         if kind == "tma":
             blob = _sized(p, encode_tma(tma_spec(man, p, *tensors[p["tensor"]])))
         else:
-            blob = _scalar(p, {"ptr": out, "i32": m_valid}.get(kind))
+            blob = _scalar(p, named.get(p.get("tensor", p.get("name"))))
         vals.append(blob)
     return vals
 
@@ -104,6 +106,8 @@ def _scalar(p: dict, value) -> bytes:
         return _sized(p, struct.pack("<Q", int(value)))
     if kind == "i32":
         return _sized(p, struct.pack("<i", int(value)))
+    if kind == "i64":
+        return _sized(p, struct.pack("<q", int(value)))
     if kind == "f32":
         return _sized(p, struct.pack("<f", float(value)))
     if kind == "pad":
@@ -233,6 +237,28 @@ class Artifact:
         drv.launch(self._function(dev, drv), grid_of(self.man, n=N), tuple(self.man["block"]), self.man["smem"],
                    torch.cuda.current_stream(x.device).cuda_stream, _Params(blobs))
         return out
+
+    def launch_push(self, x, w, peers, flag_off: int, driver: Driver | None = None) -> None:
+        """The push o-proj GEMM (skinny_gemm.SkinnyGemmPushSm90): this rank's x @ w^T into every
+        rank's symmetric buffer (slot `peers.rank` of the half epoch[0] selects) and its per-tile
+        flags at byte offset `flag_off`, on torch's current stream. `peers` is a launch.Peers."""
+        import torch
+        drv = driver or _driver()
+        M, K = x.shape
+        N = w.shape[0]
+        sh = self.man["shapes"]
+        if (N, K) != (sh["n"], sh["k"]) or M > self.man["m_max"] or x.dtype != torch.bfloat16 or w.dtype != x.dtype:
+            raise ValueError(f"artifact {self.path.stem} is for N={sh['n']} K={sh['k']} M<={self.man['m_max']} bf16; "
+                             f"got N={N} K={K} M={M} {x.dtype}")
+        if not (x.is_contiguous() and w.is_contiguous()):
+            raise ValueError("x and w must be contiguous")
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        vals = dict(ptrs=peers.ptrs.data_ptr(), epoch=peers.epoch.data_ptr(), rank=peers.rank, world=peers.world,
+                    half_elems=peers.half(x.dtype), flag_off=flag_off)
+        blobs = pack_params(self.man, w=(w.data_ptr(), N, K), x=(x.data_ptr(), M, K), m_valid=M, values=vals,
+                            encode_tma=drv.encode_tma)
+        drv.launch(self._function(dev, drv), grid_of(self.man, n=N), tuple(self.man["block"]), self.man["smem"],
+                   torch.cuda.current_stream(x.device).cuda_stream, _Params(blobs))
 
     def _function(self, dev: int, drv: Driver):
         import torch

@@ -56,126 +56,15 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
+                  ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
 _PAIR_MUL = (4160, 260)                # 2^6 + 2^12 / 2^2 + 2^8: magnitude to bits 6..8, sign to 15
 SCALE_BIAS = 26                    # 2^(s - 127) * 2^126 / 2^100 = 2^(s - 101): bits (s + 26) << 23
-
-
-def _asm(ret, args, text, cons, side=False):
-    return llvm.inline_asm(ret, args, text, cons, has_side_effects=side, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def ld_v4(addr: Int64, *, loc=None, ip=None):
-    """Four u32 words from a 16-byte aligned global address (read-only, streamed past L1)."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
-             "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
-    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs).
-    ordered: a side-effecting asm, never hoisted above `pdl_wait` (a pure asm could be)."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,l", side=ordered)
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def pdl_trigger(*, loc=None, ip=None) -> None:
-    """Programmatic Dependent Launch: this CTA lets the next kernel in the stream be scheduled
-    (a no-op unless that kernel is launched with programmatic stream serialisation)."""
-    _asm(None, [], "griddepcontrol.launch_dependents;", "", side=True)
-
-
-@dsl_user_op
-def pdl_wait(*, loc=None, ip=None) -> None:
-    """Wait until the previous kernel in the stream has completed and its writes are visible (a
-    no-op when this kernel was launched without programmatic stream serialisation)."""
-    _asm(None, [], "griddepcontrol.wait;", "~{memory}", side=True)
-
-
-@dsl_user_op
-def cp_async16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
-    """16 bytes global -> shared, asynchronous, bypassing L1 (cp.async.cg)."""
-    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
-         "cp.async.cg.shared.global [$0], [$1], 16;", "r,l", side=True)
-
-
-@dsl_user_op
-def cp_async4(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
-         "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", side=True)
-
-
-@dsl_user_op
-def cp_async_commit(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.commit_group;", "", side=True)
-
-
-@dsl_user_op
-def cp_async_wait(n: int, *, loc=None, ip=None) -> None:
-    _asm(None, [], f"cp.async.wait_group {int(n)};", "", side=True)
-
-
-@dsl_user_op
-def lds_v4(addr: Int32, *, loc=None, ip=None):
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,r", side=True)
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def lds_u8(addr: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)], "ld.shared.u8 $0, [$1];", "=r,r", side=True))
-
-
-@dsl_user_op
-def ld_u8(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.u8 $0, [$1];", "=r,l"))
-
-
-@dsl_user_op
-def ld_s32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.s32 $0, [$1];", "=r,l"))
-
-
-@dsl_user_op
-def st_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
-         "st.global.f32 [$0], $1;", "l,f", side=True)
-
-
-@dsl_user_op
-def st_bf16(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
-         "{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; st.global.b16 [$0], h; }", "l,f", side=True)
-
-
-@dsl_user_op
-def as_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def as_i32(v: Float32, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.bitcast(T.i32(), Float32(v).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def fma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    """a * b + c, round to nearest, subnormal inputs kept (no .ftz)."""
-    return Float32(_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip),
-                                  Float32(c).ir_value(loc=loc, ip=ip)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"))
 
 
 @dsl_user_op
