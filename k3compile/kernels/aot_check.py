@@ -44,7 +44,7 @@ def variants():
     """(name, kernel, scalar types, constexprs) for every shape family the ops launch."""
     ints = {"ptrs": "*i64", "pads": "*i64", "epoch": "*i32", "HALF": "i64", "M": "i32", "N": "i32",
             "eps": "fp32", "S": "i32", "E": "i32", "L": "i32", "SP": "i32", "w": "*fp32", "nbytes": "i64",
-            "base": "*u8"}
+            "base": "*u8", "FLAG_OFF": "i64", "NT": "i32"}
     out = []
     for world in (1, 2, 8):
         for nb in (0, 3):
@@ -57,6 +57,11 @@ def variants():
         if world > 1:
             out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
                         dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16, SEQ=1)))
+    # after the CuTe push GEMM: waits on its flags, reads only this rank's buffer (no barrier signal)
+    for world in (2, 8):
+        out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
+                    dict(RANK=1, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
+                         PUSHED=1)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
@@ -105,7 +110,8 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
-          "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]}
+          "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
+          "pushed ar_residual_norm": ["sys.acquire"]}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
 ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
@@ -113,11 +119,12 @@ ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
 # interpreter one on the GPU: DOT_F32=0 in these entries.)
-FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"]}
+FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
+          "pushed ar_residual_norm": ["sys.release.exch"]}   # the push path sends no barrier signal
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl")
 
 

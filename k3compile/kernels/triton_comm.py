@@ -95,7 +95,7 @@ def _wait_pushed(flags, epoch, NT, RANK: tl.constexpr, WORLD: tl.constexpr):
             ready = 0
             while ready == 0:
                 f = tl.atomic_add(flags + p * 128 + t, 0, mask=t < NT, sem="acquire", scope="sys")
-                ready = tl.min(tl.where(t < NT, f - seq, 0), axis=0) >= 0
+                ready = (tl.min(tl.where(t < NT, f - seq, 0), axis=0) >= 0).to(tl.int32)
     tl.debug_barrier()
 
 

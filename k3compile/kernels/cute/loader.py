@@ -220,6 +220,8 @@ class Artifact:
     def launch_gemm(self, x, w, out=None, driver: Driver | None = None):
         """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (bf16, contiguous, M <= m_max)."""
         import torch
+        if self.man.get("variant", {}).get("push"):
+            raise ValueError(f"artifact {self.path.stem} is a push GEMM: launch it with launch_push")
         drv = driver or _driver()
         M, K = x.shape
         N = w.shape[0]
