@@ -1,7 +1,9 @@
 """CuTe DSL kernels for sm_90a, compiled ahead of time, or just in time where the DSL is installed (issue 6).
 
-- `skinny_gemm.py`: the decode o-proj / up-projection GEMM (swap-AB, TMA + wgmma, S-stage
-  mbarrier pipeline). Imports the DSL: only `build.py` imports it (AOT build and JIT build).
+- `skinny_gemm.py`: the decode o-proj GEMM (swap-AB, TMA + wgmma, S-stage mbarrier pipeline),
+  plain and with the push all-reduce epilogue (partials into every rank's symmetric buffer, per-tile
+  release flags). Imports the DSL: only `build.py` imports it (AOT build and JIT build).
+- `ptx.py`: the inline-PTX helpers both kernel files use.
 - `mxfp4_experts.py`: the MXFP4 routed-expert GEMVs (gate-up with SiTU fused, down) for decode:
   CUDA cores, cp.async-staged 16-byte weight vectors, two-codes-per-IMAD dequantisation, fp32
   FMAs; `mxfp4_ref.py` is its PyTorch emulation for CPU tests (no DSL).
