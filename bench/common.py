@@ -1,5 +1,5 @@
-"""What every benchmark script shares: CUDA-graph timing, the memory ceiling, and how a result is saved
-(with the command, date, GPU and commit).
+"""What every benchmark script shares: CUDA-graph timing, the memory ceiling, a variant's environment,
+and how a result is saved (with the command, date, GPU and commit).
 
 The commit: `K3_COMMIT` if set, else the file `.k3_commit` in the repository root (write it with
 `git rev-parse --short HEAD > .k3_commit` right before a device call and name it in `carry`: the
@@ -7,6 +7,7 @@ device machine's copy of the tree has no reliable git history), else `git rev-pa
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -46,6 +47,22 @@ class GraphTimer:
             times.append(a.elapsed_time(b) * 1e3 / self.reps)
         times.sort()
         return times[len(times) // 2]
+
+
+@contextlib.contextmanager
+def env(values: dict):
+    """These environment variables set inside the block (read by dispatch when a variant compiles,
+    runs and is captured), restored after it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def time_graph(fn, reps=20, iters=30):

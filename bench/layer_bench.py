@@ -44,7 +44,6 @@ TP=8 rank holds while communicating over `world` GPUs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -60,20 +59,6 @@ ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_pus
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
 CFG = {"inductor_pdl": {"triton.enable_pdl": True}, "k3_pdl": {"triton.enable_pdl": True}}
-
-
-@contextlib.contextmanager
-def _env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _config(shapes: str, world: int, smoke: bool):
@@ -135,6 +120,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     from k3compile.model import K3Model, TPInfo
     from k3compile.runtime import symm
     from bench.common import BW_SEEN, GraphTimer, hbm_bandwidth, median
+    from bench.common import env as common_env
 
     dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
     if dev.type == "cuda":
@@ -232,7 +218,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
 
         for name, fn in variants.items():
             # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
-            with _env(env.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
+            with common_env(env.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
                 measure(name, fn)
         for _ in range(rounds - 1):  # every variant's graph timed again, in turn: drift hits them alike
             for name, t in timers.items():

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
+from bench.common import BW_SEEN, env, hbm_bandwidth, save, time_graph  # noqa: E402
 
 H, L, E, TOPK = 7168, 3584, 896, 16
 SHAPES = {"tp2": dict(heads_dim=12288 // 2, up=H // 2), "tp8": dict(heads_dim=12288 // 8, up=H // 8)}
@@ -78,19 +78,11 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
                 kcuda.ONESHOT_M[op] = keep
         return run
 
-    def with_env(fn, **env):
+    def with_env(fn, **values):
         """fn() with these environment variables set (read by dispatch at call / capture time)."""
         def run():
-            keep = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+            with env(values):
                 return fn()
-            finally:
-                for k, v in keep.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
         return run
 
     kop = {"oproj_ar_norm": "oproj_allreduce_residual", "latent_tail": "moe_latent_tail",

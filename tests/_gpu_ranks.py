@@ -16,6 +16,20 @@ def _graphed(fn, *args):
     return out
 
 
+def _randn(dev, rank):
+    """rnd(*shape, seed, scale, shared): bf16 normal values, the same on every rank (shared) or
+    different per rank."""
+    def rnd(*shape, seed, scale=1.0, shared=True):
+        g = torch.Generator(device=dev).manual_seed(seed * 97 + (0 if shared else 1000 + rank))
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(torch.bfloat16)
+    return rnd
+
+
+def rel(a, b):
+    """max |a - b| / max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
 def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
     """Every k3 op through its CUDA kernel (eager and CUDA-graphed) vs the op's PyTorch reference
     (NCCL for the communication); returns per case the max |diff| / max |ref| and what ran."""
@@ -28,16 +42,10 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
 
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name if world > 1 else None
-    bf = torch.bfloat16
     H, Ko, L, TOPK, E = 7168, 12288 // 8, 3584, 16, 896
     out: dict = {}
 
-    def rnd(*shape, seed, scale=1.0, shared=True):
-        g = torch.Generator(device=dev).manual_seed(seed * 97 + (0 if shared else 1000 + rank))
-        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf)
-
-    def rel(a, b):
-        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+    rnd = _randn(dev, rank)
 
     def case(name, fn_k3, fn_ref, args):
         r = fn_ref(*args)
@@ -106,16 +114,10 @@ def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
     os.environ["K3_CUTE_PUSH"] = "1"
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
-    bf = torch.bfloat16
     H = 7168
     out: dict = {}
 
-    def rnd(*shape, seed, scale=1.0, shared=True):
-        g = torch.Generator(device=dev).manual_seed(seed * 97 + (0 if shared else 1000 + rank))
-        return (torch.randn(*shape, generator=g, device=dev) * scale).to(bf)
-
-    def rel(a, b):
-        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+    rnd = _randn(dev, rank)
 
     def op(x, w, res, blocks, wn, wq, gm):
         return torch.ops.k3.oproj_allreduce_residual(x, w, res, blocks, wn if blocks else None, wq if blocks else None,

@@ -200,6 +200,47 @@ def test_pdl_launch_config_layout_and_use(built, monkeypatch):
     assert drv.cu.calls[0][0] == "plain"
 
 
+def test_launch_push_packs_this_ranks_view_and_refuses_the_plain_kernel(built, monkeypatch):
+    """launch_push: grid N/64, the manifest's smem, and the parameters the kernel declares from
+    this rank's Peers (address table, epoch, rank, world, half size in elements, flag offset);
+    launch_gemm refuses a push artifact and launch_push a plain one."""
+    import ctypes
+    import types
+
+    from k3compile.kernels.launch import Peers
+    out, _ = built
+    art = loader.find(out, "oproj_push", 7168, 1536, 3)[0]
+    plain = loader.find(out, "oproj_gemm", 7168, 1536, 3)[0]
+    seen = {}
+
+    class Cu(_FakeCu):
+        def cuLaunchKernel(self, fn, *args):
+            seen["grid"], seen["smem"] = args[:3], args[6].value
+            arr = ctypes.cast(args[8], ctypes.POINTER(ctypes.c_void_p))
+            seen["params"] = [ctypes.string_at(arr[i], p["size"]) for i, p in enumerate(art.man["params"])]
+            return 0
+    drv = loader.Driver.__new__(loader.Driver)
+    drv.cu, drv.has_launch_ex = Cu(), True
+    drv.encode_tma = lambda spec: b"\0" * 128
+    art._fn[0] = art.man["symbol"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    x = torch.zeros(3, 1536, dtype=torch.bfloat16)
+    w = torch.zeros(7168, 1536, dtype=torch.bfloat16)
+    x.__class__ = type("OnDev0", (torch.Tensor,), {"device": property(lambda self: torch.device("cuda", 0))})
+    peers = Peers(torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+                  rank=5, world=8, nbytes=1 << 24, programs=64, flag_off=(1 << 24) + 4096)
+    art.launch_push(x, w, peers, peers.flag_off, driver=drv)
+    assert seen["grid"] == (112, 1, 1) and seen["smem"] == art.man["smem"]
+    got = [struct.unpack({8: "<q", 4: "<i"}[len(b)], b)[0] for b in seen["params"][2:9]]
+    assert got == [peers.ptrs.data_ptr(), peers.epoch.data_ptr(), 3, 5, 8, (1 << 24) // 2 // 2, (1 << 24) + 4096]
+    with pytest.raises(ValueError, match="is a push GEMM"):
+        art.launch_gemm(x, w)
+    with pytest.raises(ValueError, match="is not a push GEMM"):
+        plain.launch_push(x, w, peers, peers.flag_off, driver=drv)
+    with pytest.raises(ValueError, match="M<=8"):
+        art.launch_push(torch.zeros(9, 1536, dtype=torch.bfloat16), w, peers, peers.flag_off, driver=drv)
+
+
 def test_find_picks_smallest_covering_tile(built, tmp_path):
     out, _ = built
     for m, mt in ((1, 8), (8, 8), (9, 16), (17, 32), (64, 64)):

@@ -204,6 +204,16 @@ def test_push_gemm_choice_is_agreed_by_every_rank_and_memoised(monkeypatch):
     assert "dtype torch.float32" in choose.fallbacks()["oproj_push N=128 K=64 M=3"]
 
 
+def test_workspace_halves_leave_the_flag_region_out():
+    """The default 16 MiB workspace: two data halves of 8 MiB - 32 KiB (an M=256 fp32 row block of
+    7168 still fits one half), the 64 KiB of push flags after them, every offset 16-byte aligned."""
+    from k3compile.runtime import symm
+    ws = symm.Workspace("g", 0, 2, torch.empty(16 << 20, dtype=torch.uint8), None, None, None, 64, None)
+    assert ws.data_bytes == (16 << 20) - symm.FLAG_BYTES and ws.data_bytes % 32 == 0
+    assert ws.fits(256 * 7168 * 4) and not ws.fits(ws.data_bytes // 2 + 1)
+    assert ws.data_bytes + symm.FLAG_BYTES <= ws.buf.numel() and symm.FLAG_BYTES >= 8 * 128 * 4
+
+
 def test_oproj_without_norm_and_plain_all_reduce():
     g = torch.Generator().manual_seed(1)
     M, N = 2, 40

@@ -48,7 +48,7 @@ class Workspace:
     @property
     def data_bytes(self) -> int:
         """The two alternating data halves; the push flags follow them (FLAG_BYTES)."""
-        return (self.buf.numel() - FLAG_BYTES) // 32 * 16
+        return (self.buf.numel() - FLAG_BYTES) // 32 * 32   # halves of a multiple of 16 bytes
 
     def fits(self, nbytes: int) -> bool:
         """A call's partial must fit one half of the buffer (the halves alternate)."""

@@ -220,17 +220,8 @@ class Artifact:
     def launch_gemm(self, x, w, out=None, driver: Driver | None = None):
         """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (bf16, contiguous, M <= m_max)."""
         import torch
-        if self.man.get("variant", {}).get("push"):
-            raise ValueError(f"artifact {self.path.stem} is a push GEMM: launch it with launch_push")
+        M, N, K = self._check_gemm(x, w, push=False)
         drv = driver or _driver()
-        M, K = x.shape
-        N = w.shape[0]
-        sh = self.man["shapes"]
-        if (N, K) != (sh["n"], sh["k"]) or M > self.man["m_max"] or x.dtype != torch.bfloat16 or w.dtype != x.dtype:
-            raise ValueError(f"artifact {self.path.stem} is for N={sh['n']} K={sh['k']} M<={self.man['m_max']} bf16; "
-                             f"got N={N} K={K} M={M} {x.dtype}")
-        if not (x.is_contiguous() and w.is_contiguous()):
-            raise ValueError("x and w must be contiguous")
         if out is None:
             out = torch.empty(M, N, device=x.device, dtype=x.dtype)
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -240,12 +231,13 @@ class Artifact:
                    torch.cuda.current_stream(x.device).cuda_stream, _Params(blobs))
         return out
 
-    def launch_push(self, x, w, peers, flag_off: int, driver: Driver | None = None) -> None:
-        """The push o-proj GEMM (skinny_gemm.SkinnyGemmPushSm90): this rank's x @ w^T into every
-        rank's symmetric buffer (slot `peers.rank` of the half epoch[0] selects) and its per-tile
-        flags at byte offset `flag_off`, on torch's current stream. `peers` is a launch.Peers."""
+    def _check_gemm(self, x, w, push: bool) -> tuple[int, int, int]:
+        """(M, N, K) of a call this skinny-GEMM artifact can take (bf16, contiguous, its N and K,
+        M <= m_max, the plain or the push kernel as asked), else ValueError."""
         import torch
-        drv = driver or _driver()
+        if bool(self.man.get("variant", {}).get("push")) != push:
+            raise ValueError(f"artifact {self.path.stem} is {'not ' if push else ''}a push GEMM: launch it with "
+                             f"{'launch_gemm' if push else 'launch_push'}")
         M, K = x.shape
         N = w.shape[0]
         sh = self.man["shapes"]
@@ -254,6 +246,15 @@ class Artifact:
                              f"got N={N} K={K} M={M} {x.dtype}")
         if not (x.is_contiguous() and w.is_contiguous()):
             raise ValueError("x and w must be contiguous")
+        return M, N, K
+
+    def launch_push(self, x, w, peers, flag_off: int, driver: Driver | None = None) -> None:
+        """The push o-proj GEMM (skinny_gemm.SkinnyGemmPushSm90): this rank's x @ w^T into every
+        rank's symmetric buffer (slot `peers.rank` of the half epoch[0] selects) and its per-tile
+        flags at byte offset `flag_off`, on torch's current stream. `peers` is a launch.Peers."""
+        import torch
+        M, N, K = self._check_gemm(x, w, push=True)
+        drv = driver or _driver()
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
         vals = dict(ptrs=peers.ptrs.data_ptr(), epoch=peers.epoch.data_ptr(), rank=peers.rank, world=peers.world,
                     half_elems=peers.half(x.dtype), flag_off=flag_off)

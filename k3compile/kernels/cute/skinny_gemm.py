@@ -55,8 +55,19 @@ class SkinnyGemmSm90:
     def __call__(self, w: cute.Tensor, x: cute.Tensor, out_t: cute.Tensor, m_valid: cutlass.Int32,
                  stream: cuda.CUstream):
         """w: (N, K) K-major; x: (MT, K) K-major; out_t: out viewed as (N, MT), stride (1, N)."""
+        tiled_mma, a_smem, b_smem, tma_a, g_a, tma_b, g_b = self._host_setup(w, x, c_tile=False)
+        n_tiles = cute.ceil_div(w.shape[0], BN)
+        self.kernel(tma_a, g_a, tma_b, g_b, out_t, m_valid, tiled_mma, a_smem, b_smem).launch(
+            grid=(n_tiles, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.jit
+    def _host_setup(self, w: cute.Tensor, x: cute.Tensor, c_tile: cutlass.Constexpr):
+        """Host side of both kernels (traced inside __call__): the MMA, the
+        two swizzled shared-memory layouts, the TMA atoms of w and x, and the shared storage type
+        (`self.smem_t`; c_tile: plus the (MT, 64) bf16 output tile of the push epilogue)."""
         ab = w.element_type
         self.ab = ab
+        self.n = w.shape[0]
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             ab, ab, utils.LayoutEnum.from_tensor(w).sm90_mma_major_mode(),
             utils.LayoutEnum.from_tensor(x).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
@@ -67,17 +78,17 @@ class SkinnyGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(a_smem, (None, None, 0)), (BN, BK))
         tma_b, g_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(b_smem, (None, None, 0)), (self.mt, BK))
+        c_elems = self.mt * BN if c_tile else 8   # 8: a 16-byte stub the plain kernel never touches
 
         @cute.struct
         class Smem:
             bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_smem)], 1024]
+            sC: cute.struct.Align[cute.struct.MemRange[ab, c_elems], 16]
 
         self.smem_t = Smem
-        n_tiles = cute.ceil_div(w.shape[0], BN)
-        self.kernel(tma_a, g_a, tma_b, g_b, out_t, m_valid, tiled_mma, a_smem, b_smem).launch(
-            grid=(n_tiles, 1, 1), block=(self.threads, 1, 1), stream=stream)
+        return tiled_mma, a_smem, b_smem, tma_a, g_a, tma_b, g_b
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
@@ -184,28 +195,7 @@ class SkinnyGemmPushSm90(SkinnyGemmSm90):
                  world: Int32, half_elems: Int64, flag_off: Int64, stream: cuda.CUstream):
         """w: (N, K) K-major; x: (MT, K) K-major; ptrs: device address of int64[world] (every
         rank's buffer address); epoch: device address of the workspace's int32[3]."""
-        ab = w.element_type
-        self.ab = ab
-        self.n = w.shape[0]
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            ab, ab, utils.LayoutEnum.from_tensor(w).sm90_mma_major_mode(),
-            utils.LayoutEnum.from_tensor(x).sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
-            tiler_mn=(BN, self.mt))
-        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.from_tensor(w), self.tile, ab, self.stages)
-        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(x), self.tile, ab, self.stages)
-        tma_a, g_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), w, cute.slice_(a_smem, (None, None, 0)), (BN, BK))
-        tma_b, g_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), x, cute.slice_(b_smem, (None, None, 0)), (self.mt, BK))
-
-        @cute.struct
-        class Smem:
-            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(b_smem)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[ab, self.mt * BN], 16]
-
-        self.smem_t = Smem
+        tiled_mma, a_smem, b_smem, tma_a, g_a, tma_b, g_b = self._host_setup(w, x, c_tile=True)
         n_tiles = cute.ceil_div(w.shape[0], BN)
         self.push_kernel(tma_a, g_a, tma_b, g_b, ptrs, epoch, m_valid, rank, world, half_elems, flag_off,
                          tiled_mma, a_smem, b_smem).launch(grid=(n_tiles, 1, 1), block=(self.threads, 1, 1),
