@@ -72,6 +72,9 @@ for st in "$@"; do
     push) step push_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py tests/test_gpu_cute.py -k "push or skinny"
           step ops_push 240 python3 bench/ops_bench.py --ops oproj_ar_norm --cute --cold 8 --blocks 3 \
             --ms ${K3_MS:-1,4,16,64} --shapes tp8,tp2 --out "$R/ops_push.json" ;;
+    # the two fused communication ops the issue sets 1.5x targets for, TP=8 shapes, cold weights
+    tail) step ops_tail 150 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --cold 8 \
+            --ms 1,4,16,64 --shapes tp8 --out "$R/ops_tail.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

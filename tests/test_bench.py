@@ -26,9 +26,10 @@ def test_layer_bench_smoke_runs_every_variant(tmp_path):
 
 
 def test_bench_env_context_restores_values(monkeypatch):
-    """A variant's environment (k3-cute's K3_CUTE=0) is undone for the variants after it."""
+    """A variant's environment (k3-cute's K3_CUTE=0; bench.common.env, used by the layer and op benches) is
+    undone for the variants after it."""
     sys.path.insert(0, ROOT)
-    from bench.layer_bench import _env
+    from bench.common import env as _env
     monkeypatch.setenv("K3_CUTE", "1")
     monkeypatch.delenv("K3_MXFP4", raising=False)
     with _env({"K3_CUTE": "0", "K3_MXFP4": "v3"}):

@@ -521,6 +521,19 @@ def test_kernel_path_is_described_for_the_report(monkeypatch):
     assert describe("cuda", "0") == "kernels: NCCL path for every communication op (no CUDA)"
     monkeypatch.setenv("K3_KERNELS", "0")
     assert describe("cuda", "0").startswith("kernels: off (K3_KERNELS=0)")
+    # with symmetric memory: which o-proj GEMM runs, and how to change it
+    from k3compile.runtime import symm
+    monkeypatch.delenv("K3_KERNELS")
+    monkeypatch.setattr(symm, "unavailable_reason", lambda group: None)
+    for var in ("K3_CUTE", "K3_CUTE_PUSH"):
+        monkeypatch.delenv(var, raising=False)
+    assert describe("cuda", "0").endswith("o-proj: cuBLAS GEMM + pull all-reduce kernel (the CuTe push-epilogue "
+                                          "GEMM measured no faster; K3_CUTE_PUSH=1 turns it on)")
+    monkeypatch.setenv("K3_CUTE_PUSH", "1")
+    assert "o-proj: CuTe push-epilogue GEMM where every rank has its artifact (K3_CUTE_PUSH=1" in describe("cuda", "0")
+    monkeypatch.setenv("K3_CUTE_PUSH", "0")
+    monkeypatch.setenv("K3_CUTE", "1")
+    assert describe("cuda", "0").endswith("(K3_CUTE_PUSH=0)")
 
 
 @pytest.mark.parametrize("M, E, k, dt", [(1, 896, 16, torch.float32), (5, 896, 16, torch.float16),

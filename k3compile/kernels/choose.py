@@ -232,6 +232,23 @@ def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
     return _PUSH[key]
 
 
+def oproj_note() -> str:
+    """Which o-proj GEMM the one-shot path will run (for the match report; push_gemm decides per
+    shape at the first call, with every rank)."""
+    flag, cute = os.environ.get("K3_CUTE_PUSH", ""), os.environ.get("K3_CUTE", "")
+    if flag == "0" or (flag != "1" and cute == "0"):
+        return f"o-proj: cuBLAS GEMM + pull all-reduce kernel ({'K3_CUTE_PUSH' if flag == '0' else 'K3_CUTE'}=0)"
+    if flag == "1" or cute not in ("", "0"):
+        return ("o-proj: CuTe push-epilogue GEMM where every rank has its artifact ("
+                + ("K3_CUTE_PUSH=1" if flag == "1" else "K3_CUTE=1")
+                + "; otherwise cuBLAS + pull, choose.fallbacks() says why)")
+    lo, hi = CUTE_M.get("oproj_push", (1, 0))
+    if lo <= hi:
+        return f"o-proj: CuTe push-epilogue GEMM at M in [{lo}, {hi}], cuBLAS + pull all-reduce kernel elsewhere"
+    return ("o-proj: cuBLAS GEMM + pull all-reduce kernel (the CuTe push-epilogue GEMM measured no faster; "
+            "K3_CUTE_PUSH=1 turns it on)")
+
+
 def _load(art, device) -> None:
     """Load an artifact's cubin on `device` now (cuModuleLoadData), instead of at first launch."""
     from .cute.loader import _driver

@@ -68,6 +68,9 @@ def describe(device: str, group: str | None, moe: tuple | None = None) -> str | 
         why = symm.unavailable_reason(group)
         line = ("kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges)"
                 if why is None else f"kernels: NCCL path for every communication op ({why})")
+        if why is None:
+            from .choose import oproj_note
+            line += "; " + oproj_note()
     if moe is not None:
         from .choose import experts_note
         line += "; " + experts_note(*moe)
