@@ -28,6 +28,7 @@ LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLA
 for st in "$@"; do
   case $st in
     tests) step gpu_tests 420 python3 -m pytest -m gpu -q -rA tests/ ;;
+    tp2) step tp2_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k tp2 ;;  # the two-GPU tests only
     flatests) step fla_tests 420 python3 -m pytest -m gpu -q -rA -s --durations=0 tests/test_attention_ops.py ;;
     experts) step experts8 150 python3 bench/experts_bench.py --variants $XV --no-reference-time \
                --shapes tp8 --ms 1,4,16,64 --out "$R/experts_tp8.json"
