@@ -214,7 +214,7 @@ def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
         why = f"dtype {x.dtype} (the CuTe kernels are bf16)"
     elif n % 64 or n // 64 > 128:
         why = f"N={n}: the push epilogue needs N a multiple of 64, at most 128 tiles"
-    elif peers.world * m * n * x.element_size() > peers.nbytes // 2:
+    elif peers.world * m * n > peers.half(x.dtype):
         why = f"{peers.world} x {m} x {n} partials do not fit one half of the workspace ({peers.nbytes // 2} bytes)"
     else:
         try:
@@ -251,8 +251,8 @@ def oproj_note() -> str:
 
 def _load(art, device) -> None:
     """Load an artifact's cubin on `device` now (cuModuleLoadData), instead of at first launch."""
-    from .cute.loader import _driver
-    art._function(device.index if device.index is not None else torch.cuda.current_device(), _driver())
+    from .cute.loader import _driver, device_index
+    art._function(device_index(device), _driver())
 
 
 def _all_ranks(ok: bool, group: str, device) -> bool:

@@ -64,8 +64,7 @@ def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int
         if ws is not None:
             symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
         return False, None
-    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.data_bytes, ws.programs,
-                              ws.buf.numel() - symm.FLAG_BYTES)
+    return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.data_bytes, ws.programs, ws.flag_off)
 
 
 def _prefetcher(weights: list[torch.Tensor]):

@@ -50,6 +50,11 @@ class Workspace:
         """The two alternating data halves; the push flags follow them (FLAG_BYTES)."""
         return (self.buf.numel() - FLAG_BYTES) // 32 * 32   # halves of a multiple of 16 bytes
 
+    @property
+    def flag_off(self) -> int:
+        """Byte offset of the push flags: the last FLAG_BYTES of the buffer."""
+        return self.buf.numel() - FLAG_BYTES
+
     def fits(self, nbytes: int) -> bool:
         """A call's partial must fit one half of the buffer (the halves alternate)."""
         return nbytes <= self.data_bytes // 2

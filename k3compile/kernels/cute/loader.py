@@ -208,6 +208,12 @@ def grid(man: dict, n: int) -> tuple[int, int, int]:
     return grid_of(man, n=n)
 
 
+def device_index(device) -> int:
+    """The CUDA device index of `device` (torch's current device when it names none)."""
+    import torch
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class Artifact:
     """One AOT-built variant: manifest + cubin, loaded lazily per device."""
 
@@ -224,7 +230,7 @@ class Artifact:
         drv = driver or _driver()
         if out is None:
             out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        dev = device_index(x.device)
         blobs = pack_params(self.man, w=(w.data_ptr(), N, K), x=(x.data_ptr(), M, K), out=out.data_ptr(),
                             m_valid=M, encode_tma=drv.encode_tma)
         drv.launch(self._function(dev, drv), grid_of(self.man, n=N), tuple(self.man["block"]), self.man["smem"],
@@ -255,7 +261,7 @@ class Artifact:
         import torch
         M, N, K = self._check_gemm(x, w, push=True)
         drv = driver or _driver()
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        dev = device_index(x.device)
         vals = dict(ptrs=peers.ptrs.data_ptr(), epoch=peers.epoch.data_ptr(), rank=peers.rank, world=peers.world,
                     half_elems=peers.half(x.dtype), flag_off=flag_off)
         blobs = pack_params(self.man, w=(w.data_ptr(), N, K), x=(x.data_ptr(), M, K), m_valid=M, values=vals,
@@ -277,7 +283,7 @@ class Artifact:
         "pdl": "wait"; otherwise the flag is ignored)."""
         import torch
         drv = driver or _driver()
-        dev = device.index if device.index is not None else torch.cuda.current_device()
+        dev = device_index(device)
         params = _Params(pack_values(self.man, values))
         drv.launch(self._function(dev, drv), grid_of(self.man, **grid_dims), tuple(self.man["block"]),
                    self.man["smem"], torch.cuda.current_stream(device).cuda_stream, params,
