@@ -76,6 +76,13 @@ for st in "$@"; do
     # the two fused communication ops the issue sets 1.5x targets for, TP=8 shapes, cold weights
     tail) step ops_tail 150 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --cold 8 \
             --ms 1,4,16,64 --shapes tp8 --out "$R/ops_tail.json" ;;
+    # the communication kernels' options (early reads, PDL, the tail's finalize tiles, w_up prefetch):
+    # their GPU tests with PDL off (the default) and on, then every option timed in one run
+    comm) step comm_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "kernels_match or push"
+          step comm_tests_pdl 300 env K3_COMM_PDL=1 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py \
+            -k "kernels_match or push"
+          step ops_comm 300 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --comm --cold 8 \
+            --ms ${K3_MS:-1,4,16,64} --shapes tp8 --out "$R/ops_comm.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

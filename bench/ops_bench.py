@@ -28,7 +28,7 @@ H, L, E, TOPK = 7168, 3584, 896, 16
 SHAPES = {"tp2": dict(heads_dim=12288 // 2, up=H // 2), "tp8": dict(heads_dim=12288 // 8, up=H // 8)}
 
 
-def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False):
+def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False, comm_variants=False):
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -78,6 +78,21 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
                 kcuda.ONESHOT_M[op] = keep
         return run
 
+    from k3compile.kernels import launch as klaunch
+
+    def with_knobs(fn, **values):
+        """fn() with these launch-module settings (read when the kernels are launched or captured)."""
+        def run():
+            keep = {k: getattr(klaunch, k) for k in values}
+            for k, v in values.items():
+                setattr(klaunch, k, v)
+            try:
+                return fn()
+            finally:
+                for k, v in keep.items():
+                    setattr(klaunch, k, v)
+        return run
+
     def with_env(fn, **values):
         """fn() with these environment variables set (read by dispatch at call / capture time)."""
         def run():
@@ -88,12 +103,14 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
     kop = {"oproj_ar_norm": "oproj_allreduce_residual", "latent_tail": "moe_latent_tail",
            "router_latent": "router_latent_sharded", "all_reduce": "all_reduce_prefetch"}
 
-    def bench(op, shape, M, nbytes, variants, check):
+    def bench(op, shape, M, nbytes, variants, check, parts=None):
         if only and op not in only.split(","):
             return
         res = {}
         outs = {}
         k3 = variants.pop("k3")
+        parts = dict(parts or {})
+        prefetch = parts.pop("prefetch", None)
         variants["k3_oneshot"] = forced(kop[op], k3, True)
         variants["k3_nccl_path"] = forced(kop[op], k3, False)
         if op == "oproj_ar_norm" and cute_variants:
@@ -101,6 +118,23 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
             # push epilogue (every rank's partial stored into every buffer, flags instead of a barrier)
             variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_CUTE="1", K3_CUTE_PUSH="0")
             variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_CUTE_PUSH="1")
+        if comm_variants and op in ("oproj_ar_norm", "latent_tail"):
+            # the communication kernel's options (launch.COMM_*, TAIL_CHUNK), each against the default
+            one = forced(kop[op], k3, True)
+            variants["k3_late"] = with_knobs(one, COMM_EARLY=False)
+            variants["k3_pdl"] = with_knobs(one, COMM_PDL=True)
+            if op == "latent_tail":
+                variants["k3_rowwise"] = with_knobs(one, TAIL_CHUNK=0)
+                variants["k3_chunk512"] = with_knobs(one, TAIL_CHUNK=512)
+                variants["k3_before"] = with_knobs(one, TAIL_CHUNK=0, COMM_EARLY=False)  # the 45ff89b kernel
+                variants["k3_prefetch_up"] = forced(kop[op], prefetch, True)
+            if op == "oproj_ar_norm":
+                variants["k3_pdl_late"] = with_knobs(one, COMM_PDL=True, COMM_EARLY=False)
+        part_us = {}
+        for name, fn in parts.items():   # the op's GEMM alone (cold weights), for the split
+            dist.barrier()
+            fn()
+            part_us[name] = time_graph(fn)
         for name, fn in variants.items():
             dist.barrier()
             outs[name] = fn()
@@ -110,7 +144,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
         why_not = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
         row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
                    ar_warps=os.environ.get("K3_AR_WARPS"), us=res, err_vs_eager=errs, bytes=nbytes,
-                   floor_us=nbytes / bw * 1e6, cute_fallbacks=why_not)
+                   floor_us=nbytes / bw * 1e6, cute_fallbacks=why_not, parts_us=part_us)
         base = min(res["eager"], res["inductor"])
         lo, hi = kcuda.ONESHOT_M[kop[op]]
         row["table_pick"] = "oneshot" if lo <= M <= hi else "nccl_path"
@@ -151,7 +185,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
                 "k3": lambda: torch.ops.k3.oproj_allreduce_residual(x, wo(), res_, blocks, w_norm if blocks else None,
                                                                     w_qk if blocks else None, g_post, eps,
                                                                     group, [])},
-                lambda a, b: max(rel(a[0], b[0]), rel(a[1], b[1])))
+                lambda a, b: max(rel(a[0], b[0]), rel(a[1], b[1])), {"gemm": lambda: F.linear(x, wo())})
             # 2. latent tail: finalize + all-reduce + RMSNorm + up shard + add into shared partial
             y = rnd(M, TOPK, L)
             tw = torch.softmax(torch.randn(M, TOPK, device=dev), -1)
@@ -166,10 +200,14 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
                 out[:, rank * UP:(rank + 1) * UP] += tail
                 return out
             tail_ind = torch.compile(lambda w: tail_eager(w, ar_func), backend="inductor")
+            ln_in = rnd(M, L)
+
+            def tail_prefetch(w):   # the op with its up-projection shard pulled into L2 during the all-reduce
+                return torch.ops.k3.moe_latent_tail(y, tw, sp, g_lat, w, eps, rank, group, [w])
             bench("latent_tail", shape, M, UP * L * 2 + M * (TOPK * L + 2 * H) * 2, {
                 "eager": lambda: tail_eager(wu()), "inductor": lambda: tail_ind(wu()),
                 "k3": lambda: torch.ops.k3.moe_latent_tail(y, tw, sp, g_lat, wu(), eps, rank, group, [])},
-                rel)
+                rel, {"gemm": lambda: F.linear(ln_in, wu()), "prefetch": lambda: tail_prefetch(wu())})
             # 3. router + latent projection: replicated GEMMs vs sharded GEMM + all-gather
             xr = rnd(M, H)
 
@@ -204,12 +242,16 @@ def main():
     ap.add_argument("--cute", action="store_true",
                     help="o-proj also as k3_cute_gemm (CuTe skinny GEMM + pull all-reduce) and k3_cute_push "
                          "(CuTe GEMM with the push epilogue); needs the artifacts (K3_CUTE_DIR)")
+    ap.add_argument("--comm", action="store_true",
+                    help="o-proj and latent tail also with the communication kernels' options: k3_late (peer-"
+                         "independent reads after the barrier wait), k3_pdl (Programmatic Dependent Launch), "
+                         "the latent tail's finalize row by row / in 512-column tiles, its w_up prefetch")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from k3compile.distributed import run_ranks
     t = time.time()
     res = run_ranks(run, a.world, [int(m) for m in a.ms.split(",")], a.shapes.split(","), a.cold, a.blocks, a.ops,
-                    a.cute, backend="nccl")
+                    a.cute, a.comm, backend="nccl")
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

@@ -84,8 +84,11 @@ def _weights(N, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,nb,M", [(1, 0, 0, 3), (1, 0, 2, 2), (2, 1, 0, 3), (2, 0, 3, 2), (4, 2, 1, 1)])
-def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M):
+@pytest.mark.parametrize("world,rank,nb,M,programs", [(1, 0, 0, 3, 0), (1, 0, 2, 2, 0), (2, 1, 0, 3, 0), (2, 0, 3, 2, 0),
+                                                      (4, 2, 1, 1, 0), (2, 1, 3, 5, 2), (1, 0, 2, 3, 2)])
+def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, monkeypatch):
+    """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
+    first (whose residual and blocks are read between the barrier's signal and wait)."""
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
@@ -94,14 +97,18 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M):
     blocks = [torch.randn(M, N, generator=g).to(dtype) for _ in range(nb)]
     w_norm, w_qk, gam = _weights(N, dtype, g)
     sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
+    progs = programs or M
+    if programs:
+        monkeypatch.setattr(launch, "MAX_PROGRAMS", programs)   # TP=1 (no peers)
     if sim:
+        sim.peers.programs = progs
         for p in range(world):  # the peers' GEMMs
             if p != rank:
                 torch.mm(xs[p], w.t(), out=sim.view(p, dtype, M, N))
-        sim.arm(M)
+        sim.arm(progs)
     upd, nrm = launch.oproj(xs[rank], w, sim.peers if sim else None, res, blocks, w_norm, w_qk, gam, 1e-5)
     if sim:
-        sim.check_signals(M, 0)  # and this rank's partial was copied in for the peers:
+        sim.check_signals(progs, 0)  # and this rank's partial was copied in for the peers:
         torch.testing.assert_close(sim.view(rank, dtype, M, N, half=0), F.linear(xs[rank], w))
     y = sum(F.linear(x, w).float() for x in xs).to(dtype)  # the all-reduced partials, rounded once
     ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
@@ -257,8 +264,12 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,M", [(1, 0, 3), (2, 1, 2), (4, 3, 5)])
-def test_moe_latent_tail(dtype, world, rank, M):
+@pytest.mark.parametrize("world,rank,M,programs,chunk", [(1, 0, 3, 0, 1024), (2, 1, 2, 0, 1024), (4, 3, 5, 0, 1024),
+                                                         (2, 0, 5, 2, 16), (2, 1, 3, 0, 0)])
+def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, monkeypatch):
+    """chunk: launch.TAIL_CHUNK (16: four [top_k, 16] tiles per row of y; 0: row by row);
+    programs > 0: fewer programs than rows."""
+    monkeypatch.setattr(launch, "TAIL_CHUNK", chunk)
     g = torch.Generator().manual_seed(M + world)
     TOPK, L, H = 3, 64, 96
     n = H // world
@@ -268,11 +279,13 @@ def test_moe_latent_tail(dtype, world, rank, M):
     gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
     w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
     sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+    progs = programs or M
     if sim:
+        sim.peers.programs = progs
         for p in range(world):  # the peers' finalized partials, written by their own kernels
             if p != rank:
                 sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
-        sim.arm(M)
+        sim.arm(progs)
     out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
     routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
     ref = sp.clone()
@@ -280,7 +293,7 @@ def test_moe_latent_tail(dtype, world, rank, M):
                                        + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     if sim:
-        sim.check_signals(M, 0)
+        sim.check_signals(progs, 0)
         mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
         torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
 

@@ -53,7 +53,8 @@ def variants():
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
                                        BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
-                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
+                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1,
+                         KP=16, CHUNK=1024)))
         if world > 1:
             out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
                         dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16, SEQ=1)))
@@ -62,6 +63,12 @@ def variants():
         out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=1, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PUSHED=1)))
+    # launched with Programmatic Dependent Launch (launch.COMM_PDL)
+    out.append(("pdl ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
+                dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, GDC=1)))
+    out.append(("pdl latent_tail w2", K.latent_tail_kernel, ints,
+                dict(TOPK=16, RANK=0, WORLD=2, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1, KP=16,
+                     CHUNK=1024, GDC=1)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
@@ -111,10 +118,13 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
-          "pushed ar_residual_norm": ["sys.acquire"]}
+          "pushed ar_residual_norm": ["sys.acquire"],
+          "pdl ": ["griddepcontrol.wait"] + SEQ_PTX}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
-ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
+ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
+         # the PDL communication kernels read their norm weights first, then wait, then signal
+         "pdl ": [("ld.global", "griddepcontrol.wait"), ("griddepcontrol.wait", "sys.release.exch")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
@@ -124,7 +134,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "pdl ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl")
 
 

@@ -23,6 +23,19 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 # process must use the same one (the two leave different values in the signal slots).
 SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
 AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps of the all-reduce/norm kernel (0: by width)
+# the latent tail's finalize: columns per [top_k, CHUNK] tile of y (0: one row of y at a time)
+TAIL_CHUNK = int(os.environ.get("K3_TAIL_CHUNK", "1024"))
+# Programmatic Dependent Launch of the all-reduce/norm and latent-tail kernels (CUDA): they start
+# while the kernel before them drains, read their norm weights, then wait for it (triton_comm)
+COMM_PDL = os.environ.get("K3_COMM_PDL", "0") == "1"
+# bench A/B only: 0 puts the communication kernels' peer-independent reads back after the barrier wait
+COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """The launch options of a communication kernel on t's device (PDL on CUDA where COMM_PDL)."""
+    on = COMM_PDL and t.is_cuda
+    return dict(GDC=on, EARLY=COMM_EARLY, **({"launch_pdl": True} if on else {}))
 
 
 @dataclass
@@ -74,7 +87,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK))
+        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK), **_pdl(upd))
     return upd, nrm
 
 
@@ -94,7 +107,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        num_warps=_warps(BLOCK))
+        KP=triton.next_power_of_2(TOPK), CHUNK=min(TAIL_CHUNK, BLOCK), num_warps=_warps(BLOCK), **_pdl(y))
     return ln, out
 
 

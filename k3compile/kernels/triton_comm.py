@@ -29,8 +29,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
-    """All programs with the same id on every rank meet here (slots slot0*WORLD .. +WORLD)."""
+def _signal(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+    """This program's half of the barrier: tell program slot0 of every peer that this program's
+    stores so far are visible (slots slot0*WORLD .. +WORLD)."""
     tl.debug_barrier()  # this program's earlier stores happen before its signal
     if SEQ:
         seq = tl.load(epoch + 2) + 1  # this call's number (the last program adds 1 at the end)
@@ -38,23 +39,40 @@ def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: t
             if p != RANK:
                 peer = tl.load(pads + p).to(tl.pointer_type(tl.int32))
                 tl.atomic_xchg(peer + slot0 * WORLD + RANK, seq, sem="release", scope="sys")
-        mine = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                while tl.atomic_add(mine + slot0 * WORLD + p, 0, sem="acquire", scope="sys") - seq < 0:
-                    pass
     else:
         for p in tl.static_range(WORLD):
             if p != RANK:
                 peer = tl.load(pads + p).to(tl.pointer_type(tl.uint32))
                 while tl.atomic_cas(peer + slot0 * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
                     pass
-        mine = tl.load(pads + RANK).to(tl.pointer_type(tl.uint32))
+
+
+@triton.jit
+def _wait(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+    """The other half: wait until program slot0 of every peer has signalled this call. Work that
+    needs no peer data may run between _signal and _wait (it overlaps the NVLink trip)."""
+    mine = tl.load(pads + RANK)
+    if SEQ:
+        seq = tl.load(epoch + 2) + 1
+        m32 = mine.to(tl.pointer_type(tl.int32))
         for p in tl.static_range(WORLD):
             if p != RANK:
-                while tl.atomic_cas(mine + slot0 * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
+                while tl.atomic_add(m32 + slot0 * WORLD + p, 0, sem="acquire", scope="sys") - seq < 0:
+                    pass
+    else:
+        mu = mine.to(tl.pointer_type(tl.uint32))
+        for p in tl.static_range(WORLD):
+            if p != RANK:
+                while tl.atomic_cas(mu + slot0 * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
                     pass
     tl.debug_barrier()
+
+
+@triton.jit
+def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+    """All programs with the same id on every rank meet here (slots slot0*WORLD .. +WORLD)."""
+    _signal(pads, slot0, epoch, RANK, WORLD, SEQ)
+    _wait(pads, slot0, epoch, RANK, WORLD, SEQ)
 
 
 @triton.jit
@@ -141,72 +159,130 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB: tl.constexpr,
+            HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
+    state (running max, sum, weighted sum). Done before the barrier wait for a program's first row."""
+    r = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_RES:
+        r = tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_NORM:
+        if NB > 0:
+            m, s, acc = _mix_source(_block_row(b0, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 1:
+            m, s, acc = _mix_source(_block_row(b1, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 2:
+            m, s, acc = _mix_source(_block_row(b2, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 3:
+            m, s, acc = _mix_source(_block_row(b3, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 4:
+            m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 5:
+            m, s, acc = _mix_source(_block_row(b5, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 6:
+            m, s, acc = _mix_source(_block_row(b6, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 7:
+            m, s, acc = _mix_source(_block_row(b7, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+    return r, m, s, acc
+
+
+@triton.jit
+def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, N, eps, NB: tl.constexpr,
+             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+    """The row's outputs from the all-reduced y and _ar_pre's state: upd = r + y, nrm = the post-norm
+    (the updated row is the last AttnRes source)."""
+    if HAS_RES:
+        y = (r + y).to(DTYPE).to(tl.float32)
+    tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
+    if HAS_NORM:
+        mixed = y
+        if NB > 0:
+            m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
+            mixed = (acc / s).to(DTYPE).to(tl.float32)
+        out = _rms(mixed, mask, N, eps) * gw
+        tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD: tl.constexpr, DTYPE: tl.constexpr,
+                PUSHED: tl.constexpr):
+    """The all-reduced row, rounded to the model dtype, in fp32."""
+    if PUSHED and WORLD > 1:
+        y = _sum_slots(mine, M * N, row * N + offs, mask, WORLD)
+    else:
+        y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE)
+    return y.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr,
+             PUSHED: tl.constexpr):
+    """Until every peer's partial of this program's rows is readable: the push GEMM's flags, or the
+    barrier's wait."""
+    if PUSHED:
+        flags = (tl.load(ptrs + RANK) + FLAG_OFF).to(tl.pointer_type(tl.int32))
+        _wait_pushed(flags, epoch, NT, RANK, WORLD)
+    else:
+        _wait(pads, pid, epoch, RANK, WORLD, SEQ)
+
+
+@triton.jit
 def ar_residual_norm_kernel(
     ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk,
     b0, b1, b2, b3, b4, b5, b6, b7,
     M, N, eps, FLAG_OFF, NT,
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    PUSHED: tl.constexpr = False,
+    PUSHED: tl.constexpr = False, GDC: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
-    `local` is this rank's [M, N] partial; rows are spread over the programs.
+    `local` is this rank's [M, N] partial; rows are spread over the programs. EARLY: between its
+    barrier signal and its wait a program reads its first row's residual and AttnRes blocks
+    (_ar_pre); else after the wait.
     PUSHED (WORLD > 1): the push GEMM has already stored every rank's partial into this rank's
     buffer (slot p = rank p) and flagged them (int32 flags at byte FLAG_OFF of this rank's buffer,
-    NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused."""
+    NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused.
+    GDC (launched with Programmatic Dependent Launch): the norm weights are read before
+    `gdc_wait`, everything the previous kernels wrote after it."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    base = _half(epoch, HALF, WORLD)
-    if WORLD > 1:
-        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
-        if PUSHED:
-            flags = (tl.load(ptrs + RANK) + FLAG_OFF).to(tl.pointer_type(tl.int32))
-            _wait_pushed(flags, epoch, NT, RANK, WORLD)
-        else:
-            for row in range(pid, M, npid):
-                tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
-            _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
+    gw = tl.zeros([BLOCK_N], tl.float32)
+    wmix = tl.zeros([BLOCK_N], tl.float32)
     if HAS_NORM:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
         if NB > 0:
             wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
                 tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
-    for row in range(pid, M, npid):
-        if PUSHED and WORLD > 1:
-            y = _sum_slots(mine, M * N, row * N + offs, mask, WORLD).to(DTYPE).to(tl.float32)
-        else:
-            y = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
-        if HAS_RES:
-            y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
-        tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
-        if HAS_NORM:
-            mixed = y
-            if NB > 0:
-                m = tl.full((), float("-inf"), tl.float32)
-                s = tl.zeros((), tl.float32)
-                acc = tl.zeros([BLOCK_N], tl.float32)
-                m, s, acc = _mix_source(_block_row(b0, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 1:
-                    m, s, acc = _mix_source(_block_row(b1, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 2:
-                    m, s, acc = _mix_source(_block_row(b2, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 3:
-                    m, s, acc = _mix_source(_block_row(b3, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 4:
-                    m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 5:
-                    m, s, acc = _mix_source(_block_row(b5, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 6:
-                    m, s, acc = _mix_source(_block_row(b6, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                if NB > 7:
-                    m, s, acc = _mix_source(_block_row(b7, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
-                m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
-                mixed = (acc / s).to(DTYPE).to(tl.float32)
-            out = _rms(mixed, mask, N, eps) * gw
-            tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    base = _half(epoch, HALF, WORLD)
+    mine = local
+    if WORLD > 1:
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+        if not PUSHED:
+            for row in range(pid, M, npid):
+                tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
+            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
+    if WORLD > 1 and not EARLY:
+        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED)
+    m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
+    r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, N, eps, NB, HAS_NORM, HAS_RES,
+                           BLOCK_N, DTYPE)
+    if WORLD > 1 and EARLY:
+        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED)
+    y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
+    _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
+    for row in range(pid + npid, M, npid):
+        r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB, HAS_NORM,
+                               HAS_RES, BLOCK_N, DTYPE)
+        y = _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD, DTYPE, PUSHED)
+        _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
     if WORLD > 1:
         _epoch_end(epoch)
 
@@ -217,35 +293,57 @@ def latent_tail_kernel(
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
+    KP: tl.constexpr = 16, CHUNK: tl.constexpr = 0, GDC: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
-    `local` is scratch [M, N] at WORLD == 1."""
+    `local` is scratch [M, N] at WORLD == 1.
+    CHUNK > 0: the finalize reads [KP, CHUNK] tiles of y (KP = TOPK rounded up to a power of two),
+    all TOPK rows of a column chunk in one load, instead of one row of y at a time; 0: row by row.
+    EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
+    signal). GDC: as in
+    ar_residual_norm_kernel (g is read before the wait)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     base = _half(epoch, HALF, WORLD)
     if WORLD == 1:
         mine = local
     else:
         mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
     for row in range(pid, M, npid):
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k in tl.static_range(TOPK):
-            wk = tl.load(w + row * TOPK + k).to(tl.float32)
-            acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
+        if CHUNK:
+            k = tl.arange(0, KP)
+            wk = tl.load(w + row * TOPK + k, mask=k < TOPK, other=0.0).to(tl.float32)
+            for c in tl.static_range(0, BLOCK_N, CHUNK):
+                o = c + tl.arange(0, CHUNK)
+                yt = tl.load(y + (row * TOPK + k)[:, None] * N + o[None, :], mask=(k < TOPK)[:, None] & (o < N)[None, :],
+                             other=0.0).to(tl.float32)
+                tl.store(mine + row * N + o, tl.sum(wk[:, None] * yt, axis=0).to(DTYPE), mask=o < N)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k in tl.static_range(TOPK):
+                wk = tl.load(w + row * TOPK + k).to(tl.float32)
+                acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
+    if WORLD > 1 and EARLY:
+        _signal(pads, pid, epoch, RANK, WORLD, SEQ)
+    for row in range(pid, M, npid):
         for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
             o2 = c + tl.arange(0, 1024)
             m2 = o2 < SP
             tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
+    if WORLD > 1 and not EARLY:
+        _signal(pads, pid, epoch, RANK, WORLD, SEQ)
     if WORLD > 1:
-        _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
+        _wait(pads, pid, epoch, RANK, WORLD, SEQ)
     else:
         tl.debug_barrier()
-    gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
         r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
         tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
