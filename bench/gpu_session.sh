@@ -83,6 +83,10 @@ for st in "$@"; do
             -k "kernels_match or push"
           step ops_comm 300 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --comm --cold 8 \
             --ms ${K3_MS:-1,4,16,64} --shapes tp8 --out "$R/ops_comm.json" ;;
+    # the same on one GPU with simulated peers (kernels/simpeers): their GPU test, then every option
+    # timed at TP=2 and TP=8 group sizes without NVLink
+    commsim) step commsim_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k simulated_peers
+             step comm_sim 300 python3 bench/comm_sim_bench.py --ms ${K3_MS:-1,4,16,64} --out "$R/comm_sim.json" ;;
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;

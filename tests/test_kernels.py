@@ -25,58 +25,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
-from k3compile.runtime.symm import max_programs  # noqa: E402
+from k3compile.kernels.simpeers import SimGroup  # noqa: E402
+from k3compile.runtime.symm import READY_OFF  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-
-
-class SimGroup:
-    """Rank `rank` of `world`, every buffer and signal pad a CPU tensor."""
-
-    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048, flag_bytes: int = 0):
-        """nbytes: one buffer half; flag_bytes: a push-flag region after the two halves."""
-        self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
-        self.bufs = [torch.zeros(2 * nbytes + flag_bytes, dtype=torch.uint8) for _ in range(world)]
-        self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32) for _ in range(world)]
-        self.epoch = torch.zeros(3, dtype=torch.int32)
-        self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs]),
-                                  torch.tensor([p.data_ptr() for p in self.pads]), self.epoch, rank, world,
-                                  self.nbytes, max_programs(pad_bytes, world), 2 * nbytes if flag_bytes else -1)
-
-    def view(self, p, dtype, *shape, half=None):
-        """Rank p's buffer half (default: the one the next call uses), as [*shape] of dtype."""
-        n = 1
-        for s in shape:
-            n *= s
-        off = (int(self.epoch[0]) if half is None else half) * self.peers.half(dtype)
-        return self.bufs[p].view(dtype)[off:off + n].view(*shape)
-
-    def arm(self, programs: int):
-        """The peers' signals to this rank, as if they had reached the barrier first: the next
-        call's sequence number (SEQ barrier) or 1 (CAS handshake)."""
-        v = int(self.epoch[2]) + 1 if launch.SEQ_BARRIER else 1
-        for pid in range(programs):
-            for p in range(self.world):
-                if p != self.rank:
-                    self.pads[self.rank][pid * self.world + p] = v
-
-    def check_signals(self, programs: int, epoch_before: int):
-        seq = int(self.epoch[2])  # the call just made
-        if launch.SEQ_BARRIER:   # the slots keep the last sequence number; nothing is consumed
-            assert all(int(self.pads[self.rank][pid * self.world + p]) == seq
-                       for pid in range(programs) for p in range(self.world) if p != self.rank)
-        else:
-            assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
-        for p in range(self.world):
-            if p == self.rank:
-                continue
-            want = torch.zeros_like(self.pads[p])
-            for pid in range(programs):
-                want[pid * self.world + self.rank] = seq if launch.SEQ_BARRIER else 1
-            assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
-            self.pads[p].zero_()  # the peer consumes them
-        assert self.epoch[:2].tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
 
 
 def _weights(N, dtype, g):
@@ -264,11 +217,13 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,M,programs,chunk", [(1, 0, 3, 0, 1024), (2, 1, 2, 0, 1024), (4, 3, 5, 0, 1024),
-                                                         (2, 0, 5, 2, 16), (2, 1, 3, 0, 0)])
-def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, monkeypatch):
+@pytest.mark.parametrize("world,rank,M,programs,chunk,fused", [
+    (1, 0, 3, 0, 1024, 0), (2, 1, 2, 0, 1024, 0), (4, 3, 5, 0, 1024, 0), (2, 0, 5, 2, 16, 0), (2, 1, 3, 0, 0, 0),
+    (2, 1, 2, 0, 1024, 1), (4, 3, 5, 0, 1024, 1), (2, 0, 5, 2, 16, 1), (2, 1, 17, 0, 1024, 1)])
+def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, fused, monkeypatch):
     """chunk: launch.TAIL_CHUNK (16: four [top_k, 16] tiles per row of y; 0: row by row);
-    programs > 0: fewer programs than rows."""
+    programs > 0: fewer programs than rows; fused: the up-projection in the same kernel (its
+    programs after the all-reduce ones wait for their ready flags; M=17: a 32-row dot tile)."""
     monkeypatch.setattr(launch, "TAIL_CHUNK", chunk)
     g = torch.Generator().manual_seed(M + world)
     TOPK, L, H = 3, 64, 96
@@ -278,7 +233,7 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, monkeypatch):
     sp = torch.randn(M, H, generator=g).to(dtype)
     gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
     w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
-    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+    sim = SimGroup(world, rank, M * L * 4, flag_bytes=16 << 10 if fused else 0) if world > 1 else None
     progs = programs or M
     if sim:
         sim.peers.programs = progs
@@ -286,7 +241,10 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, monkeypatch):
             if p != rank:
                 sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
         sim.arm(progs)
+    calls = []
+    monkeypatch.setattr(launch, "add_up_shard", lambda *a: calls.append(1) or _add_up_shard(*a))
     out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
+    assert len(calls) == 1 - fused   # the separate GEMM runs only when not fused
     routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
     ref = sp.clone()
     ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
@@ -296,6 +254,12 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, monkeypatch):
         sim.check_signals(progs, 0)
         mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
         torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
+        if fused:   # every all-reduce program published call 1 in its ready flag, nothing else did
+            ready = sim.bufs[rank][sim.peers.flag_off + READY_OFF:].view(torch.int32)[:128]
+            assert ready.tolist() == [1] * progs + [0] * (128 - progs)
+
+
+_add_up_shard = launch.add_up_shard
 
 
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])

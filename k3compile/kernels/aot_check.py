@@ -21,8 +21,12 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def _sig(fn, types: dict, consts: dict) -> tuple[dict, dict]:
+    """(signature, constexprs): a constexpr parameter not given in `consts` takes its default."""
     sig = {}
-    for name in inspect.signature(fn.fn).parameters:
+    consts = dict(consts)
+    for name, prm in inspect.signature(fn.fn).parameters.items():
+        if name not in consts and prm.default is not inspect.Parameter.empty:
+            consts[name] = prm.default
         if name in consts:
             sig[name] = "constexpr"
         else:
@@ -44,7 +48,8 @@ def variants():
     """(name, kernel, scalar types, constexprs) for every shape family the ops launch."""
     ints = {"ptrs": "*i64", "pads": "*i64", "epoch": "*i32", "HALF": "i64", "M": "i32", "N": "i32",
             "eps": "fp32", "S": "i32", "E": "i32", "L": "i32", "SP": "i32", "w": "*fp32", "nbytes": "i64",
-            "base": "*u8", "FLAG_OFF": "i64", "NT": "i32"}
+            "base": "*u8", "FLAG_OFF": "i64", "NT": "i32", "NAR": "i32", "UPN": "i32", "COL0": "i32",
+            "RDY_OFF": "i64"}
     out = []
     for world in (1, 2, 8):
         for nb in (0, 3):
@@ -63,6 +68,11 @@ def variants():
         out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=1, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PUSHED=1)))
+    # the latent tail with its up-projection fused (launch.TAIL_UP): 1 and 64 rows of ln per dot tile
+    for bm, bk in ((16, 512), (64, 256)):
+        out.append((f"latent_tail up w2 BM{bm}", K.latent_tail_kernel, ints,
+                    dict(TOPK=16, RANK=1, WORLD=2, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1, KP=16,
+                         CHUNK=1024, UP=1, BM=bm, BN=16, BK=bk, PF=1)))
     # launched with Programmatic Dependent Launch (launch.COMM_PDL)
     out.append(("pdl ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, GDC=1)))
@@ -119,7 +129,10 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
           "pushed ar_residual_norm": ["sys.acquire"],
-          "pdl ": ["griddepcontrol.wait"] + SEQ_PTX}
+          "pdl ": ["griddepcontrol.wait"] + SEQ_PTX,
+          # the fused up-projection: L2 prefetch of its rows, ready flags (gpu-scope release /
+          # acquire), tensor-core dot
+          "latent_tail up": SEQ_PTX + ["cp.async.bulk.prefetch.L2.global", "gpu.release", "gpu.acquire", "mma"]}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
 ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
@@ -134,7 +147,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "pdl ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "pdl ", "latent_tail up", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl")
 
 

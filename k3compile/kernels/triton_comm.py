@@ -288,65 +288,128 @@ def ar_residual_norm_kernel(
 
 
 @triton.jit
+def _prefetch_l2(addr):
+    """One 4 KiB bulk prefetch into L2 per lane of `addr` (a tensor of byte addresses; Hopper)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;",
+                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _tail_up(ln, sp, out, wup, rdy, epoch, j, M, N, SP, UPN, COL0, NAR,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, GDC: tl.constexpr,
+             DTYPE: tl.constexpr):
+    """An up-projection program of the fused latent tail: out[:, COL0 + n] = sp[:, COL0 + n] +
+    ln @ wup[n]^T for its BN rows n of wup [UPN, N]. It pulls those rows into L2 (PF), waits until
+    every all-reduce program has stored its ln rows (rdy[p] >= this call's number, gpu-scope
+    acquire), then runs a [BM, BN] tl.dot tile per BM rows of ln (fp32 accumulation, one rounding)."""
+    n = j * BN + tl.arange(0, BN)
+    nmask = n < UPN
+    if PF:   # the program's rows of wup are contiguous: BN * N elements from row j * BN
+        nbytes = (tl.minimum(UPN - j * BN, BN) * N * 2).to(tl.int64)
+        first = wup.to(tl.pointer_type(tl.int8)) + (j * BN).to(tl.int64) * N * 2
+        for c0 in range(0, nbytes, 32 * 4096):
+            off = c0 + tl.arange(0, 32).to(tl.int64) * 4096
+            _prefetch_l2(first + tl.where(off + 4096 <= nbytes, off, 0))
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    seq = tl.load(epoch + 2) + 1
+    i = tl.arange(0, 128)
+    ready = 0
+    while ready == 0:
+        f = tl.atomic_add(rdy + i, 0, mask=i < NAR, sem="acquire", scope="gpu")
+        ready = (tl.min(tl.where(i < NAR, f - seq, 0), axis=0) >= 0).to(tl.int32)
+    for m0 in range(0, M, BM):
+        rm = m0 + tl.arange(0, BM)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, N, BK):
+            rk = k0 + tl.arange(0, BK)
+            a = tl.load(ln + rm[:, None] * N + rk[None, :], mask=(rm < M)[:, None] & (rk < N)[None, :], other=0.0)
+            b = tl.load(wup + n[None, :] * N + rk[:, None], mask=nmask[None, :] & (rk < N)[:, None], other=0.0)
+            if DTYPE == tl.float32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        o = rm[:, None] * SP + COL0 + n[None, :]
+        om = (rm < M)[:, None] & nmask[None, :]
+        tl.store(out + o, (tl.load(sp + o, mask=om, other=0.0).to(tl.float32) + acc).to(DTYPE), mask=om)
+
+
+@triton.jit
 def latent_tail_kernel(
-    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
-    M, N, SP, eps,
+    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out, wup,
+    M, N, SP, eps, NAR, UPN, COL0, RDY_OFF,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     KP: tl.constexpr = 16, CHUNK: tl.constexpr = 0, GDC: tl.constexpr = False, EARLY: tl.constexpr = True,
+    UP: tl.constexpr = False, BM: tl.constexpr = 16, BN: tl.constexpr = 16, BK: tl.constexpr = 512,
+    PF: tl.constexpr = False,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
-    `local` is scratch [M, N] at WORLD == 1.
+    `local` is scratch [M, N] at WORLD == 1. Programs 0 .. NAR-1 do this (rows spread over them).
     CHUNK > 0: the finalize reads [KP, CHUNK] tiles of y (KP = TOPK rounded up to a power of two),
     all TOPK rows of a column chunk in one load, instead of one row of y at a time; 0: row by row.
     EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
-    signal). GDC: as in
-    ar_residual_norm_kernel (g is read before the wait)."""
+    signal). GDC: as in ar_residual_norm_kernel (g is read before the wait).
+    UP (WORLD > 1): the up-projection is fused: programs NAR.. each own BN rows of wup [UPN, N]
+    (_tail_up), the all-reduce programs copy only sp's columns outside [COL0, COL0 + UPN) and,
+    once their ln rows are stored, publish this call's number in rdy[pid] (int32 at byte RDY_OFF
+    of this rank's buffer, release at gpu scope). Every up-projection program waits for those, so
+    the all-reduce programs (the lower ids, dispatched first) never wait for it."""
     pid = tl.program_id(0)
-    npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-    base = _half(epoch, HALF, WORLD)
-    if WORLD == 1:
-        mine = local
+    if UP and pid >= NAR:
+        rdy = (tl.load(ptrs + RANK) + RDY_OFF).to(tl.pointer_type(tl.int32))
+        _tail_up(ln, sp, out, wup, rdy, epoch, pid - NAR, M, N, SP, UPN, COL0, NAR, BM, BN, BK, PF, GDC, DTYPE)
     else:
-        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
-    for row in range(pid, M, npid):
-        if CHUNK:
-            k = tl.arange(0, KP)
-            wk = tl.load(w + row * TOPK + k, mask=k < TOPK, other=0.0).to(tl.float32)
-            for c in tl.static_range(0, BLOCK_N, CHUNK):
-                o = c + tl.arange(0, CHUNK)
-                yt = tl.load(y + (row * TOPK + k)[:, None] * N + o[None, :], mask=(k < TOPK)[:, None] & (o < N)[None, :],
-                             other=0.0).to(tl.float32)
-                tl.store(mine + row * N + o, tl.sum(wk[:, None] * yt, axis=0).to(DTYPE), mask=o < N)
+        npid = NAR if UP else tl.num_programs(0)
+        gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        base = _half(epoch, HALF, WORLD)
+        if WORLD == 1:
+            mine = local
         else:
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for k in tl.static_range(TOPK):
-                wk = tl.load(w + row * TOPK + k).to(tl.float32)
-                acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
-    if WORLD > 1 and EARLY:
-        _signal(pads, pid, epoch, RANK, WORLD, SEQ)
-    for row in range(pid, M, npid):
-        for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
-            o2 = c + tl.arange(0, 1024)
-            m2 = o2 < SP
-            tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
-    if WORLD > 1 and not EARLY:
-        _signal(pads, pid, epoch, RANK, WORLD, SEQ)
-    if WORLD > 1:
-        _wait(pads, pid, epoch, RANK, WORLD, SEQ)
-    else:
-        tl.debug_barrier()
-    for row in range(pid, M, npid):
-        r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
-        tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
+            mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+        for row in range(pid, M, npid):
+            if CHUNK:
+                k = tl.arange(0, KP)
+                wk = tl.load(w + row * TOPK + k, mask=k < TOPK, other=0.0).to(tl.float32)
+                for c in tl.static_range(0, BLOCK_N, CHUNK):
+                    o = c + tl.arange(0, CHUNK)
+                    yt = tl.load(y + (row * TOPK + k)[:, None] * N + o[None, :],
+                                 mask=(k < TOPK)[:, None] & (o < N)[None, :], other=0.0).to(tl.float32)
+                    tl.store(mine + row * N + o, tl.sum(wk[:, None] * yt, axis=0).to(DTYPE), mask=o < N)
+            else:
+                acc = tl.zeros([BLOCK_N], tl.float32)
+                for k in tl.static_range(TOPK):
+                    wk = tl.load(w + row * TOPK + k).to(tl.float32)
+                    acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
+        if WORLD > 1 and EARLY:
+            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
+        for row in range(pid, M, npid):
+            for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
+                o2 = c + tl.arange(0, 1024)
+                m2 = o2 < SP
+                if UP:   # the up-projection programs write this rank's columns
+                    m2 = m2 & ((o2 < COL0) | (o2 >= COL0 + UPN))
+                tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
+        if WORLD > 1 and not EARLY:
+            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
+        if WORLD > 1:
+            _wait(pads, pid, epoch, RANK, WORLD, SEQ)
+        else:
+            tl.debug_barrier()
+        for row in range(pid, M, npid):
+            r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+            tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
+        if UP:
+            tl.debug_barrier()   # every thread's ln stores before the release
+            rdy = (tl.load(ptrs + RANK) + RDY_OFF).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(rdy + pid, tl.load(epoch + 2) + 1, sem="release", scope="gpu")
     if WORLD > 1:
         _epoch_end(epoch)
 
@@ -389,6 +452,4 @@ def l2_prefetch_kernel(base, nbytes, LANES: tl.constexpr):
     partial chunk (< 4 KiB) is left out."""
     pid = tl.program_id(0)
     off = (pid * LANES + tl.arange(0, LANES)).to(tl.int64) * 4096
-    off = tl.where(off + 4096 <= nbytes, off, 0)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;",
-                              "=r,l", [base + off], dtype=tl.int32, is_pure=False, pack=1)
+    _prefetch_l2(base + tl.where(off + 4096 <= nbytes, off, 0))

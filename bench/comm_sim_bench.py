@@ -1,0 +1,101 @@
+"""The o-proj and latent-tail ops' kernels on ONE GPU, as rank 0 of a simulated TP group
+(kernels/simpeers: the peers' partials in ordinary buffers on this GPU, their barrier signals set
+before), each option of the communication kernels side by side: what the kernels themselves cost
+without NVLink and without a peer's skew. Not a substitute for bench/ops_bench.py on two GPUs
+(the one-shot all-reduce's NVLink trips and the baselines are there); it separates the local part.
+
+Variants (launch module settings; every variant in the same run, cold weights: `--cold` copies):
+  k3           the defaults (early reads, finalize tiles, the fused up-projection, no PDL)
+  k3_late      peer-independent reads after the barrier wait (COMM_EARLY=0)
+  k3_pdl       Programmatic Dependent Launch of the communication kernel
+  k3_unfused   latent tail: its kernel, then the cuBLAS addmm (TAIL_UP=0)
+  k3_rowwise   latent tail: finalize one row of y at a time (TAIL_CHUNK=0)
+  k3_before    the 45ff89b kernels (late, row by row, unfused)
+  gemm         the op's GEMM alone (torch.mm, cold)
+
+    python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import GraphTimer, save  # noqa: E402
+
+VARIANTS = {
+    "oproj": {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_pdl": {"COMM_PDL": True},
+              "k3_pdl_late": {"COMM_PDL": True, "COMM_EARLY": False}},
+    "tail": {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_pdl": {"COMM_PDL": True},
+             "k3_unfused": {"TAIL_UP": False}, "k3_rowwise": {"TAIL_CHUNK": 0},
+             "k3_before": {"COMM_EARLY": False, "TAIL_CHUNK": 0, "TAIL_UP": False}},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", default="2,8")
+    ap.add_argument("--ms", default="1,4,16,64")
+    ap.add_argument("--cold", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from k3compile.kernels import launch, simpeers
+
+    def knobs(fn, values):
+        def run():
+            keep = {k: getattr(launch, k) for k in values}
+            for k, v in values.items():
+                setattr(launch, k, v)
+            try:
+                return fn()
+            finally:
+                for k, v in keep.items():
+                    setattr(launch, k, v)
+        return run
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+    t0 = time.time()
+    rows = []
+    for world in (int(w) for w in a.worlds.split(",")):
+        for M in (int(m) for m in a.ms.split(",")):
+            for op in ("oproj", "tail"):
+                timers, errs = {}, {}
+                for name, values in VARIANTS[op].items():
+                    if op == "oproj":
+                        run, ref, _ = simpeers.oproj_case(world, M, 0, seed=M, copies=a.cold)
+                        check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731
+                    else:
+                        run, ref, _ = simpeers.tail_case(world, M, seed=M, copies=a.cold)
+                        check = lambda out: rel(out, ref)  # noqa: E731
+                    fn = knobs(run, values)
+                    errs[name] = check(fn())
+                    timers[name] = GraphTimer(fn)
+                K, N = (1536, 7168) if op == "oproj" else (3584, 896)
+                xs = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+                ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(a.cold)]
+                it = iter(range(1 << 62))
+                timers["gemm"] = GraphTimer(lambda: F.linear(xs, ws[next(it) % a.cold]))
+                rounds = {n: [t.time() for _ in range(1)] for n, t in timers.items()}
+                for _ in range(a.rounds - 1):   # in turn, so that drift falls on every variant alike
+                    for n, t in timers.items():
+                        rounds[n].append(t.time())
+                us = {n: sorted(v)[len(v) // 2] for n, v in rounds.items()}
+                rows.append(dict(op=op, world=world, M=M, us=us, us_rounds=rounds, err=errs))
+                print(f"{op:<5} world={world} M={M:<3} " + " ".join(f"{n}={v:6.1f}" for n, v in us.items())
+                      + f"  max err {max(errs.values()):.1e}", flush=True)
+                del timers
+                torch.cuda.empty_cache()
+    save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                     note="one GPU, simulated peers (kernels/simpeers): no NVLink"), t0)
+
+
+if __name__ == "__main__":
+    main()

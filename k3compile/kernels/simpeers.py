@@ -1,0 +1,133 @@
+"""A TP group's other ranks simulated on one device, for the communication kernels' tests and
+single-GPU benches: every rank's symmetric buffer and signal pad is an ordinary tensor on
+`device`, and the peers' barrier signals are written into this rank's pad beforehand (`arm`), as
+if they had reached the barrier first. What peers' GEMMs would have stored goes into their
+buffers through `view`. The kernels then run exactly as on a real group, minus NVLink.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import launch
+from ..runtime.symm import max_programs
+
+
+class SimGroup:
+    """Rank `rank` of `world`, every buffer and signal pad a tensor on `device`."""
+
+    def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048, flag_bytes: int = 0,
+                 device: str | torch.device = "cpu"):
+        """nbytes: one buffer half; flag_bytes: the flag region after the two halves (push flags,
+        the fused latent tail's ready flags)."""
+        self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
+        self.bufs = [torch.zeros(2 * nbytes + flag_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
+        self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32, device=device) for _ in range(world)]
+        self.epoch = torch.zeros(3, dtype=torch.int32, device=device)
+        self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs], device=device),
+                                  torch.tensor([p.data_ptr() for p in self.pads], device=device), self.epoch, rank,
+                                  world, self.nbytes, max_programs(pad_bytes, world),
+                                  2 * nbytes if flag_bytes else -1)
+
+    def view(self, p, dtype, *shape, half=None):
+        """Rank p's buffer half (default: the one the next call uses), as [*shape] of dtype."""
+        n = 1
+        for s in shape:
+            n *= s
+        off = (int(self.epoch[0]) if half is None else half) * self.peers.half(dtype)
+        return self.bufs[p].view(dtype)[off:off + n].view(*shape)
+
+    def arm(self, programs: int, calls: int = 1):
+        """The peers' signals to this rank for the next call: its sequence number (SEQ barrier) or
+        1 (CAS handshake). calls > 1 (SEQ barrier only): a number `calls - 1` ahead, which lets
+        that many calls pass (a graph replayed many times: the wait is `slot - seq >= 0`)."""
+        v = int(self.epoch[2]) + calls if launch.SEQ_BARRIER else 1
+        for pid in range(programs):
+            for p in range(self.world):
+                if p != self.rank:
+                    self.pads[self.rank][pid * self.world + p] = v
+
+    def check_signals(self, programs: int, epoch_before: int):
+        seq = int(self.epoch[2])  # the call just made
+        if launch.SEQ_BARRIER:   # the slots keep the last sequence number; nothing is consumed
+            assert all(int(self.pads[self.rank][pid * self.world + p]) == seq
+                       for pid in range(programs) for p in range(self.world) if p != self.rank)
+        else:
+            assert int(self.pads[self.rank].abs().sum()) == 0, "this rank did not consume every signal"
+        for p in range(self.world):
+            if p == self.rank:
+                continue
+            want = torch.zeros_like(self.pads[p])
+            for pid in range(programs):
+                want[pid * self.world + self.rank] = seq if launch.SEQ_BARRIER else 1
+            assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
+            self.pads[p].zero_()  # the peer consumes them
+        assert self.epoch[:2].tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
+
+
+def _rnd(g, device, dtype, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+
+def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 7168, dtype=torch.bfloat16,
+               device="cuda", seed: int = 0, copies: int = 1):
+    """The o-proj op on rank 0 of a simulated group: returns (run, reference, sim). run() calls
+    launch.oproj (the GEMM, then the all-reduce + residual + norm kernel) on the next of `copies`
+    weight copies (the same values: copies > 1 keeps them out of L2 for benches); reference =
+    (updated, normed) from the model's functions over the same partials. Every peer's partial is
+    in both halves of its buffer; the pad is armed for 2^20 calls."""
+    from ..model.functional import attnres_mix
+    import torch.nn.functional as F
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = _rnd(g, device, dtype, M, K)
+    w = _rnd(g, device, dtype, N, K, scale=K ** -0.5)
+    res = _rnd(g, device, dtype, M, N)
+    blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
+    w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
+    parts = [F.linear(x, w)] + [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world - 1)]
+    sim = SimGroup(world, 0, max(M * N * 4, 1 << 16), device=device)
+    for p in range(1, world):
+        for h in (0, 1):
+            sim.view(p, dtype, M, N, half=h).copy_(parts[p])
+    sim.arm(sim.peers.programs, calls=1 << 20)
+    y = sum(t.float() for t in parts).to(dtype)
+    ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
+    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    it = iter(range(1 << 62))
+
+    def run():
+        return launch.oproj(x, ws[next(it) % copies], sim.peers, res, blocks, w_norm if blocks else None,
+                            w_qk if blocks else None, gam, 1e-5)
+    return run, ref, sim
+
+
+def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, topk: int = 16,
+              dtype=torch.bfloat16, device="cuda", seed: int = 0, copies: int = 1):
+    """The latent-tail op on rank 0 of a simulated group, as oproj_case: run() calls launch.moe_tail
+    (finalize + all-reduce + RMSNorm, the up-projection shard [up, L] into columns [0, up) of the
+    shared partial: fused or not, as launch.TAIL_UP says); reference from PyTorch over the same
+    partials."""
+    import torch.nn.functional as F
+    from ..model.functional import rms_norm
+    from ..runtime.symm import FLAG_BYTES
+    g = torch.Generator(device=device).manual_seed(seed)
+    y = _rnd(g, device, dtype, M, topk, L)
+    tw = torch.softmax(torch.randn(M, topk, generator=g, device=device), -1)
+    sp = _rnd(g, device, dtype, M, H)
+    gam = (torch.rand(L, generator=g, device=device) + 0.5).to(dtype)
+    w_up = _rnd(g, device, dtype, up, L, scale=L ** -0.5)
+    mine = (y.float() * tw.unsqueeze(-1)).sum(1).to(dtype)
+    parts = [mine] + [_rnd(g, device, dtype, M, L, scale=0.5) for _ in range(world - 1)]
+    sim = SimGroup(world, 0, max(M * L * 4, 1 << 16), flag_bytes=FLAG_BYTES, device=device)
+    for p in range(1, world):
+        for h in (0, 1):
+            sim.view(p, dtype, M, L, half=h).copy_(parts[p])
+    sim.arm(sim.peers.programs, calls=1 << 20)
+    routed = sum(t.float() for t in parts).to(dtype)
+    ref = sp.clone()
+    ref[:, :up] = (sp[:, :up].float() + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
+    ws = [w_up] + [w_up.clone() for _ in range(copies - 1)]
+    it = iter(range(1 << 62))
+
+    def run():
+        return launch.moe_tail(y, tw, sim.peers, sp, gam, ws[next(it) % copies], 1e-5, 0)
+    return run, ref, sim
