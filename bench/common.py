@@ -27,6 +27,7 @@ class GraphTimer:
         import torch
         fn()
         torch.cuda.synchronize()
+        self.fn = fn   # keeps what the graph reads alive (a closure's tensors) as long as the timer
         self.reps = reps
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
