@@ -5,13 +5,12 @@ without NVLink and without a peer's skew. Not a substitute for bench/ops_bench.p
 (the one-shot all-reduce's NVLink trips and the baselines are there); it separates the local part.
 
 Variants (launch module settings; every variant in the same run, cold weights: `--cold` copies):
-  k3           the defaults (early reads, finalize tiles, the fused up-projection, no PDL)
+  k3           the defaults (early reads, one vector atomic to signal / poll the peers)
   k3_late      peer-independent reads after the barrier wait (COMM_EARLY=0)
-  k3_pdl       Programmatic Dependent Launch of the communication kernel
-  k3_unfused   latent tail: its kernel, then the cuBLAS addmm (TAIL_UP=0)
-  k3_rowwise   latent tail: finalize one row of y at a time (TAIL_CHUNK=0)
-  k3_before    the 45ff89b kernels (late, row by row, unfused)
+  k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
+  k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
+`--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
 
     python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--out F]
 """
@@ -25,18 +24,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import GraphTimer, save  # noqa: E402
 
-VARIANTS = {
-    "oproj": {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_pdl": {"COMM_PDL": True},
-              "k3_pdl_late": {"COMM_PDL": True, "COMM_EARLY": False}},
-    "tail": {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_pdl": {"COMM_PDL": True},
-             "k3_unfused": {"TAIL_UP": False}, "k3_rowwise": {"TAIL_CHUNK": 0},
-             "k3_before": {"COMM_EARLY": False, "TAIL_CHUNK": 0, "TAIL_UP": False}},
-}
+VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
+            "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worlds", default="2,8")
+    ap.add_argument("--worlds", default="1,2,8")
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--cold", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
@@ -68,7 +62,7 @@ def main():
         for M in (int(m) for m in a.ms.split(",")):
             for op in ("oproj", "tail"):
                 timers, errs = {}, {}
-                for name, values in VARIANTS[op].items():
+                for name, values in (VARIANTS if world > 1 else {"k3": {}}).items():
                     if op == "oproj":
                         run, ref, _ = simpeers.oproj_case(world, M, 0, seed=M, copies=a.cold)
                         check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731

@@ -26,7 +26,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
 from k3compile.kernels.simpeers import SimGroup  # noqa: E402
-from k3compile.runtime.symm import READY_OFF  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -37,11 +36,14 @@ def _weights(N, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,nb,M,programs", [(1, 0, 0, 3, 0), (1, 0, 2, 2, 0), (2, 1, 0, 3, 0), (2, 0, 3, 2, 0),
-                                                      (4, 2, 1, 1, 0), (2, 1, 3, 5, 2), (1, 0, 2, 3, 2)])
-def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, monkeypatch):
+@pytest.mark.parametrize("world,rank,nb,M,programs,vec", [
+    (1, 0, 0, 3, 0, 1), (1, 0, 2, 2, 0, 1), (2, 1, 0, 3, 0, 1), (2, 0, 3, 2, 0, 1), (4, 2, 1, 1, 0, 1), (2, 1, 3, 5, 2, 1),
+    (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1)])
+def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
-    first (whose residual and blocks are read between the barrier's signal and wait)."""
+    first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
+    peers signalled and polled one by one (launch.COMM_VEC)."""
+    monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
@@ -217,14 +219,12 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,M,programs,chunk,fused", [
-    (1, 0, 3, 0, 1024, 0), (2, 1, 2, 0, 1024, 0), (4, 3, 5, 0, 1024, 0), (2, 0, 5, 2, 16, 0), (2, 1, 3, 0, 0, 0),
-    (2, 1, 2, 0, 1024, 1), (4, 3, 5, 0, 1024, 1), (2, 0, 5, 2, 16, 1), (2, 1, 17, 0, 1024, 1)])
-def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, fused, monkeypatch):
-    """chunk: launch.TAIL_CHUNK (16: four [top_k, 16] tiles per row of y; 0: row by row);
-    programs > 0: fewer programs than rows; fused: the up-projection in the same kernel (its
-    programs after the all-reduce ones wait for their ready flags; M=17: a 32-row dot tile)."""
-    monkeypatch.setattr(launch, "TAIL_CHUNK", chunk)
+@pytest.mark.parametrize("world,rank,M,programs,vec", [(1, 0, 3, 0, 1), (2, 1, 2, 0, 1), (4, 3, 5, 0, 1), (2, 0, 5, 2, 1),
+                                                       (4, 3, 5, 0, 0), (8, 5, 3, 2, 1)])
+def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
+    """programs > 0: fewer programs than rows; vec=0: the peers signalled and polled one by one
+    (launch.COMM_VEC)."""
+    monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     g = torch.Generator().manual_seed(M + world)
     TOPK, L, H = 3, 64, 96
     n = H // world
@@ -233,7 +233,7 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, fused, monkeypa
     sp = torch.randn(M, H, generator=g).to(dtype)
     gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
     w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
-    sim = SimGroup(world, rank, M * L * 4, flag_bytes=16 << 10 if fused else 0) if world > 1 else None
+    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
     progs = programs or M
     if sim:
         sim.peers.programs = progs
@@ -241,10 +241,7 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, fused, monkeypa
             if p != rank:
                 sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
         sim.arm(progs)
-    calls = []
-    monkeypatch.setattr(launch, "add_up_shard", lambda *a: calls.append(1) or _add_up_shard(*a))
     out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
-    assert len(calls) == 1 - fused   # the separate GEMM runs only when not fused
     routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
     ref = sp.clone()
     ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
@@ -254,12 +251,6 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, chunk, fused, monkeypa
         sim.check_signals(progs, 0)
         mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
         torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
-        if fused:   # every all-reduce program published call 1 in its ready flag, nothing else did
-            ready = sim.bufs[rank][sim.peers.flag_off + READY_OFF:].view(torch.int32)[:128]
-            assert ready.tolist() == [1] * progs + [0] * (128 - progs)
-
-
-_add_up_shard = launch.add_up_shard
 
 
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])

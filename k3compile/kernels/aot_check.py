@@ -58,8 +58,7 @@ def variants():
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
                                        BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
-                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1,
-                         KP=16, CHUNK=1024)))
+                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
         if world > 1:
             out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
                         dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16, SEQ=1)))
@@ -68,17 +67,9 @@ def variants():
         out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=1, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PUSHED=1)))
-    # the latent tail with its up-projection fused (launch.TAIL_UP): 1 and 64 rows of ln per dot tile
-    for bm, bk in ((16, 512), (64, 256)):
-        out.append((f"latent_tail up w2 BM{bm}", K.latent_tail_kernel, ints,
-                    dict(TOPK=16, RANK=1, WORLD=2, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1, KP=16,
-                         CHUNK=1024, UP=1, BM=bm, BN=16, BK=bk, PF=1)))
-    # launched with Programmatic Dependent Launch (launch.COMM_PDL)
-    out.append(("pdl ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
-                dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, GDC=1)))
-    out.append(("pdl latent_tail w2", K.latent_tail_kernel, ints,
-                dict(TOPK=16, RANK=0, WORLD=2, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1, KP=16,
-                     CHUNK=1024, GDC=1)))
+    # the peers signalled and polled one after another (launch.COMM_VEC=0)
+    out.append(("loop ar_residual_norm w8", K.ar_residual_norm_kernel, ints,
+                dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
@@ -128,16 +119,10 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
-          "pushed ar_residual_norm": ["sys.acquire"],
-          "pdl ": ["griddepcontrol.wait"] + SEQ_PTX,
-          # the fused up-projection: L2 prefetch of its rows, ready flags (gpu-scope release /
-          # acquire), tensor-core dot
-          "latent_tail up": SEQ_PTX + ["cp.async.bulk.prefetch.L2.global", "gpu.release", "gpu.acquire", "mma"]}
+          "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
-ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
-         # the PDL communication kernels read their norm weights first, then wait, then signal
-         "pdl ": [("ld.global", "griddepcontrol.wait"), ("griddepcontrol.wait", "sys.release.exch")]}
+ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
@@ -147,7 +132,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "pdl ", "latent_tail up", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl")
 
 

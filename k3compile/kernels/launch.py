@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import choose
 from . import triton_comm as K
-from ..runtime.symm import MAX_PROGRAMS, READY_OFF
+from ..runtime.symm import MAX_PROGRAMS
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # the barrier protocol of the communication kernels (triton_comm's docstring): 1 = sequence flags
@@ -23,23 +23,16 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 # process must use the same one (the two leave different values in the signal slots).
 SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
 AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps of the all-reduce/norm kernel (0: by width)
-# the latent tail's finalize: columns per [top_k, CHUNK] tile of y (0: one row of y at a time)
-TAIL_CHUNK = int(os.environ.get("K3_TAIL_CHUNK", "1024"))
-# Programmatic Dependent Launch of the all-reduce/norm and latent-tail kernels (CUDA): they start
-# while the kernel before them drains, read their norm weights, then wait for it (triton_comm)
-COMM_PDL = os.environ.get("K3_COMM_PDL", "0") == "1"
-# the latent tail's up-projection fused into its kernel (triton_comm.latent_tail_kernel UP) at
-# M <= TAIL_UP_MAX_M on a TP group with symmetric memory; 0: the kernel, then a cuBLAS addmm
-TAIL_UP = os.environ.get("K3_TAIL_UP", "1") == "1"
-TAIL_UP_MAX_M = 64
-# bench A/B only: 0 puts the communication kernels' peer-independent reads back after the barrier wait
+# bench A/B only (read at launch): COMM_EARLY=0 puts the communication kernels' peer-independent
+# reads back after the barrier wait; COMM_VEC=0 signals and polls the peers one after another
+# instead of in one vector atomic each (triton_comm._signal / _wait)
 COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
+COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
 
 
-def _pdl(t: torch.Tensor) -> dict:
-    """The launch options of a communication kernel on t's device (PDL on CUDA where COMM_PDL)."""
-    on = COMM_PDL and t.is_cuda
-    return dict(GDC=on, EARLY=COMM_EARLY, **({"launch_pdl": True} if on else {}))
+def _comm() -> dict:
+    """The communication kernels' ordering options (COMM_EARLY, COMM_VEC)."""
+    return dict(EARLY=COMM_EARLY, VEC=COMM_VEC)
 
 
 @dataclass
@@ -91,23 +84,13 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK), **_pdl(upd))
+        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
     return upd, nrm
 
 
-def _tail_up_ok(M: int, L: int, peers: Peers | None, shared_partial: torch.Tensor, w_up: torch.Tensor | None) -> bool:
-    """Whether the latent tail's kernel can run the up-projection too (TAIL_UP)."""
-    return (TAIL_UP and w_up is not None and peers is not None and peers.world > 1 and peers.flag_off >= 0
-            and 1 <= M <= TAIL_UP_MAX_M and w_up.dim() == 2 and w_up.is_contiguous() and w_up.shape[1] == L
-            and w_up.dtype == shared_partial.dtype and shared_partial.shape[-1] % w_up.shape[0] == 0)
-
-
 def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: torch.Tensor,
-                shared_partial: torch.Tensor, eps: float, w_up: torch.Tensor | None = None, rank: int = 0):
-    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial,
-    or with w_up given (and _tail_up_ok) the whole op: this rank's columns of out also get
-    ln @ w_up.T added (all columns when w_up covers them), in the same kernel; `rank` picks the
-    columns. Without w_up (or where it cannot be fused) the caller adds the up-projection."""
+                shared_partial: torch.Tensor, eps: float):
+    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial."""
     M, TOPK, L = y.shape
     SP = shared_partial.shape[-1]
     dt = y.dtype
@@ -115,21 +98,14 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
     out = torch.empty_like(shared_partial)
     local = torch.empty(M, L, dtype=dt, device=y.device) if peers is None else ln
     BLOCK = triton.next_power_of_2(L)
-    nar = _programs(M, peers)
-    up = _tail_up_ok(M, L, peers, shared_partial, w_up)
-    UPN = w_up.shape[0] if up else 0
-    BM = min(64, max(16, triton.next_power_of_2(M)))
-    BN = 16 if UPN <= 2048 else 32
-    K.latent_tail_kernel[(nar + (triton.cdiv(UPN, BN) if up else 0),)](
+    K.latent_tail_kernel[(_programs(M, peers),)](
         y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local,
         peers.epoch if peers else local, peers.half(dt) if peers else 0, local,
-        g, ln, shared_partial, out, w_up if up else local, M, L, SP, eps, nar, UPN,
-        (0 if UPN == SP else rank * UPN) if up else 0, peers.flag_off + READY_OFF if up else 0,
+        g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        KP=triton.next_power_of_2(TOPK), CHUNK=min(TAIL_CHUNK, BLOCK), UP=up, BM=BM, BN=BN,
-        BK=512 if BM <= 16 else 256, PF=up and y.is_cuda, num_warps=_warps(BLOCK), **_pdl(y))
-    return ln, out, up
+        num_warps=_warps(BLOCK), **_comm())
+    return ln, out
 
 
 def router_latent_split(E: int, L: int, tp: int, rank: int) -> tuple[int, int, int]:
@@ -147,7 +123,7 @@ def gather_router_latent(shard: torch.Tensor, peers: Peers, M: int, E: int, L: i
     K.gather_router_latent_kernel[(_programs(triton.cdiv(M * (E + L), BLOCK), peers),)](
         peers.ptrs, peers.pads, peers.epoch, peers.half(shard.dtype), shard, router, latent, M, S, E, L,
         RANK=peers.rank, WORLD=peers.world, BLOCK=BLOCK, DTYPE=_TL[shard.dtype], SEQ=SEQ_BARRIER,
-        num_warps=4)
+        VEC=COMM_VEC, num_warps=4)
     return router, latent
 
 
@@ -185,12 +161,11 @@ def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, sta
 
 def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps, rank,
              start_prefetch=_no_prefetch):
-    """The latent-tail op: finalize + all-reduce + norm kernel with the up-projection into this
-    rank's columns fused (launch.TAIL_UP, at M <= TAIL_UP_MAX_M), else that kernel then an addmm."""
+    """The latent-tail op: finalize + all-reduce + norm kernel, then addmm into this rank's columns."""
     join = start_prefetch()
-    ln, out, fused = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps, w_up, rank)
+    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
     join()
-    return out if fused else add_up_shard(out, ln, w_up, rank)
+    return add_up_shard(out, ln, w_up, rank)
 
 
 def add_up_shard(out, ln, w_up, rank):

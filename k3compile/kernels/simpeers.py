@@ -17,8 +17,7 @@ class SimGroup:
 
     def __init__(self, world: int, rank: int, nbytes: int, pad_bytes: int = 2048, flag_bytes: int = 0,
                  device: str | torch.device = "cpu"):
-        """nbytes: one buffer half; flag_bytes: the flag region after the two halves (push flags,
-        the fused latent tail's ready flags)."""
+        """nbytes: one buffer half; flag_bytes: the push-flag region after the two halves."""
         self.world, self.rank, self.nbytes = world, rank, 2 * nbytes
         self.bufs = [torch.zeros(2 * nbytes + flag_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
         self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32, device=device) for _ in range(world)]
@@ -74,7 +73,7 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     launch.oproj (the GEMM, then the all-reduce + residual + norm kernel) on the next of `copies`
     weight copies (the same values: copies > 1 keeps them out of L2 for benches); reference =
     (updated, normed) from the model's functions over the same partials. Every peer's partial is
-    in both halves of its buffer; the pad is armed for 2^20 calls."""
+    in both halves of its buffer; the pad is armed for 2^20 calls. world=1: no peers (TP=1)."""
     from ..model.functional import attnres_mix
     import torch.nn.functional as F
     g = torch.Generator(device=device).manual_seed(seed)
@@ -92,10 +91,11 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     y = sum(t.float() for t in parts).to(dtype)
     ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
     ws = [w] + [w.clone() for _ in range(copies - 1)]
+    peers = sim.peers if world > 1 else None   # TP=1: no buffer, no barrier
     it = iter(range(1 << 62))
 
     def run():
-        return launch.oproj(x, ws[next(it) % copies], sim.peers, res, blocks, w_norm if blocks else None,
+        return launch.oproj(x, ws[next(it) % copies], peers, res, blocks, w_norm if blocks else None,
                             w_qk if blocks else None, gam, 1e-5)
     return run, ref, sim
 
@@ -103,12 +103,10 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
 def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, topk: int = 16,
               dtype=torch.bfloat16, device="cuda", seed: int = 0, copies: int = 1):
     """The latent-tail op on rank 0 of a simulated group, as oproj_case: run() calls launch.moe_tail
-    (finalize + all-reduce + RMSNorm, the up-projection shard [up, L] into columns [0, up) of the
-    shared partial: fused or not, as launch.TAIL_UP says); reference from PyTorch over the same
-    partials."""
+    (finalize + all-reduce + RMSNorm kernel, then the up-projection shard [up, L] into columns
+    [0, up) of the shared partial); reference from PyTorch over the same partials."""
     import torch.nn.functional as F
     from ..model.functional import rms_norm
-    from ..runtime.symm import FLAG_BYTES
     g = torch.Generator(device=device).manual_seed(seed)
     y = _rnd(g, device, dtype, M, topk, L)
     tw = torch.softmax(torch.randn(M, topk, generator=g, device=device), -1)
@@ -117,7 +115,7 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     w_up = _rnd(g, device, dtype, up, L, scale=L ** -0.5)
     mine = (y.float() * tw.unsqueeze(-1)).sum(1).to(dtype)
     parts = [mine] + [_rnd(g, device, dtype, M, L, scale=0.5) for _ in range(world - 1)]
-    sim = SimGroup(world, 0, max(M * L * 4, 1 << 16), flag_bytes=FLAG_BYTES, device=device)
+    sim = SimGroup(world, 0, max(M * L * 4, 1 << 16), device=device)
     for p in range(1, world):
         for h in (0, 1):
             sim.view(p, dtype, M, L, half=h).copy_(parts[p])
@@ -126,8 +124,9 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     ref = sp.clone()
     ref[:, :up] = (sp[:, :up].float() + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
     ws = [w_up] + [w_up.clone() for _ in range(copies - 1)]
+    peers = sim.peers if world > 1 else None
     it = iter(range(1 << 62))
 
     def run():
-        return launch.moe_tail(y, tw, sim.peers, sp, gam, ws[next(it) % copies], 1e-5, 0)
+        return launch.moe_tail(y, tw, peers, sp, gam, ws[next(it) % copies], 1e-5, 0)
     return run, ref, sim

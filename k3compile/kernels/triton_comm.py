@@ -29,16 +29,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _signal(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+def _signal(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr,
+            VEC: tl.constexpr = True):
     """This program's half of the barrier: tell program slot0 of every peer that this program's
-    stores so far are visible (slots slot0*WORLD .. +WORLD)."""
+    stores so far are visible (slots slot0*WORLD .. +WORLD). VEC (SEQ barrier, WORLD <= 8): one
+    vector atomic with a lane per peer, so the peers' signals (and their system-scope release
+    fences) go out in one instruction instead of one after another."""
     tl.debug_barrier()  # this program's earlier stores happen before its signal
     if SEQ:
         seq = tl.load(epoch + 2) + 1  # this call's number (the last program adds 1 at the end)
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                peer = tl.load(pads + p).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(peer + slot0 * WORLD + RANK, seq, sem="release", scope="sys")
+        if VEC and WORLD <= 8:
+            p = tl.arange(0, 8)
+            on = (p < WORLD) & (p != RANK)
+            peer = tl.load(pads + p, mask=on, other=0).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(peer + slot0 * WORLD + RANK, tl.zeros([8], tl.int32) + seq, mask=on, sem="release",
+                           scope="sys")
+        else:
+            for p in tl.static_range(WORLD):
+                if p != RANK:
+                    peer = tl.load(pads + p).to(tl.pointer_type(tl.int32))
+                    tl.atomic_xchg(peer + slot0 * WORLD + RANK, seq, sem="release", scope="sys")
     else:
         for p in tl.static_range(WORLD):
             if p != RANK:
@@ -48,17 +58,26 @@ def _signal(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl
 
 
 @triton.jit
-def _wait(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+def _wait(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr = True):
     """The other half: wait until program slot0 of every peer has signalled this call. Work that
-    needs no peer data may run between _signal and _wait (it overlaps the NVLink trip)."""
+    needs no peer data may run between _signal and _wait (it overlaps the NVLink trip). VEC: every
+    peer's slot polled by one vector atomic (a lane per peer) instead of one slot after another."""
     mine = tl.load(pads + RANK)
     if SEQ:
         seq = tl.load(epoch + 2) + 1
         m32 = mine.to(tl.pointer_type(tl.int32))
-        for p in tl.static_range(WORLD):
-            if p != RANK:
-                while tl.atomic_add(m32 + slot0 * WORLD + p, 0, sem="acquire", scope="sys") - seq < 0:
-                    pass
+        if VEC and WORLD <= 8:
+            p = tl.arange(0, 8)
+            on = (p < WORLD) & (p != RANK)
+            ready = 0
+            while ready == 0:
+                f = tl.atomic_add(m32 + slot0 * WORLD + p, 0, mask=on, sem="acquire", scope="sys")
+                ready = (tl.min(tl.where(on, f - seq, 0), axis=0) >= 0).to(tl.int32)
+        else:
+            for p in tl.static_range(WORLD):
+                if p != RANK:
+                    while tl.atomic_add(m32 + slot0 * WORLD + p, 0, sem="acquire", scope="sys") - seq < 0:
+                        pass
     else:
         mu = mine.to(tl.pointer_type(tl.uint32))
         for p in tl.static_range(WORLD):
@@ -69,10 +88,10 @@ def _wait(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.c
 
 
 @triton.jit
-def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr):
+def _barrier(pads, slot0, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr = True):
     """All programs with the same id on every rank meet here (slots slot0*WORLD .. +WORLD)."""
-    _signal(pads, slot0, epoch, RANK, WORLD, SEQ)
-    _wait(pads, slot0, epoch, RANK, WORLD, SEQ)
+    _signal(pads, slot0, epoch, RANK, WORLD, SEQ, VEC)
+    _wait(pads, slot0, epoch, RANK, WORLD, SEQ, VEC)
 
 
 @triton.jit
@@ -219,14 +238,14 @@ def _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD: tl.conste
 
 @triton.jit
 def _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK: tl.constexpr, WORLD: tl.constexpr, SEQ: tl.constexpr,
-             PUSHED: tl.constexpr):
+             PUSHED: tl.constexpr, VEC: tl.constexpr):
     """Until every peer's partial of this program's rows is readable: the push GEMM's flags, or the
     barrier's wait."""
     if PUSHED:
         flags = (tl.load(ptrs + RANK) + FLAG_OFF).to(tl.pointer_type(tl.int32))
         _wait_pushed(flags, epoch, NT, RANK, WORLD)
     else:
-        _wait(pads, pid, epoch, RANK, WORLD, SEQ)
+        _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
 
 
 @triton.jit
@@ -236,7 +255,7 @@ def ar_residual_norm_kernel(
     M, N, eps, FLAG_OFF, NT,
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    PUSHED: tl.constexpr = False, GDC: tl.constexpr = False, EARLY: tl.constexpr = True,
+    PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -246,8 +265,7 @@ def ar_residual_norm_kernel(
     PUSHED (WORLD > 1): the push GEMM has already stored every rank's partial into this rank's
     buffer (slot p = rank p) and flagged them (int32 flags at byte FLAG_OFF of this rank's buffer,
     NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused.
-    GDC (launched with Programmatic Dependent Launch): the norm weights are read before
-    `gdc_wait`, everything the previous kernels wrote after it."""
+    VEC: _signal / _wait."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -259,8 +277,6 @@ def ar_residual_norm_kernel(
         if NB > 0:
             wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
                 tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
     base = _half(epoch, HALF, WORLD)
     mine = local
     if WORLD > 1:
@@ -268,14 +284,14 @@ def ar_residual_norm_kernel(
         if not PUSHED:
             for row in range(pid, M, npid):
                 tl.store(mine + row * N + offs, tl.load(local + row * N + offs, mask=mask), mask=mask)
-            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
+            _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
     if WORLD > 1 and not EARLY:
-        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED)
+        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
     r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, N, eps, NB, HAS_NORM, HAS_RES,
                            BLOCK_N, DTYPE)
     if WORLD > 1 and EARLY:
-        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED)
+        _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
     _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
     for row in range(pid + npid, M, npid):
@@ -295,121 +311,50 @@ def _prefetch_l2(addr):
 
 
 @triton.jit
-def _tail_up(ln, sp, out, wup, rdy, epoch, j, M, N, SP, UPN, COL0, NAR,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, GDC: tl.constexpr,
-             DTYPE: tl.constexpr):
-    """An up-projection program of the fused latent tail: out[:, COL0 + n] = sp[:, COL0 + n] +
-    ln @ wup[n]^T for its BN rows n of wup [UPN, N]. It pulls those rows into L2 (PF), waits until
-    every all-reduce program has stored its ln rows (rdy[p] >= this call's number, gpu-scope
-    acquire), then runs a [BM, BN] tl.dot tile per BM rows of ln (fp32 accumulation, one rounding)."""
-    n = j * BN + tl.arange(0, BN)
-    nmask = n < UPN
-    if PF:   # the program's rows of wup are contiguous: BN * N elements from row j * BN
-        nbytes = (tl.minimum(UPN - j * BN, BN) * N * 2).to(tl.int64)
-        first = wup.to(tl.pointer_type(tl.int8)) + (j * BN).to(tl.int64) * N * 2
-        for c0 in range(0, nbytes, 32 * 4096):
-            off = c0 + tl.arange(0, 32).to(tl.int64) * 4096
-            _prefetch_l2(first + tl.where(off + 4096 <= nbytes, off, 0))
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-    seq = tl.load(epoch + 2) + 1
-    i = tl.arange(0, 128)
-    ready = 0
-    while ready == 0:
-        f = tl.atomic_add(rdy + i, 0, mask=i < NAR, sem="acquire", scope="gpu")
-        ready = (tl.min(tl.where(i < NAR, f - seq, 0), axis=0) >= 0).to(tl.int32)
-    for m0 in range(0, M, BM):
-        rm = m0 + tl.arange(0, BM)
-        acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, N, BK):
-            rk = k0 + tl.arange(0, BK)
-            a = tl.load(ln + rm[:, None] * N + rk[None, :], mask=(rm < M)[:, None] & (rk < N)[None, :], other=0.0)
-            b = tl.load(wup + n[None, :] * N + rk[:, None], mask=nmask[None, :] & (rk < N)[:, None], other=0.0)
-            if DTYPE == tl.float32:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        o = rm[:, None] * SP + COL0 + n[None, :]
-        om = (rm < M)[:, None] & nmask[None, :]
-        tl.store(out + o, (tl.load(sp + o, mask=om, other=0.0).to(tl.float32) + acc).to(DTYPE), mask=om)
-
-
-@triton.jit
 def latent_tail_kernel(
-    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out, wup,
-    M, N, SP, eps, NAR, UPN, COL0, RDY_OFF,
+    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
+    M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    KP: tl.constexpr = 16, CHUNK: tl.constexpr = 0, GDC: tl.constexpr = False, EARLY: tl.constexpr = True,
-    UP: tl.constexpr = False, BM: tl.constexpr = 16, BN: tl.constexpr = 16, BK: tl.constexpr = 512,
-    PF: tl.constexpr = False,
+    EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
-    `local` is scratch [M, N] at WORLD == 1. Programs 0 .. NAR-1 do this (rows spread over them).
-    CHUNK > 0: the finalize reads [KP, CHUNK] tiles of y (KP = TOPK rounded up to a power of two),
-    all TOPK rows of a column chunk in one load, instead of one row of y at a time; 0: row by row.
-    EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
-    signal). GDC: as in ar_residual_norm_kernel (g is read before the wait).
-    UP (WORLD > 1): the up-projection is fused: programs NAR.. each own BN rows of wup [UPN, N]
-    (_tail_up), the all-reduce programs copy only sp's columns outside [COL0, COL0 + UPN) and,
-    once their ln rows are stored, publish this call's number in rdy[pid] (int32 at byte RDY_OFF
-    of this rank's buffer, release at gpu scope). Every up-projection program waits for those, so
-    the all-reduce programs (the lower ids, dispatched first) never wait for it."""
+    `local` is scratch [M, N] at WORLD == 1. EARLY: the shared partial is copied between the
+    barrier's signal and its wait (else before the signal). VEC: _signal / _wait."""
     pid = tl.program_id(0)
+    npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    if UP and pid >= NAR:
-        rdy = (tl.load(ptrs + RANK) + RDY_OFF).to(tl.pointer_type(tl.int32))
-        _tail_up(ln, sp, out, wup, rdy, epoch, pid - NAR, M, N, SP, UPN, COL0, NAR, BM, BN, BK, PF, GDC, DTYPE)
+    base = _half(epoch, HALF, WORLD)
+    if WORLD == 1:
+        mine = local
     else:
-        npid = NAR if UP else tl.num_programs(0)
-        gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-        base = _half(epoch, HALF, WORLD)
-        if WORLD == 1:
-            mine = local
-        else:
-            mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
-        for row in range(pid, M, npid):
-            if CHUNK:
-                k = tl.arange(0, KP)
-                wk = tl.load(w + row * TOPK + k, mask=k < TOPK, other=0.0).to(tl.float32)
-                for c in tl.static_range(0, BLOCK_N, CHUNK):
-                    o = c + tl.arange(0, CHUNK)
-                    yt = tl.load(y + (row * TOPK + k)[:, None] * N + o[None, :],
-                                 mask=(k < TOPK)[:, None] & (o < N)[None, :], other=0.0).to(tl.float32)
-                    tl.store(mine + row * N + o, tl.sum(wk[:, None] * yt, axis=0).to(DTYPE), mask=o < N)
-            else:
-                acc = tl.zeros([BLOCK_N], tl.float32)
-                for k in tl.static_range(TOPK):
-                    wk = tl.load(w + row * TOPK + k).to(tl.float32)
-                    acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
-        if WORLD > 1 and EARLY:
-            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
-        for row in range(pid, M, npid):
-            for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
-                o2 = c + tl.arange(0, 1024)
-                m2 = o2 < SP
-                if UP:   # the up-projection programs write this rank's columns
-                    m2 = m2 & ((o2 < COL0) | (o2 >= COL0 + UPN))
-                tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
-        if WORLD > 1 and not EARLY:
-            _signal(pads, pid, epoch, RANK, WORLD, SEQ)
-        if WORLD > 1:
-            _wait(pads, pid, epoch, RANK, WORLD, SEQ)
-        else:
-            tl.debug_barrier()
-        for row in range(pid, M, npid):
-            r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
-            tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
-        if UP:
-            tl.debug_barrier()   # every thread's ln stores before the release
-            rdy = (tl.load(ptrs + RANK) + RDY_OFF).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(rdy + pid, tl.load(epoch + 2) + 1, sem="release", scope="gpu")
+        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+    for row in range(pid, M, npid):
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k in tl.static_range(TOPK):
+            wk = tl.load(w + row * TOPK + k).to(tl.float32)
+            acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
+    if WORLD > 1 and EARLY:
+        _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
+    for row in range(pid, M, npid):
+        for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
+            o2 = c + tl.arange(0, 1024)
+            m2 = o2 < SP
+            tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
+    if WORLD > 1 and not EARLY:
+        _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
+    if WORLD > 1:
+        _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
+    else:
+        tl.debug_barrier()
+    gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, npid):
+        r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
     if WORLD > 1:
         _epoch_end(epoch)
 
@@ -418,6 +363,7 @@ def latent_tail_kernel(
 def gather_router_latent_kernel(
     ptrs, pads, epoch, HALF, shard, router, latent, M, S, E, L,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
+    VEC: tl.constexpr = True,
 ):
     """All-gather of the sharded [W_r; W_down] projection. `shard` is this rank's [M, S] result,
     row-major (rank p holds columns [p*S, (p+1)*S) of [router | latent]). Writes router [M, E] and
@@ -429,7 +375,7 @@ def gather_router_latent_kernel(
     for start in range(pid * BLOCK, M * S, npid * BLOCK):
         i = start + tl.arange(0, BLOCK)
         tl.store(mine + i, tl.load(shard + i, mask=i < M * S), mask=i < M * S)
-    _barrier(pads, pid, epoch, RANK, WORLD, SEQ)
+    _barrier(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
     total = M * (E + L)
     for start in range(pid * BLOCK, total, npid * BLOCK):
         i = start + tl.arange(0, BLOCK)

@@ -24,9 +24,6 @@ DEFAULT_BYTES = int(os.environ.get("K3_SYMM_BYTES", 16 << 20))
 # the last FLAG_BYTES of the buffer: per-tile flags of the CuTe push GEMM (int32 [world, 128] per
 # rank; zeroed at allocation), outside the two data halves
 FLAG_BYTES = 64 << 10
-# the fused latent tail's ready flags (int32 per all-reduce program, launch.latent_tail): in the flag
-# region after the push flags (4 KiB at TP=8), at this byte offset from its start
-READY_OFF = 8 << 10
 # programs per kernel x world must fit the signal pad (uint32 slots): at most this many programs
 MAX_PROGRAMS = 128
 
