@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--cold", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -72,6 +73,8 @@ def main():
                     fn = knobs(run, values)
                     errs[name] = check(fn())
                     timers[name] = GraphTimer(fn)
+                    if a.verbose:
+                        print(f"  {op} world={world} M={M} {name}: checked and captured", flush=True)
                 K, N = (1536, 7168) if op == "oproj" else (3584, 896)
                 xs = torch.randn(M, K, device="cuda").to(torch.bfloat16)
                 ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(a.cold)]

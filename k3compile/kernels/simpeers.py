@@ -73,7 +73,9 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     launch.oproj (the GEMM, then the all-reduce + residual + norm kernel) on the next of `copies`
     weight copies (the same values: copies > 1 keeps them out of L2 for benches); reference =
     (updated, normed) from the model's functions over the same partials. Every peer's partial is
-    in both halves of its buffer; the pad is armed for 2^20 calls. world=1: no peers (TP=1)."""
+    in both halves of its buffer; the pad is armed for 2^20 calls. world=1: no peers (TP=1).
+    run() refers to `sim`: the kernels address its buffers by raw pointer, so they must outlive
+    every call (and every CUDA graph that captured one)."""
     from ..model.functional import attnres_mix
     import torch.nn.functional as F
     g = torch.Generator(device=device).manual_seed(seed)
@@ -91,11 +93,10 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     y = sum(t.float() for t in parts).to(dtype)
     ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
     ws = [w] + [w.clone() for _ in range(copies - 1)]
-    peers = sim.peers if world > 1 else None   # TP=1: no buffer, no barrier
     it = iter(range(1 << 62))
 
     def run():
-        return launch.oproj(x, ws[next(it) % copies], peers, res, blocks, w_norm if blocks else None,
+        return launch.oproj(x, ws[next(it) % copies], sim.peers if world > 1 else None, res, blocks, w_norm if blocks else None,
                             w_qk if blocks else None, gam, 1e-5)
     return run, ref, sim
 
@@ -124,9 +125,8 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     ref = sp.clone()
     ref[:, :up] = (sp[:, :up].float() + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
     ws = [w_up] + [w_up.clone() for _ in range(copies - 1)]
-    peers = sim.peers if world > 1 else None
     it = iter(range(1 << 62))
 
     def run():
-        return launch.moe_tail(y, tw, peers, sp, gam, ws[next(it) % copies], 1e-5, 0)
+        return launch.moe_tail(y, tw, sim.peers if world > 1 else None, sp, gam, ws[next(it) % copies], 1e-5, 0)
     return run, ref, sim
