@@ -76,11 +76,11 @@ for st in "$@"; do
     # the two fused communication ops the issue sets 1.5x targets for, TP=8 shapes, cold weights
     tail) step ops_tail 150 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --cold 8 \
             --ms 1,4,16,64 --shapes tp8 --out "$R/ops_tail.json" ;;
-    # the communication kernels' options (early reads, PDL, the tail's finalize tiles, w_up prefetch):
-    # their GPU tests with PDL off (the default) and on, then every option timed in one run
+    # the communication kernels' options (early reads, vector signal/poll, w_up prefetch) on two GPUs:
+    # their GPU tests with the defaults and with the 45ff89b order, then every option timed in one run
     comm) step comm_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "kernels_match or push"
-          step comm_tests_pdl 300 env K3_COMM_PDL=1 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py \
-            -k "kernels_match or push"
+          step comm_tests_before 300 env K3_COMM_VEC=0 K3_COMM_EARLY=0 python3 -m pytest -m gpu -q -rA -s \
+            tests/test_gpu.py -k "kernels_match or push"
           step ops_comm 300 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --comm --cold 8 \
             --ms ${K3_MS:-1,4,16,64} --shapes tp8 --out "$R/ops_comm.json" ;;
     # the same on one GPU with simulated peers (kernels/simpeers): their GPU test, then every option

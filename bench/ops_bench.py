@@ -119,20 +119,13 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
             variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_CUTE="1", K3_CUTE_PUSH="0")
             variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_CUTE_PUSH="1")
         if comm_variants and op in ("oproj_ar_norm", "latent_tail"):
-            # the communication kernel's options (launch.COMM_*, TAIL_CHUNK), each against the default
+            # the communication kernel's ordering options (launch.COMM_*), each against the default
             one = forced(kop[op], k3, True)
             variants["k3_late"] = with_knobs(one, COMM_EARLY=False)
-            variants["k3_pdl"] = with_knobs(one, COMM_PDL=True)
-            if op == "latent_tail":
-                variants["k3_unfused"] = with_knobs(one, TAIL_UP=False)   # kernel, then the cuBLAS addmm
-                variants["k3_rowwise"] = with_knobs(one, TAIL_CHUNK=0)
-                variants["k3_chunk512"] = with_knobs(one, TAIL_CHUNK=512)
-                # the 45ff89b op: finalize row by row, copy before the signal, separate addmm
-                variants["k3_before"] = with_knobs(one, TAIL_CHUNK=0, COMM_EARLY=False, TAIL_UP=False)
-                # unfused, w_up pulled into L2 on the side stream during the all-reduce
-                variants["k3_prefetch_up"] = with_knobs(forced(kop[op], prefetch, True), TAIL_UP=False)
-            if op == "oproj_ar_norm":
-                variants["k3_pdl_late"] = with_knobs(one, COMM_PDL=True, COMM_EARLY=False)
+            variants["k3_loop"] = with_knobs(one, COMM_VEC=False)
+            variants["k3_before"] = with_knobs(one, COMM_EARLY=False, COMM_VEC=False)   # the 45ff89b kernels
+            if op == "latent_tail":   # w_up pulled into L2 on the side stream during the all-reduce
+                variants["k3_prefetch_up"] = forced(kop[op], prefetch, True)
         part_us = {}
         for name, fn in parts.items():   # the op's GEMM alone (cold weights), for the split
             dist.barrier()
@@ -247,9 +240,9 @@ def main():
                          "(CuTe GEMM with the push epilogue); needs the artifacts (K3_CUTE_DIR)")
     ap.add_argument("--comm", action="store_true",
                     help="o-proj and latent tail also with the communication kernels' options: k3_late (peer-"
-                         "independent reads after the barrier wait), k3_pdl (Programmatic Dependent Launch); "
-                         "the latent tail unfused (kernel + addmm), its finalize row by row / in 512-column "
-                         "tiles, as at 45ff89b, unfused with w_up prefetched on the side stream")
+                         "independent reads after the barrier wait), k3_loop (peers signalled and polled one "
+                         "by one), k3_before (both: the 45ff89b kernels); the latent tail with w_up "
+                         "prefetched into L2 on the side stream")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from k3compile.distributed import run_ranks
