@@ -13,8 +13,11 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
-Bytes = the MXFP4 weights and scales of the distinct experts used (what the op must read);
-bandwidth share = bytes / time / measured HBM bandwidth (a 1 GiB device copy, read + write).
+Bytes = the MXFP4 weights and scales of the distinct experts used (what the op must read; with
+--cold, the mean over the routings); bandwidth share = bytes / time / measured HBM bandwidth
+(bench.common.hbm_bandwidth). --cold K: K routings used in turn, call by call (the weights a call
+reads are then not left in L2 by the call before, as in a model where each layer's experts are
+read once per step).
 
     python bench/experts_bench.py [--ms 1,4,16,64,256] [--variants v1,dot,v2b] [--sweep]
                                   [--tiles JSON] [--shapes tp8,tp2] [--out results.json]
@@ -64,6 +67,10 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tile overrides")
     ap.add_argument("--tiles", default=None, help='JSON {"variant": [overrides, ...]}, added to the cases')
     ap.add_argument("--no-reference-time", action="store_true")
+    ap.add_argument("--cold", type=int, default=1,
+                    help="rotate through this many routings (different random experts) call by call, so that "
+                         "the experts a call reads are not in L2 from the call before (1: the same routing "
+                         "every call: at M=1 its 35 MB of TP=8 experts can stay in the L2)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -89,8 +96,11 @@ def main():
         per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, L, device="cuda").to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
-            distinct = int(torch.unique(ids).numel())
+            routings = [torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
+                        for _ in range(a.cold)]
+            ids = routings[0]
+            turn = iter(range(1 << 62))
+            distinct = sum(int(torch.unique(r).numel()) for r in routings) / a.cold   # per call, on average
             nbytes = distinct * per_expert
             sub = slice(0, min(M, 4))  # the reference on a few tokens (it materialises fp32 weights)
             want = mxfp4_experts_gathered(x[sub], ids[sub], w13, s13, w2, s2, 4.0, 25.0).float()
@@ -98,7 +108,7 @@ def main():
             t_ref = (time_graph(ref, reps=2, iters=5)
                      if M * I <= 16 * 384 and not a.no_reference_time else None)  # it materialises fp32 weights
             base = dict(shapes=shape, M=M, I=I, distinct_experts=distinct, bytes=nbytes, reference_us=t_ref,
-                        floor_us=nbytes / bw * 1e6)
+                        floor_us=nbytes / bw * 1e6, cold=a.cold)
             for v, tiles in cases:
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)
@@ -108,11 +118,12 @@ def main():
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")
-                    fn = lambda v=v, tiles=tiles: launch.mxfp4_experts(  # noqa: E731
-                        x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v, tiles=tiles)
+                    fn = lambda v=v, tiles=tiles, r=None: launch.mxfp4_experts(  # noqa: E731
+                        x, routings[next(turn) % a.cold] if r is None else r, w13, s13, w2, s2, 4.0, 25.0,
+                        variant=v, tiles=tiles)
                     if v.startswith("cute"):  # the AOT CuTe artifacts (K3_CUTE_DIR); a silent v3 fallback is an error here
                         choose._WHY.clear()
-                    out = fn()
+                    out = fn(r=ids)
                     torch.cuda.synchronize()
                     if v.startswith("cute") and choose.fallbacks():
                         raise RuntimeError(f"cute fell back to {launch.CUTE_FALLBACK}: {choose.fallbacks()}")

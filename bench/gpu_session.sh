@@ -66,6 +66,12 @@ for st in "$@"; do
     cutemoe) step cute_moe_tests 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
              step cute_moe8 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-v3,cute,cute_h2} \
                --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
+    # the CuTe experts with the same routing every call (as every earlier experts run) and with 8
+    # routings in turn (cold: no L2 reuse between calls)
+    expcold) for c in 1 8; do
+               step experts_cold$c 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} \
+                 --no-reference-time --cold $c --shapes tp8,tp2 --ms ${K3_MS:-1,4,16} --out "$R/experts_cold$c.json"
+             done ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
     # the CuTe push-epilogue o-proj: its GPU tests (and the refactored skinny GEMM's), then the op
