@@ -8,8 +8,7 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      artifacts in K3_CUTE_DIR, launched by the driver-only loader; no tiles; a
                      missing artifact is reported as an error, not timed as its v3 fallback);
                      "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
-                     Dependent Launch (K3_CUTE_PDL=0; the plain names force it on, K3_CUTE_PDL=1,
-                     whatever choose.CUTE_PDL_MIN_PAIRS says);
+                     Dependent Launch (K3_CUTE_PDL=0; the plain names run it, K3_CUTE_PDL=1);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.

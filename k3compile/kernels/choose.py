@@ -25,13 +25,12 @@ import warnings
 import torch
 
 CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 64)}   # from GPU benchmark runs (docstring)
-# Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains), from
-# how many (token, slot) pairs on, by intermediate size I. Measured (`bench/gpu_session.sh pdl`,
-# d86b84b, nvidia-h200-x2, each case twice in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
-# M=1, where gate-up's 768 CTAs are one wave, 0.9-1.3 us slower with it; M = 2/4/8 1.3-2.6 us faster;
-# M=16 within noise. TP=2 shapes (I=1536): 1.3-2.4 us faster at M = 1/2/4, within noise at 8/16.
-# Unmeasured I: on. K3_CUTE_PDL=0 / 1 force it off / on.
-CUTE_PDL_MIN_PAIRS: dict[int, int] = {384: 32, 1536: 1}
+# Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains): on at
+# every batch. Measured with a different routing each call, as in a model (`experts_bench.py --cold 8`,
+# d5905b1, one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
+# M = 1/2/4/8 -0.2/-1.5/-1.9/-2.0 us with it, TP=2 shapes (I=1536) -1.7/-1.4/0.0/-6.7 us. (With the same
+# routing every call, d86b84b, M=1 at TP=8 had been 0.9-1.3 us slower with it: its 35 MB of experts
+# stayed in the L2 between calls.) K3_CUTE_PDL=0 turns it off.
 _WHY: dict[str, str] = {}
 
 
@@ -52,12 +51,9 @@ def wanted(op: str, m: int) -> bool:
     return lo <= m <= hi
 
 
-def cute_pdl(I: int, pairs: int) -> bool:
-    """Whether the CuTe MXFP4 down kernel is launched with PDL for this batch (CUTE_PDL_MIN_PAIRS)."""
-    flag = os.environ.get("K3_CUTE_PDL", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return pairs >= CUTE_PDL_MIN_PAIRS.get(I, 1)
+def cute_pdl() -> bool:
+    """Whether the CuTe MXFP4 down kernel is launched with PDL (on unless K3_CUTE_PDL=0)."""
+    return os.environ.get("K3_CUTE_PDL", "") != "0"
 
 
 def fallbacks() -> dict[str, str]:
@@ -293,7 +289,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
             _note(key, why)
             return None
         return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
-                                    float(beta), float(linear_beta), pdl=cute_pdl(I, N * K))
+                                    float(beta), float(linear_beta), pdl=cute_pdl())
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
         _note(key, f"loader error: {type(e).__name__}: {e}")
         return None

@@ -40,8 +40,8 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
 - Programmatic Dependent Launch (Hopper): the gate-up kernel executes
   `griddepcontrol.launch_dependents` once its weight bytes are in flight, and the down kernel
   issues its own weight and scale loads, then `griddepcontrol.wait`s before it reads mid. The
-  loader launches down with programmatic stream serialisation (manifest "pdl": "wait") where
-  `choose.cute_pdl` says so (measured by batch; K3_CUTE_PDL=0 / 1 force it), so its CTAs start and
+  loader launches down with programmatic stream serialisation (manifest "pdl": "wait") unless
+  K3_CUTE_PDL=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
 `emulate_mxfp4_experts` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
