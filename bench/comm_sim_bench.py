@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import GraphTimer, save  # noqa: E402
+from bench.common import GraphTimer, save, with_attrs  # noqa: E402
 
 VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
@@ -42,18 +42,6 @@ def main():
 
     from k3compile.kernels import launch, simpeers
 
-    def knobs(fn, values):
-        def run():
-            keep = {k: getattr(launch, k) for k in values}
-            for k, v in values.items():
-                setattr(launch, k, v)
-            try:
-                return fn()
-            finally:
-                for k, v in keep.items():
-                    setattr(launch, k, v)
-        return run
-
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
@@ -70,7 +58,7 @@ def main():
                     else:
                         run, ref, _ = simpeers.tail_case(world, M, seed=M, copies=a.cold)
                         check = lambda out: rel(out, ref)  # noqa: E731
-                    fn = knobs(run, values)
+                    fn = with_attrs(launch, run, values)
                     errs[name] = check(fn())
                     timers[name] = GraphTimer(fn)
                     if a.verbose:

@@ -50,6 +50,21 @@ class GraphTimer:
         return times[len(times) // 2]
 
 
+def with_attrs(module, fn, values: dict):
+    """fn wrapped so that it runs with these attributes of `module` set (e.g. the launch module's
+    kernel options, read when kernels are launched or captured), restored after each call."""
+    def run():
+        keep = {k: getattr(module, k) for k in values}
+        for k, v in values.items():
+            setattr(module, k, v)
+        try:
+            return fn()
+        finally:
+            for k, v in keep.items():
+                setattr(module, k, v)
+    return run
+
+
 @contextlib.contextmanager
 def env(values: dict):
     """These environment variables set inside the block (read by dispatch when a variant compiles,

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import BW_SEEN, env, hbm_bandwidth, save, time_graph  # noqa: E402
+from bench.common import BW_SEEN, env, hbm_bandwidth, save, time_graph, with_attrs  # noqa: E402
 
 H, L, E, TOPK = 7168, 3584, 896, 16
 SHAPES = {"tp2": dict(heads_dim=12288 // 2, up=H // 2), "tp8": dict(heads_dim=12288 // 8, up=H // 8)}
@@ -81,17 +81,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
     from k3compile.kernels import launch as klaunch
 
     def with_knobs(fn, **values):
-        """fn() with these launch-module settings (read when the kernels are launched or captured)."""
-        def run():
-            keep = {k: getattr(klaunch, k) for k in values}
-            for k, v in values.items():
-                setattr(klaunch, k, v)
-            try:
-                return fn()
-            finally:
-                for k, v in keep.items():
-                    setattr(klaunch, k, v)
-        return run
+        return with_attrs(klaunch, fn, values)
 
     def with_env(fn, **values):
         """fn() with these environment variables set (read by dispatch at call / capture time)."""

@@ -42,8 +42,9 @@ def _weights(N, dtype, g):
 def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
-    peers signalled and polled one by one (launch.COMM_VEC)."""
+    45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0)."""
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
+    monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
@@ -222,9 +223,10 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 @pytest.mark.parametrize("world,rank,M,programs,vec", [(1, 0, 3, 0, 1), (2, 1, 2, 0, 1), (4, 3, 5, 0, 1), (2, 0, 5, 2, 1),
                                                        (4, 3, 5, 0, 0), (8, 5, 3, 2, 1)])
 def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
-    """programs > 0: fewer programs than rows; vec=0: the peers signalled and polled one by one
-    (launch.COMM_VEC)."""
+    """programs > 0: fewer programs than rows; vec=0: the 45ff89b order (launch.COMM_VEC=0, the
+    peers signalled and polled one by one; COMM_EARLY=0, the shared partial copied before the signal)."""
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
+    monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
     g = torch.Generator().manual_seed(M + world)
     TOPK, L, H = 3, 64, 96
     n = H // world

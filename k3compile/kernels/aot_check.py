@@ -48,8 +48,7 @@ def variants():
     """(name, kernel, scalar types, constexprs) for every shape family the ops launch."""
     ints = {"ptrs": "*i64", "pads": "*i64", "epoch": "*i32", "HALF": "i64", "M": "i32", "N": "i32",
             "eps": "fp32", "S": "i32", "E": "i32", "L": "i32", "SP": "i32", "w": "*fp32", "nbytes": "i64",
-            "base": "*u8", "FLAG_OFF": "i64", "NT": "i32", "NAR": "i32", "UPN": "i32", "COL0": "i32",
-            "RDY_OFF": "i64"}
+            "base": "*u8", "FLAG_OFF": "i64", "NT": "i32"}
     out = []
     for world in (1, 2, 8):
         for nb in (0, 3):

@@ -67,6 +67,18 @@ def _rnd(g, device, dtype, *shape, scale=1.0):
     return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
 
+def _group_holding(parts: list[torch.Tensor], device) -> SimGroup:
+    """Rank 0 of a group of len(parts): rank p's partial parts[p] [M, width] in both halves of its
+    buffer, and this rank's pad armed for 2^20 calls."""
+    M, width = parts[0].shape
+    sim = SimGroup(len(parts), 0, max(M * width * 4, 1 << 16), device=device)
+    for p in range(1, len(parts)):
+        for h in (0, 1):
+            sim.view(p, parts[p].dtype, M, width, half=h).copy_(parts[p])
+    sim.arm(sim.peers.programs, calls=1 << 20)
+    return sim
+
+
 def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 7168, dtype=torch.bfloat16,
                device="cuda", seed: int = 0, copies: int = 1):
     """The o-proj op on rank 0 of a simulated group: returns (run, reference, sim). run() calls
@@ -85,19 +97,15 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
     w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
     parts = [F.linear(x, w)] + [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world - 1)]
-    sim = SimGroup(world, 0, max(M * N * 4, 1 << 16), device=device)
-    for p in range(1, world):
-        for h in (0, 1):
-            sim.view(p, dtype, M, N, half=h).copy_(parts[p])
-    sim.arm(sim.peers.programs, calls=1 << 20)
+    sim = _group_holding(parts, device)
     y = sum(t.float() for t in parts).to(dtype)
     ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     it = iter(range(1 << 62))
 
     def run():
-        return launch.oproj(x, ws[next(it) % copies], sim.peers if world > 1 else None, res, blocks, w_norm if blocks else None,
-                            w_qk if blocks else None, gam, 1e-5)
+        return launch.oproj(x, ws[next(it) % copies], sim.peers if world > 1 else None, res, blocks,
+                            w_norm if blocks else None, w_qk if blocks else None, gam, 1e-5)
     return run, ref, sim
 
 
@@ -116,11 +124,7 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     w_up = _rnd(g, device, dtype, up, L, scale=L ** -0.5)
     mine = (y.float() * tw.unsqueeze(-1)).sum(1).to(dtype)
     parts = [mine] + [_rnd(g, device, dtype, M, L, scale=0.5) for _ in range(world - 1)]
-    sim = SimGroup(world, 0, max(M * L * 4, 1 << 16), device=device)
-    for p in range(1, world):
-        for h in (0, 1):
-            sim.view(p, dtype, M, L, half=h).copy_(parts[p])
-    sim.arm(sim.peers.programs, calls=1 << 20)
+    sim = _group_holding(parts, device)
     routed = sum(t.float() for t in parts).to(dtype)
     ref = sp.clone()
     ref[:, :up] = (sp[:, :up].float() + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)

@@ -304,13 +304,6 @@ def ar_residual_norm_kernel(
 
 
 @triton.jit
-def _prefetch_l2(addr):
-    """One 4 KiB bulk prefetch into L2 per lane of `addr` (a tensor of byte addresses; Hopper)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;",
-                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def latent_tail_kernel(
     y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
     M, N, SP, eps,
@@ -398,4 +391,6 @@ def l2_prefetch_kernel(base, nbytes, LANES: tl.constexpr):
     partial chunk (< 4 KiB) is left out."""
     pid = tl.program_id(0)
     off = (pid * LANES + tl.arange(0, LANES)).to(tl.int64) * 4096
-    _prefetch_l2(base + tl.where(off + 4096 <= nbytes, off, 0))
+    off = tl.where(off + 4096 <= nbytes, off, 0)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0;",
+                              "=r,l", [base + off], dtype=tl.int32, is_pure=False, pack=1)
