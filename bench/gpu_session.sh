@@ -72,12 +72,6 @@ for st in "$@"; do
                step experts_cold$c 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} \
                  --no-reference-time --cold $c --shapes tp8,tp2 --ms ${K3_MS:-1,4,16} --out "$R/experts_cold$c.json"
              done ;;
-    # gate-up's L2 prefetch of the down weights, forced off / on, cold routings; then the GPU tests of
-    # the MXFP4 artifacts and of the communication kernels with simulated peers
-    l2pf) step experts_l2pf 150 python3 bench/experts_bench.py --variants cute_h2_nopf,cute_h2_pf,cute_h2_pf,cute_h2_nopf \
-            --no-reference-time --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4} --out "$R/experts_l2pf.json"
-          step l2pf_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py tests/test_gpu.py \
-            -k "mxfp4 or simulated_peers" ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
     # the CuTe push-epilogue o-proj: its GPU tests (and the refactored skinny GEMM's), then the op
