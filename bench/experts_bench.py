@@ -9,8 +9,6 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      missing artifact is reported as an error, not timed as its v3 fallback);
                      "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
                      Dependent Launch (K3_CUTE_PDL=0; the plain names run it, K3_CUTE_PDL=1);
-                     a "_pf" / "_nopf" suffix (before any "_nopdl") forces gate-up's L2 prefetch of
-                     the down weights on / off (K3_CUTE_L2PF; else choose.cute_l2_prefetch decides);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
@@ -113,13 +111,9 @@ def main():
             for v, tiles in cases:
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)
-                # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch;
-                # "_pf" / "_nopf": gate-up's L2 prefetch of the down weights forced on / off (else as
-                # choose.cute_l2_prefetch decides)
+                # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch
                 os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
                 v = v.removesuffix("_nopdl")
-                os.environ["K3_CUTE_L2PF"] = "0" if v.endswith("_nopf") else "1" if v.endswith("_pf") else ""
-                v = v.removesuffix("_nopf").removesuffix("_pf")
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")

@@ -183,8 +183,7 @@ def test_pdl_launch_config_layout_and_use(built, monkeypatch):
     drv.cu, drv.has_launch_ex = _FakeCu(), True
     gu._fn[0], dn._fn[0] = gu.man["symbol"], dn.man["symbol"]      # "loaded" on device 0
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0x77))
-    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, w2=0x6000, s2=0x7000, pf=0, beta=4.0,
-                linear_beta=25.0)
+    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, beta=4.0, linear_beta=25.0)
     dev = torch.device("cuda", 0)
     for pdl, want_down in ((True, "ex"), (False, "plain")):
         drv.cu.calls.clear()
@@ -330,15 +329,8 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
             assert ptx.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in ptx, name
             assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("cp.async.cg.shared.global"), name
             assert man["pdl"] == "trigger", name
-            # the L2 prefetch of the down weights: this CTA's share of its expert's weights and
-            # scales (L * BI / 2 and L * BI / 32 bytes), after its own loads are issued
-            L, bi = v["L"], v["rows"]
-            assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2, name
-            assert f"], {L * bi // 2};" in ptx and f"], {L * bi // 32};" in ptx, name
-            assert ptx.index("cp.async.bulk.prefetch.L2.global") > ptx.rindex("cp.async.cg.shared.global"), name
         else:
             assert ptx.count("griddepcontrol.wait") == 1 and "launch_dependents" not in ptx, name
-            assert "cp.async.bulk.prefetch" not in ptx, name
             wait = ptx.index("griddepcontrol.wait")
             assert ptx.rindex("cp.async.cg.shared.global") < wait < ptx.index("ld.global.nc.v4.u32"), name
             assert man["pdl"] == "wait", name
@@ -346,8 +338,8 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
         assert "ld.local" not in ptx and "st.local" not in ptx, name
         assert f".reqntid {man['block'][0]}, 1, 1" in ptx, name
         symbol, params = build.ptx_entry_params(ptx)
-        assert symbol == man["symbol"] and [p["size"] for p in params] == [8] * 7 + [4] * 3
-        assert [p["kind"] for p in man["params"]] == ["ptr"] * 7 + ["i32"] + ["f32"] * 2
+        assert symbol == man["symbol"] and [p["size"] for p in params] == [8, 8, 8, 8, 8, 4, 4]
+        assert [p["kind"] for p in man["params"]] == ["ptr"] * 5 + ["f32"] * 2
         assert man["smem"] <= 227 * 1024 and man["block"][0] <= 1024
         sass = _sass(out / f"{name}.cubin")
         if sass is not None:
@@ -365,13 +357,10 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert gu.man["variant"]["op"] == "mxfp4_gate_up" and dn.man["variant"]["op"] == "mxfp4_down"
     assert loader.grid_of(gu.man, P=16) == (16, 384 // gu.man["shapes"]["rows"], 1)
     assert loader.grid_of(dn.man, P=16) == (16, 3584 // dn.man["shapes"]["rows"], 1)
-    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, w2=0x6000, s2=0x7000, pf=1, beta=4.0,
-                linear_beta=25.0)
+    vals = dict(x=0x1000, ids=0x2000, w=0x3000, s=0x4000, out=0x5000, beta=4.0, linear_beta=25.0)
     blobs = loader.pack_values(gu.man, vals)
-    assert [struct.unpack("<Q", b)[0] for b in blobs[:7]] == [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000]
-    assert struct.unpack("<i", blobs[7])[0] == 1
-    assert [struct.unpack("<f", b)[0] for b in blobs[8:]] == [4.0, 25.0]
-    assert gu.man["l2_prefetch"] and not dn.man["l2_prefetch"]
+    assert [struct.unpack("<Q", b)[0] for b in blobs[:5]] == [0x1000, 0x2000, 0x3000, 0x4000, 0x5000]
+    assert [struct.unpack("<f", b)[0] for b in blobs[5:]] == [4.0, 25.0]
     assert loader.find_mxfp4(out, 384, 3584, 8)[0] is None       # top-k is compiled into gate-up
     assert loader.find_mxfp4(out, 1536, 3584, 16)[0] is not None
     h2, why = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")
@@ -501,42 +490,6 @@ def test_jit_never_inside_graph_capture_and_a_failed_build_is_the_reason(tmp_pat
     assert len(calls) == 1
     assert choose._find("mxfp4", 384, 3584, 16, "f32")[1].startswith("JIT build failed")
     assert len(calls) == 1                                  # memoised: not retried on every call
-
-
-def test_mxfp4_experts_sets_the_l2_prefetch_flag_for_gate_up_only(built, monkeypatch):
-    """loader.mxfp4_experts hands both kernels the down weights' and scales' addresses; pf = 1 for
-    gate-up only, and only when asked (choose.cute_l2_prefetch) and the tensors are aligned."""
-    out, _ = built
-    gu, dn = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")[0]
-    seen = []
-    monkeypatch.setattr(loader.Artifact, "launch_values", lambda self, vals, dims, device, driver=None, pdl=False:
-                        seen.append((self.man["variant"]["op"], vals["pf"], vals["w2"], vals["s2"])))
-    u8 = torch.uint8
-    x, ids = torch.zeros(1, 3584, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.int64)
-    w13, s13 = torch.zeros(2, 768, 1792, dtype=u8), torch.zeros(2, 768, 112, dtype=u8)
-    w2, s2 = torch.zeros(2, 3584, 192, dtype=u8), torch.zeros(2, 3584, 12, dtype=u8)
-    for ask in (True, False):
-        seen.clear()
-        loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, l2_prefetch=ask)
-        assert seen == [("mxfp4_gate_up", int(ask), w2.data_ptr(), s2.data_ptr()),
-                        ("mxfp4_down", 0, w2.data_ptr(), s2.data_ptr())]
-    seen.clear()
-    s2_off = torch.zeros(2 * 3584 * 12 + 4, dtype=u8)[4:].view(2, 3584, 12)   # 4-byte, not 16-byte aligned
-    loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2_off, 4.0, 25.0, l2_prefetch=True)
-    assert [pf for _, pf, _, _ in seen] == [0, 0]
-
-
-def test_cute_l2_prefetch_by_bytes_and_env(monkeypatch):
-    """Gate-up prefetches the down weights where a call's experts fit MXFP4_L2_PREFETCH_BYTES:
-    TP=8 shapes (2.2 MB per expert) at M=1 (16 pairs, 35 MB), not at M=2; K3_CUTE_L2PF forces it."""
-    monkeypatch.delenv("K3_CUTE_L2PF", raising=False)
-    per = 768 * 1792 + 768 * 112 + 3584 * 192 + 3584 * 12
-    assert choose.cute_l2_prefetch(16, per) and not choose.cute_l2_prefetch(32, per)
-    assert not choose.cute_l2_prefetch(16, 4 * per)                       # TP=2 shapes at M=1
-    monkeypatch.setenv("K3_CUTE_L2PF", "1")
-    assert choose.cute_l2_prefetch(4096, per)
-    monkeypatch.setenv("K3_CUTE_L2PF", "0")
-    assert not choose.cute_l2_prefetch(1, per)
 
 
 def test_cute_pdl_on_unless_turned_off(monkeypatch):

@@ -137,8 +137,7 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
     """The gate-up (SiTU fused) + down artifacts through the driver-only loader vs the model op's
     reference (bf16 x, random codes incl. +-0.5 subnormal operands, scales 2^-9 .. 2^-4), eagerly
     and replayed from a CUDA graph with new x and ids copied into the captured buffers; down
-    launched plainly, and with Programmatic Dependent Launch plus gate-up's L2 prefetch of the
-    down weights (its bulk prefetches address every routed expert's rows)."""
+    launched plainly and with Programmatic Dependent Launch."""
     pairs = dict(_mxfp4_pairs(math))
     tol = MXFP4_TOL[math]
     if I not in pairs or torch.cuda.get_device_capability() != (9, 0):
@@ -152,7 +151,7 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
-        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl, l2_prefetch=pdl)
+        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
         torch.cuda.synchronize()
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -161,7 +160,7 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
         assert err <= tol, (I, M, err)
         # CUDA graph: capture once, replay with new inputs copied into the captured buffers
         gout = _graphed_with_new_inputs(lambda: loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0,
-                                                                     pdl=pdl, l2_prefetch=pdl), x, ids, E, g)
+                                                                     pdl=pdl), x, ids, E, g)
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
         print(f"mxfp4 cute {math} pdl={pdl} I={I} M={M}: graphed err {err:.3e}")

@@ -31,11 +31,6 @@ CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 64)}   # from GPU ben
 # M = 1/2/4/8 -0.2/-1.5/-1.9/-2.0 us with it, TP=2 shapes (I=1536) -1.7/-1.4/0.0/-6.7 us. (With the same
 # routing every call, d86b84b, M=1 at TP=8 had been 0.9-1.3 us slower with it: its 35 MB of experts
 # stayed in the L2 between calls.) K3_CUTE_PDL=0 turns it off.
-# The gate-up kernel's L2 prefetch of the down weights (kernels/cute/mxfp4_experts.py): where a
-# call's expert weights (gate-up and down, every pair counted) fit in this many bytes, so that the
-# prefetched down weights are not evicted by gate-up's own stream before down reads them (with room
-# to spare in the L2). K3_CUTE_L2PF=0 / 1 force it off / on.
-MXFP4_L2_PREFETCH_BYTES = 40 << 20
 _WHY: dict[str, str] = {}
 
 
@@ -59,15 +54,6 @@ def wanted(op: str, m: int) -> bool:
 def cute_pdl() -> bool:
     """Whether the CuTe MXFP4 down kernel is launched with PDL (on unless K3_CUTE_PDL=0)."""
     return os.environ.get("K3_CUTE_PDL", "") != "0"
-
-
-def cute_l2_prefetch(pairs: int, expert_bytes: int) -> bool:
-    """Whether the CuTe MXFP4 gate-up kernel prefetches the down weights into L2 for this call:
-    `pairs` (token, slot) pairs, `expert_bytes` of MXFP4 weights and scales per expert."""
-    flag = os.environ.get("K3_CUTE_L2PF", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return pairs * expert_bytes <= MXFP4_L2_PREFETCH_BYTES
 
 
 def fallbacks() -> dict[str, str]:
@@ -302,10 +288,8 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         if arts is None:
             _note(key, why)
             return None
-        per_expert = sum(t[0].numel() * t.element_size() for t in (w13, w13_scale, w2, w2_scale))
         return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
-                                    float(beta), float(linear_beta), pdl=cute_pdl(),
-                                    l2_prefetch=cute_l2_prefetch(N * K, per_expert))
+                                    float(beta), float(linear_beta), pdl=cute_pdl())
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
         _note(key, f"loader error: {type(e).__name__}: {e}")
         return None

@@ -168,16 +168,15 @@ def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
 
 
 _MXFP4_PARAMS = [dict(kind="ptr", tensor="x"), dict(kind="ptr", tensor="ids"), dict(kind="ptr", tensor="w"),
-                 dict(kind="ptr", tensor="s"), dict(kind="ptr", tensor="out"), dict(kind="ptr", tensor="w2"),
-                 dict(kind="ptr", tensor="s2"), dict(kind="i32", name="pf"), dict(kind="f32", name="beta"),
+                 dict(kind="ptr", tensor="s"), dict(kind="ptr", tensor="out"), dict(kind="f32", name="beta"),
                  dict(kind="f32", name="linear_beta")]
 
 
 def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
     """Manifest of an MXFP4 expert GEMV variant; `k` is its Mxfp4ExpertGemvSm90 instance."""
-    if [(p["size"]) for p in params] != [8] * 7 + [4] * 3:
+    if [(p["size"]) for p in params] != [8, 8, 8, 8, 8, 4, 4]:
         raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"[ptr x7, i32, f32 x2]: the DSL changed the kernel ABI")
+                         f"[ptr x5, f32 x2]: the DSL changed the kernel ABI")
     return dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
                 params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_PARAMS)],
                 shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
@@ -185,8 +184,6 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
                 # Programmatic Dependent Launch: gate-up triggers its dependents, down waits for its
                 # predecessor after issuing its weight loads and is launched with the PDL attribute
                 pdl="trigger" if v["mode"] == "gate_up" else "wait",
-                # gate-up pulls the down weights of its pairs into L2 when the launch sets pf
-                l2_prefetch=v["mode"] == "gate_up",
                 # what the loader checks before launching: base alignment (bytes) of each tensor
                 align=dict(x=16, w=16, s=4, out=4, ids=4))
 
@@ -197,8 +194,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"])
     z = cutlass.Int64(0)
-    return _compile(v, out, k, (z, z, z, z, z, z, z, cutlass.Int32(1), cutlass.Int32(0), cutlass.Float32(4.0),
-                                cutlass.Float32(25.0)),
+    return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))
 
 

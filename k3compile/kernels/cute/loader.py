@@ -307,13 +307,10 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
 
 
 def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
-                  beta: float, linear_beta: float, driver: Driver | None = None, pdl: bool = False,
-                  l2_prefetch: bool = False):
+                  beta: float, linear_beta: float, driver: Driver | None = None, pdl: bool = False):
     """The two MXFP4 expert GEMVs (gate-up with SiTU, then down): [N, K, L] in x.dtype (bf16),
     unweighted, on torch's current stream (CUDA-graph capturable: no host syncs). pdl: down starts
-    while gate-up drains (Programmatic Dependent Launch; choose.cute_pdl decides). l2_prefetch:
-    gate-up pulls the down weights of its pairs into L2 (choose.cute_l2_prefetch decides; only
-    artifacts whose manifest says "l2_prefetch" do it, and only with 16-byte aligned w2 / scales)."""
+    while gate-up drains (Programmatic Dependent Launch; choose.cute_pdl decides)."""
     import torch
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
@@ -335,16 +332,13 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
         ids = ids.to(torch.int32)
     ids = ids.contiguous()
     mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
-    pf = int(l2_prefetch and bool(gate_up.man.get("l2_prefetch")) and w2.is_contiguous() and w2_scale.is_contiguous()
-             and w2.data_ptr() % 16 == 0 and w2_scale.data_ptr() % 16 == 0)
     for art, ts in ((gate_up, dict(x=x, ids=ids, w=w13, s=w13_scale, out=mid)),
                     (down, dict(x=mid, ids=ids, w=w2, s=w2_scale, out=out))):
         why = mxfp4_check(art.man, {k: v for k, v in ts.items() if not (art is down and k == "x")})
         if why:
             raise ValueError(f"{art.path.stem}: {why}")
         vals = {k: v.data_ptr() for k, v in ts.items()}
-        vals.update(w2=w2.data_ptr(), s2=w2_scale.data_ptr(), pf=pf if art is gate_up else 0, beta=beta,
-                    linear_beta=linear_beta)
+        vals.update(beta=beta, linear_beta=linear_beta)
         art.launch_values(vals, dict(P=P), x.device, driver, pdl=pdl)
     return out
 

@@ -44,12 +44,6 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   K3_CUTE_PDL=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
-- L2 prefetch of the down weights (runtime flag `pf`, set by the loader where
-  `choose.cute_l2_prefetch` says so: small batches, whose experts fit the L2 with room): each
-  gate-up CTA (pair p, row block rb) pulls its 1 / row-blocks share of expert e's down weights
-  (L * BI / 2 bytes) and scales (L * BI / 32) into L2 with two bulk prefetches, right after its own
-  loads are issued, so the down kernel finds them there instead of starting its HBM reads after
-  gate-up. The down kernel takes the same parameters and ignores them.
 `emulate_mxfp4_experts` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
 order in PyTorch (CPU-tested against `k3compile.model.mxfp4`).
 
@@ -65,7 +59,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, prefetch_l2, st_bf16, st_f32)
+                  ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -190,16 +184,13 @@ class Mxfp4ExpertGemvSm90:
         # level-1 reduction: Q threads per row, each summing NV / Q partials
         self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.threads)
         self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
-        # gate-up's L2 prefetch of the down weights: bytes of weights / scales per CTA
-        self.pf_w, self.pf_s = L * rows // 2, L * rows // 32
-        assert mode == "down" or (self.pf_w % 16 == 0 and self.pf_s % 16 == 0), (self.pf_w, self.pf_s)
         # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
         self.smem_bytes = (self.rpg * self.threads * 16 + _up(self.r * self.nv, 16)
                            + 4 * (self.r * self.q + self.r) + 64 + 1024)
 
     @cute.jit
-    def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, w2: Int64, s2: Int64, P: Int32,
-                 pf: Int32, beta: Float32, lbeta: Float32, stream: cuda.CUstream):
+    def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, P: Int32, beta: Float32,
+                 lbeta: Float32, stream: cuda.CUstream):
         @cute.struct
         class Smem:
             # the staged weight vectors; after the math (and a barrier) the row partials [R, NV]
@@ -208,15 +199,14 @@ class Mxfp4ExpertGemvSm90:
             part2: cute.struct.MemRange[Float32, self.r * self.q]
             tot: cute.struct.MemRange[Float32, self.r]
         self.smem_t = Smem
-        self.kernel(x, ids, w, s, out, w2, s2, pf, beta, lbeta).launch(
+        self.kernel(x, ids, w, s, out, beta, lbeta).launch(
             grid=(P, self.row_blocks, 1), block=(self.threads, 1, 1), stream=stream,
             # .minnctapersm 1: with .reqntid alone ptxas capped the f16x2 gate-up at 48 registers and
             # spilled; (> 1 would make the DSL query a device for its shared memory size)
             min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, w2: Int64, s2: Int64, pf: Int32,
-               beta: Float32, lbeta: Float32):
+    def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         p, rb, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
@@ -253,11 +243,6 @@ class Mxfp4ExpertGemvSm90:
                 cp_async_commit()
         if cutlass.const_expr(self.mode == "gate_up"):
             pdl_trigger()      # every byte is in flight: the down kernel may start its own weight loads
-            if pf != Int32(0):  # this CTA's share of expert e's down weights and scales into L2
-                if tidx == 0:
-                    prefetch_l2(w2 + e * (self.L * self.I // 2) + Int64(rb) * self.pf_w, self.pf_w)
-                if tidx == 1:
-                    prefetch_l2(s2 + e * (self.L * self.I // 32) + Int64(rb) * self.pf_s, self.pf_s)
         else:
             pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
 

@@ -48,15 +48,6 @@ def pdl_wait(*, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def prefetch_l2(addr: Int64, nbytes: int, *, loc=None, ip=None) -> None:
-    """Pull [addr, addr + nbytes) into L2 (Hopper bulk prefetch; nbytes a multiple of 16, both
-    16-byte aligned). Fire and forget: nothing waits for it."""
-    assert nbytes % 16 == 0 and nbytes > 0, nbytes
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], f"cp.async.bulk.prefetch.L2.global [$0], {int(nbytes)};",
-         "l", side=True)
-
-
-@dsl_user_op
 def cp_async16(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
     """16 bytes global -> shared, asynchronous, bypassing L1 (cp.async.cg)."""
     _asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip)],
