@@ -205,10 +205,11 @@ def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
         return _PUSH[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
+    from .cute.loader import push_n_fits
     art, why = None, ""
     if x.dtype != torch.bfloat16 or w.dtype != x.dtype:
         why = f"dtype {x.dtype} (the CuTe kernels are bf16)"
-    elif n % 64 or n // 64 > 128:
+    elif not push_n_fits(n):
         why = f"N={n}: the push epilogue needs N a multiple of 64, at most 128 tiles"
     elif peers.world * m * n > peers.half(x.dtype):
         why = f"{peers.world} x {m} x {n} partials do not fit one half of the workspace ({peers.nbytes // 2} bytes)"

@@ -88,7 +88,7 @@ def pack_params(man: dict, *, w: tuple[int, int, int], x: tuple[int, int, int], 
         if kind == "tma":
             blob = _sized(p, encode_tma(tma_spec(man, p, *tensors[p["tensor"]])))
         else:
-            blob = _scalar(p, named.get(p.get("tensor", p.get("name"))))
+            blob = _scalar(p, _value(p, named))
         vals.append(blob)
     return vals
 
@@ -115,10 +115,26 @@ def _scalar(p: dict, value) -> bytes:
     raise ValueError(f"unknown parameter kind {kind!r}")
 
 
+def _value(p: dict, values: dict):
+    """A non-TMA parameter's value: its ptr's "tensor" or its scalar's "name" looked up in `values`."""
+    return values[p["tensor"]] if p["kind"] == "ptr" else values.get(p.get("name"))
+
+
 def pack_values(man: dict, values: dict) -> list[bytes]:
     """Parameters of a kernel whose manifest names them (kinds ptr / i32 / f32 / pad): `values`
     maps each ptr's "tensor" and each scalar's "name" to a device address / number."""
-    return [_scalar(p, values[p["tensor"]] if p["kind"] == "ptr" else values.get(p.get("name"))) for p in man["params"]]
+    return [_scalar(p, _value(p, values)) for p in man["params"]]
+
+
+# the push epilogue's flags: one int32 per (source rank, 64-column tile), at most this many tiles
+# per rank (skinny_gemm.SkinnyGemmPushSm90, triton_comm._wait_pushed)
+PUSH_MAX_TILES = 128
+
+
+def push_n_fits(n: int) -> bool:
+    """Whether an output width N suits the push epilogue: whole 64-column tiles, at most
+    PUSH_MAX_TILES of them."""
+    return n % 64 == 0 and n // 64 <= PUSH_MAX_TILES
 
 
 def grid_of(man: dict, **dims: int) -> tuple[int, int, int]:
