@@ -72,6 +72,12 @@ for st in "$@"; do
                step experts_cold$c 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} \
                  --no-reference-time --cold $c --shapes tp8,tp2 --ms ${K3_MS:-1,4,16} --out "$R/experts_cold$c.json"
              done ;;
+    # the persistent pipelined CuTe experts (cute_h2p, its alternates @BIxBL and CTA caps @cN) against
+    # the one-shot kernels, cold routings; their GPU tests first
+    pipe) step pipe_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
+          step experts_pipe 300 python3 bench/experts_bench.py \
+            --variants ${K3_VARIANTS:-cute_h2,cute_h2p,cute_h2p@8x32,cute_h2p@c3,cute_h2p@c2} --no-reference-time \
+            --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_pipe.json" ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
     # the CuTe push-epilogue o-proj: its GPU tests (and the refactored skinny GEMM's), then the op
