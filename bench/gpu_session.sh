@@ -78,6 +78,15 @@ for st in "$@"; do
           step experts_pipe 300 python3 bench/experts_bench.py \
             --variants ${K3_VARIANTS:-cute_h2,cute_h2p,cute_h2p@8x32,cute_h2p@c3,cute_h2p@c2} --no-reference-time \
             --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_pipe.json" ;;
+    # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
+    # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")
+    ncu) for c in ${K3_NCU_CASES:-cute_h2:tp8:16 cute_h2:tp2:1 cute_h2:tp8:1 cute_h2p:tp8:16}; do
+           IFS=: read -r v sh m <<< "$c"
+           step "ncu_${v//@/_}_${sh}_m$m" 120 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 \
+             --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
+             --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+             python3 bench/ncu_experts.py --variant "$v" --shape "$sh" --m "$m"
+         done ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;
     # the CuTe push-epilogue o-proj: its GPU tests (and the refactored skinny GEMM's), then the op

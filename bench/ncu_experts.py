@@ -1,0 +1,53 @@
+"""Run the MXFP4 expert kernels eagerly a few times, for Nsight Compute (ncu) to profile.
+
+    ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 --launch-count 2 \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+        python3 bench/ncu_experts.py --variant cute_h2 --shape tp8 --m 16
+
+Random weights (the experts_bench distribution), a different random routing each call (cold), no
+CUDA graph (ncu profiles each launch on its own; its replay serialises kernels anyway, so the
+numbers describe one kernel in isolation, not the PDL overlap)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", default="cute_h2")
+    ap.add_argument("--shape", default="tp8", choices=("tp8", "tp2"))
+    ap.add_argument("--m", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    import torch
+
+    from k3compile.kernels import choose, launch
+    E, L, TOPK = 896, 3584, 16
+    I = {"tp8": 384, "tp2": 1536}[a.shape]
+    v, *opts = a.variant.split("@")
+    for o in opts:
+        if o.startswith("c"):
+            os.environ["K3_CUTE_CTAS_PER_SM"] = o[1:]
+        else:
+            os.environ["K3_CUTE_MXFP4_ROWS"] = o.replace("x", ",")
+    torch.manual_seed(0)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
+    s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+    x = torch.randn(a.m, L, device="cuda").to(torch.bfloat16)
+    for _ in range(a.calls):
+        ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(a.m)]).to(torch.int32)
+        launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v)
+    torch.cuda.synchronize()
+    if choose.fallbacks():
+        raise SystemExit(f"fell back: {choose.fallbacks()}")
+    print("ok", a)
+
+
+if __name__ == "__main__":
+    main()
