@@ -9,8 +9,7 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      missing artifact is reported as an error, not timed as its v3 fallback);
                      "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
                      Dependent Launch (K3_CUTE_PDL=0; the plain names run it, K3_CUTE_PDL=1);
-                     "cute_h2p": the persistent pipelined f16x2 kernels; "cute_h2p@BIxBL" with
-                     the alternate tiles (build --alt), "cute_h2p@cN" at most N CTAs per SM;
+                     "cute_h2@TAG": an alternate of the f16x2 kernels (build --alt, MXFP4_ALT);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
@@ -56,7 +55,7 @@ SWEEP = {
 }
 # max error / max |reference|: the output is rounded to bf16 (2^-9 relative per element) and the
 # sums run in another order, so 1e-3 flagged v1 itself; dot also rounds activations to bf16
-TOL = {"dot": 2e-2, "v3": 2e-2, "cute": 1e-2, "cute_h2": 2e-2, "cute_h2p": 2e-2}  # v3 too: bf16 activations (the SiTU output rounded)
+TOL = {"dot": 2e-2, "v3": 2e-2, "cute": 1e-2, "cute_h2": 2e-2}  # v3 too: bf16 activations (the SiTU output rounded)
 TOL_DEFAULT = 1e-2
 
 
@@ -114,18 +113,11 @@ def main():
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)
                 # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch;
-                # "cute_h2p@BIxBL": the pipelined kernels' alternate tiles (build --alt); "...@cN": at
-                # most N CTAs per SM
-                v, *opts = v.split("@")
+                # "cute_h2@TAG": an alternate of the f16x2 kernels (build --alt, build.MXFP4_ALT)
+                v, _, tag = v.partition("@")
                 os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
+                os.environ["K3_CUTE_MXFP4_TAG"] = tag
                 v = v.removesuffix("_nopdl")
-                os.environ.pop("K3_CUTE_MXFP4_ROWS", None)
-                os.environ.pop("K3_CUTE_CTAS_PER_SM", None)
-                for o in opts:
-                    if o.startswith("c"):
-                        os.environ["K3_CUTE_CTAS_PER_SM"] = o[1:]
-                    else:
-                        os.environ["K3_CUTE_MXFP4_ROWS"] = o.replace("x", ",")
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")

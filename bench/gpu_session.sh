@@ -72,15 +72,15 @@ for st in "$@"; do
                step experts_cold$c 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} \
                  --no-reference-time --cold $c --shapes tp8,tp2 --ms ${K3_MS:-1,4,16} --out "$R/experts_cold$c.json"
              done ;;
-    # the persistent pipelined CuTe experts (cute_h2p, its alternates @BIxBL and CTA caps @cN) against
-    # the one-shot kernels, cold routings; their GPU tests first
-    pipe) step pipe_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
-          step experts_pipe 300 python3 bench/experts_bench.py \
-            --variants ${K3_VARIANTS:-cute_h2,cute_h2p,cute_h2p@8x32,cute_h2p@c3,cute_h2p@c2} --no-reference-time \
-            --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_pipe.json" ;;
+    # the CuTe f16x2 experts' alternates (build --alt: xf, mb, xfmb) against the default, cold
+    # routings; their GPU tests first
+    alt) step alt_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
+         step experts_alt 300 python3 bench/experts_bench.py \
+           --variants ${K3_VARIANTS:-cute_h2,cute_h2@xf,cute_h2@mb,cute_h2@xfmb} --no-reference-time \
+           --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_alt.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
     # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")
-    ncu) for c in ${K3_NCU_CASES:-cute_h2:tp8:16 cute_h2:tp2:1 cute_h2:tp8:1 cute_h2p:tp8:16}; do
+    ncu) for c in ${K3_NCU_CASES:-cute_h2:tp8:16 cute_h2:tp2:1 cute_h2:tp8:1}; do
            IFS=: read -r v sh m <<< "$c"
            step "ncu_${v//@/_}_${sh}_m$m" 120 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 \
              --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \

@@ -42,7 +42,7 @@ def built(tmp_path_factory):
 
 def test_every_variant_compiles_with_wgmma_and_tma(built):
     out, mans = built
-    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 28
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 24
     for name, man in mans.items():
         if not name.startswith("skinny_gemm"):
             continue
@@ -306,7 +306,8 @@ def _sass(cubin_path):
 
 def test_mxfp4_variants_compile_to_streaming_gemv(built):
     out, mans = built
-    names = [v["name"] for v in build.mxfp4_variants() if not v["pipe"]]
+    names = [v["name"] for v in build.mxfp4_variants()]
+    assert all(not mans[n]["variant"]["tag"] for n in names)      # alternates only with --alt
     assert len(names) == 8 and {mans[n]["variant"]["op"] for n in names} == {"mxfp4_gate_up", "mxfp4_down"}
     for name in names:
         man, v = mans[name], mans[name]["variant"]
@@ -349,39 +350,25 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
             assert body <= (8 if v["math"] == "f32" else 6) * rpg * 16, (name, body, rpg * 16)
 
 
-def test_mxfp4_pipelined_variants_compile_to_a_two_unit_ring(built):
-    """The persistent pipelined form: one issue site for the first unit and one in the loop (two
-    cp.async per row: the 16-byte weight vector and the thread's 4-byte scale chunk), `stages`
-    commit groups per unit (real or empty), one compute site, one CTA barrier per unit, butterfly
-    shuffles for the Q lanes of a row, P as the last parameter, the persistent grid."""
-    out, mans = built
-    names = [v["name"] for v in build.mxfp4_variants() if v["pipe"]]
-    assert len(names) == 4 and all(n.endswith("_p_h2") for n in names)
-    for name in names:
-        man, v = mans[name], mans[name]["variant"]
-        ptx = (out / f"{name}.ptx").read_text()
-        rpg = (2 * v["rows"] if v["mode"] == "gate_up" else v["rows"]) // v["groups"]
-        assert ptx.count("cp.async.cg.shared.global") == 2 * rpg and ptx.count("cp.async.ca.shared.global") == 2 * rpg, name
-        assert ptx.count("cp.async.commit_group") == 3 * v["stages"], name
-        assert ptx.count("fma.rn.f16x2") == rpg * 16 and ptx.count("cvt.rn.f16x2.f32") == 16, name
-        assert ptx.count("bar.sync") == 1, name
-        q = man["shapes"]["q"]
-        assert q & (q - 1) == 0 and q <= 32
-        assert ptx.count("shfl.sync.bfly") == (q.bit_length() - 1) * (2 if v["mode"] == "gate_up" else 1), name
-        if v["mode"] == "gate_up":   # a unit's range may be 1 (before the loop) or longer (in it)
-            assert ptx.count("griddepcontrol.launch_dependents") == 2 and "griddepcontrol.wait" not in ptx, name
-        else:                        # the first unit's weights in flight, then wait, then mid
-            wait = ptx.index("griddepcontrol.wait")
-            assert ptx.count("griddepcontrol.wait") == 1 and "launch_dependents" not in ptx, name
-            assert ptx.index("cp.async.cg.shared.global") < wait < ptx.index("ld.global.nc.v4.u32"), name
-        assert "ld.local" not in ptx and "st.local" not in ptx, name
-        assert [p["kind"] for p in man["params"]] == ["ptr"] * 5 + ["f32"] * 2 + ["i32"]
-        assert man["grid"] == ["persist", 1, 1] and man["units_per_pair"] == man["shapes"]["I" if v["mode"] == "gate_up"
-                                                                                         else "L"] // v["rows"]
-        assert loader.grid_of(man, P=16, ctas=660) == (660, 1, 1)
-        sass = _sass(out / f"{name}.cubin")
-        if sass is not None:
-            assert sass["LDL"] == 0 and sass["STL"] == 0, (name, sass)
+def test_mxfp4_alternates_compile_as_described(tmp_path):
+    """build --alt: "xf" issues gate-up's activation loads (ordered) ahead of the first weight
+    cp.async; "mb" stores mid as bf16 in gate-up and reads 64 bytes of it per thread in down."""
+    mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
+    alts = [v for v in build.mxfp4_variants(alt=True) if v["tag"] and v["I"] == 384]
+    assert len(alts) == 6 and {v["tag"] for v in alts} == {"xf", "mb", "xfmb"}
+    for v in alts:
+        man, ptx = mans[v["name"]], (tmp_path / f"{v['name']}.ptx").read_text()
+        assert man["tag"] == v["tag"] and man["mid"] == v["mid"] and v["name"].endswith("_h2_" + v["tag"])
+        first_w = ptx.index("cp.async.cg.shared.global")
+        if v["mode"] == "gate_up":
+            assert ptx.count("ld.global.nc.v4.u32") == 4
+            assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
+            assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
+        else:
+            assert ptx.count("ld.global.nc.v4.u32") == (4 if v["mid"] == "bf16" else 8), v["name"]
+            assert first_w < ptx.index("griddepcontrol.wait") < ptx.index("ld.global.nc.v4.u32")
+        assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == 16 * (2 * v["rows"] if v["mode"] == "gate_up"
+                                                                             else v["rows"]) // v["groups"]
 
 
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
@@ -400,14 +387,10 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert loader.find_mxfp4(out, 1536, 3584, 16)[0] is not None
     h2, why = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")
     assert h2 is not None and all(a.man["math"] == "f16x2" and a.path.stem.endswith("_h2") for a in h2), why
+    assert all(a.man["tag"] == "" and a.man["mid"] == "f32" for a in h2)
+    assert "'mb'" in loader.find_mxfp4(out, 384, 3584, 16, "f16x2", "mb")[1]    # alternates: build --alt
     assert all(a.man["math"] == "f32" for a in arts)
     assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
-    p, why = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2", pipe=True)
-    assert p is not None and all(a.man["variant"]["pipe"] and a.path.stem.endswith("_p_h2") for a in p), why
-    assert not any(a.man["variant"].get("pipe") for a in h2)
-    assert [a.man["shapes"]["rows"] for a in p] == [build.MXFP4_PIPE_TILES[384]["bi"], build.MXFP4_PIPE_TILES[384]["bl"]]
-    assert "pipelined rows (8, 32)" in loader.find_mxfp4(out, 384, 3584, 16, "f16x2", True, (8, 32))[1]  # not built
-    assert loader.find_mxfp4(out, 384, 3584, 16, "f32", pipe=True)[0] is None
 
 
 def test_dispatch_memoises_artifacts(built, monkeypatch):
@@ -469,9 +452,9 @@ def test_jit_variants_cover_what_the_loader_looks_up():
         ["skinny_gemm_bf16_n7168_k1536_mt16"]
     assert build.jit_variants("gemm", "oproj_gemm", 7168, 1536, 65) == []
     assert build.jit_variants("gemm", "oproj_gemm", 8, 16, 3) == []
-    p = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", True)
-    assert len(p) == 2 and all(v["pipe"] and not v["alt"] for v in p)
-    assert build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", True, (8, 32)) == []   # alternates: --alt only
+    mb = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "mb")
+    assert len(mb) == 2 and all(v["tag"] == "mb" and v["mid"] == "bf16" for v in mb)
+    assert [v["x_first"] for v in build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "xf")] == [True, False]
     h2 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2")
     assert sorted(v["op"] for v in h2) == ["mxfp4_down", "mxfp4_gate_up"]
     assert all(v["I"] == 384 and v["math"] == "f16x2" for v in h2)

@@ -114,37 +114,16 @@ def test_half_emulated_kernels_match_model_reference():
     assert err <= 1e-2, err
 
 
-# ---------------------------------------------------------------- the pipelined kernels (pipe=True)
-
-def test_butterfly_order_is_lane_zeros_sum():
-    """_two_level_sum(bfly=True) = what lane 0 holds after shfl.bfly at offsets Q/2 .. 1, simulated
-    lane by lane (every lane adds its partner's value of the previous step)."""
-    g = torch.Generator().manual_seed(5)
-    for q in (1, 2, 4, 8, 16):
-        part = (torch.randn(3, 48 if q <= 16 else 64, generator=g) * torch.logspace(-4, 4, 48 if q <= 16 else 64)).float()
-        nv = part.shape[1]
-        lanes = [torch.zeros(3) for _ in range(q)]
-        for i in range(q):
-            for c in range(nv // q):
-                lanes[i] = lanes[i] + part[:, i * (nv // q) + c]
-        off = q // 2
-        while off >= 1:
-            lanes = [lanes[i] + lanes[i ^ off] for i in range(q)]
-            off //= 2
-        assert torch.equal(R._two_level_sum(part, q, bfly=True), lanes[0]), q
-    assert R.reduction_q(112, 4, 112, pipe=True) == 16 and R.reduction_q(12, 64, 96, pipe=True) == 1
-    assert R.reduction_q(48, 16, 192, pipe=True) == 8 and R.reduction_q(112, 8, 112, pipe=True) == 8
-
-
-def test_pipelined_emulated_kernels_match_model_reference():
-    g = torch.Generator().manual_seed(6)
-    E, I, L, N, K = 4, 256, 1024, 2, 3
+def test_half_emulated_kernels_with_bf16_mid_match_model_reference():
+    """The "mb" alternates: gate-up stores mid rounded to bf16 (down reads half the bytes)."""
+    g = torch.Generator().manual_seed(7)
+    E, I, L, N, K = 5, 128, 512, 2, 4
     w13, s13, w2, s2 = random_experts(E, I, L, g)
     x = torch.randn(N, L, generator=g).bfloat16()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
-    assert R.reduction_q(L // 32, 4, L // 32, pipe=True) == 8 and R.reduction_q(I // 32, 16, I // 32 * 4, pipe=True) == 2
-    got = R.emulate_mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, bi=4, bl=16, groups_d=4,
-                                  math="f16x2", pipe=True).float()       # Q = 8 (gate-up), 2 (down)
+    kw = dict(bi=4, bl=64, groups_d=16, math="f16x2")
+    got = R.emulate_mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, mid="bf16", **kw).float()
+    f32 = R.emulate_mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, **kw).float()
     err = ((got - ref).abs().max() / ref.abs().max()).item()
-    assert err <= 1e-2, err
+    assert err <= 1e-2 and not torch.equal(got, f32), err

@@ -91,14 +91,15 @@ def test_dispatch_uses_cute_when_forced(monkeypatch):
 # ---------------------------------------------------------------- MXFP4 routed experts (mxfp4_experts.py)
 
 def _mxfp4_pairs(math="f32"):
-    """(I, (gate_up, down)) of the artifacts of `math`: "f32", "f16x2" or "f16x2_pipe" (the
-    persistent pipelined kernels)."""
+    """(I, (gate_up, down)) of the artifacts of `math`: "f32", "f16x2" or "f16x2_TAG" (an alternate
+    of build.MXFP4_ALT, built with --alt)."""
     from k3compile.kernels.cute import loader
     from k3compile.kernels.cute.build import default_dir
     d = Path(os.environ.get("K3_CUTE_DIR") or default_dir())
+    math, _, tag = math.partition("_")
     found = []
     for I in (384, 1536):
-        arts, _ = loader.find_mxfp4(d, I, 3584, 16, math.removesuffix("_pipe"), math.endswith("_pipe"))
+        arts, _ = loader.find_mxfp4(d, I, 3584, 16, math, tag)
         if arts is not None:
             found.append((I, arts))
     return found
@@ -106,7 +107,7 @@ def _mxfp4_pairs(math="f32"):
 
 # max |err| / max |ref|: f32 math only rounds the bf16 output; f16x2 sums each 32-code block in
 # fp16 and rounds mid to fp16 (CPU emulation: 6e-3 on small shapes), the bound v3 has in experts_bench
-MXFP4_TOL = {"f32": 1e-2, "f16x2": 2e-2, "f16x2_pipe": 2e-2}
+MXFP4_TOL = {"f32": 1e-2, "f16x2": 2e-2, "f16x2_xf": 2e-2, "f16x2_mb": 2e-2, "f16x2_xfmb": 2e-2}
 
 
 def test_mxfp4_artifacts_present():
@@ -132,23 +133,18 @@ def _graphed_with_new_inputs(fn, x, ids, E, g):
     return out
 
 
-@pytest.mark.parametrize("math", ["f32", "f16x2", "f16x2_pipe", "f16x2_pipe_few"])
+@pytest.mark.parametrize("math", ["f32", "f16x2", "f16x2_xf", "f16x2_mb", "f16x2_xfmb"])
 @pytest.mark.parametrize("I", [384, 1536])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl, monkeypatch):
+def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
     """The gate-up (SiTU fused) + down artifacts through the driver-only loader vs the model op's
     reference (bf16 x, random codes incl. +-0.5 subnormal operands, scales 2^-9 .. 2^-4), eagerly
     and replayed from a CUDA graph with new x and ids copied into the captured buffers; down
-    launched plainly and with Programmatic Dependent Launch. "_pipe": the persistent pipelined
-    kernels at their occupancy; "_pipe_few": one CTA per SM, so each CTA runs a long unit loop
-    (ring slots alternating, experts and tokens changing inside one CTA's range)."""
-    if math.endswith("_few"):
-        math = math.removesuffix("_few")
-        monkeypatch.setenv("K3_CUTE_CTAS_PER_SM", "1")
+    launched plainly and with Programmatic Dependent Launch."""
     pairs = dict(_mxfp4_pairs(math))
     tol = MXFP4_TOL[math]
     if I not in pairs or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("no artifact for this I / not sm_90")
+        pytest.skip("no artifact for this I (alternates: build --alt) / not sm_90")
     from k3compile.kernels.cute import loader
     from k3compile.model.moe_ops import mxfp4_experts_reference
     gu, dn = pairs[I]
@@ -185,7 +181,7 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
     x = torch.randn(3, L, generator=g, device="cuda").to(torch.bfloat16)
     ids = torch.randint(0, E, (3, 16), generator=g, device="cuda", dtype=torch.int32)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
-    for variant, math in (("cute", "f32"), ("cute_h2", "f16x2"), ("cute_h2p", "f16x2_pipe")):
+    for variant, math in (("cute", "f32"), ("cute_h2", "f16x2")):
         if not _mxfp4_pairs(math):
             continue
         monkeypatch.setattr(choose, "_WHY", {})

@@ -270,17 +270,14 @@ def gemm_add_(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return out.addmm_(x, w.t())
 
 
-def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, math: str = "f32",
-                       pipe: bool = False):
-    """The MXFP4 routed experts through the CuTe artifacts of `math` ("f32" | "f16x2") and form
-    (pipe: the persistent pipelined kernels; launch.mxfp4_experts(variant="cute" | "cute_h2" |
-    "cute_h2p")), or None (the caller falls back to Triton) with the reason in fallbacks().
-    Env K3_CUTE_MXFP4_ROWS="BI,BL" (benchmarks) picks the pipelined kernels' alternate tiles."""
+def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, math: str = "f32"):
+    """The MXFP4 routed experts through the CuTe artifacts of `math` ("f32" | "f16x2";
+    launch.mxfp4_experts(variant="cute" | "cute_h2")), or None (the caller falls back to Triton)
+    with the reason in fallbacks()."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (" pipelined" if pipe else "")
-    rows = os.environ.get("K3_CUTE_MXFP4_ROWS") if pipe else None
-    rows = tuple(int(r) for r in rows.split(",")) if rows else None
+    tag = os.environ.get("K3_CUTE_MXFP4_TAG", "")   # benchmarks: an alternate (build.MXFP4_ALT)
+    key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (f" {tag}" if tag else "")
     if not x.is_cuda:
         _note(key, "not CUDA (the CuTe kernels are sm_90a cubins)")
         return None
@@ -289,7 +286,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         return None
     try:
         from .cute import loader
-        arts, why = _find("mxfp4", I, L, K, math, pipe, rows)
+        arts, why = _find("mxfp4", I, L, K, math, tag) if tag else _find("mxfp4", I, L, K, math)
         if arts is None:
             _note(key, why)
             return None

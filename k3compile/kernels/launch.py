@@ -320,11 +320,10 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute", "cute_h2", "cute_h2p")
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute", "cute_h2")
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
-# math, through the driver-only loader); "cute_h2p": their persistent pipelined form (f16x2); where
-# no artifact fits (or not CUDA / not bf16 / misaligned) they run CUTE_FALLBACK and
-# choose.fallbacks() says why
+# math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
+# misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
 CUTE_FALLBACK = "v3"
 
 
@@ -409,7 +408,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" | "cute_h2p" (default env K3_MXFP4, else
+    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_MXFP4, else
     mxfp4_variant's choice; see triton_moe's docstring and kernels/cute/mxfp4_experts.py);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""
@@ -419,7 +418,7 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     variant = mxfp4_variant(variant, x, I, N)
     if variant.startswith("cute"):
         out = choose.mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
-                                        math="f32" if variant == "cute" else "f16x2", pipe=variant == "cute_h2p")
+                                        math="f16x2" if variant == "cute_h2" else "f32")
         if out is not None:
             return out
         variant = CUTE_FALLBACK

@@ -82,39 +82,31 @@ def variants(alt: bool = False) -> list[dict]:
 # per thread everywhere but TP=8 gate-up (16): ptxas caps these kernels at 64 registers (16 rows
 # per thread in down spilled one register)
 MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536: dict(bi=8, bl=32, groups=4)})
-# the persistent pipelined form (Mxfp4ExpertGemvPipeSm90, f16x2 math, "_p" artifacts): a work unit
-# is BI gate + BI up rows / BL down rows, two units per thread in flight; smaller units than the
-# one-shot kernel's keep 5-6 CTAs per SM. MXFP4_PIPE_ALT: other units, built with --alt (benchmarks
-# pick them with K3_CUTE_MXFP4_ROWS="BI,BL"); dispatch never takes them unasked
-MXFP4_PIPE_TILES = {384: dict(bi=4, bl=64, groups=8), 1536: dict(bi=4, bl=16, groups=4)}
-MXFP4_PIPE_ALT = {384: [dict(bi=8, bl=32, groups=8)], 1536: [dict(bi=8, bl=32, groups=4)]}
 
 
 # math: "f32" (fp32 FMAs, exact products) or "f16x2" (packed fp16 FMAs per 32-code block with a
 # per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py)
 MXFP4_MATH = {"f32": "", "f16x2": "_h2"}
-
-
-def _mxfp4_pair(I: int, L: int, K: int, t: dict, math: str, pipe: bool = False, alt: bool = False) -> list[dict]:
-    sfx = ("_p" if pipe else "") + MXFP4_MATH[math]
-    common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, math=math, pipe=pipe, alt=alt, stages=2 if pipe else 4)
-    return [dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up", mode="gate_up",
-                 rows=t["bi"], groups=1),
-            dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down", mode="down",
-                 rows=t["bl"], groups=t["groups"])]
+# alternates of the f16x2 kernels, built with --alt and picked only by benchmarks (env
+# K3_CUTE_MXFP4_TAG=tag): "xf" gate-up issues its activation loads before the first cp.async wait; "mb" mid
+# (gate-up's output, down's input) in bf16 instead of fp32 (half down's activation bytes)
+MXFP4_ALT = {"xf": dict(x_first=True), "mb": dict(mid="bf16"), "xfmb": dict(x_first=True, mid="bf16")}
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
-    """The MXFP4 expert artifacts: one-shot f32 and f16x2, pipelined f16x2 (+ the alternates)."""
     out = []
     L, K = MXFP4_SHAPES["L"], MXFP4_SHAPES["K"]
-    for math in MXFP4_MATH:
+    opts = [(math, "", {}) for math in MXFP4_MATH]
+    opts += [("f16x2", tag, o) for tag, o in MXFP4_ALT.items()] if alt else []
+    for math, tag, o in opts:
+        sfx = MXFP4_MATH[math] + (f"_{tag}" if tag else "")
         for I, t in MXFP4_SHAPES["tiles"].items():
-            out += _mxfp4_pair(I, L, K, t, math)
-    for I, t in MXFP4_PIPE_TILES.items():
-        out += _mxfp4_pair(I, L, K, t, "f16x2", pipe=True)
-        for ta in MXFP4_PIPE_ALT[I] if alt else ():
-            out += _mxfp4_pair(I, L, K, ta, "f16x2", pipe=True, alt=True)
+            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag,
+                          mid=o.get("mid", "f32"), x_first=o.get("x_first", False))
+            out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
+                            mode="gate_up", rows=t["bi"], groups=1))
+            out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
+                            mode="down", rows=t["bl"], groups=t["groups"], x_first=False))   # gate-up's option
     return out
 
 
@@ -185,40 +177,33 @@ def _skinny_gemm_manifest(v: dict, symbol: str, params: list[dict]) -> dict:
 _MXFP4_PARAMS = [dict(kind="ptr", tensor="x"), dict(kind="ptr", tensor="ids"), dict(kind="ptr", tensor="w"),
                  dict(kind="ptr", tensor="s"), dict(kind="ptr", tensor="out"), dict(kind="f32", name="beta"),
                  dict(kind="f32", name="linear_beta")]
-_MXFP4_PIPE_PARAMS = _MXFP4_PARAMS + [dict(kind="i32", name="P")]
 
 
 def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
-    """Manifest of an MXFP4 expert GEMV variant; `k` is its kernel instance (Mxfp4ExpertGemvSm90,
-    or Mxfp4ExpertGemvPipeSm90 for "pipe" variants: grid "persist" = min(P * units_per_pair,
-    SMs x CTAs per SM), resolved by the loader)."""
-    kinds = _MXFP4_PIPE_PARAMS if v.get("pipe") else _MXFP4_PARAMS
-    if [p["size"] for p in params] != [_SIZE[kd["kind"]] for kd in kinds]:
+    """Manifest of an MXFP4 expert GEMV variant; `k` is its Mxfp4ExpertGemvSm90 instance."""
+    if [(p["size"]) for p in params] != [8, 8, 8, 8, 8, 4, 4]:
         raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"{[kd['kind'] for kd in kinds]}: the DSL changed the kernel ABI")
-    man = dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
-               params=[dict(p, **kd) for p, kd in zip(params, kinds)],
-               shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
-               math=v["math"],
-               # Programmatic Dependent Launch: gate-up triggers its dependents, down waits for its
-               # predecessor after issuing its weight loads and is launched with the PDL attribute
-               pdl="trigger" if v["mode"] == "gate_up" else "wait",
-               # what the loader checks before launching: base alignment (bytes) of each tensor
-               align=dict(x=16, w=16, s=4, out=4, ids=4))
-    if v.get("pipe"):
-        man.update(grid=["persist", 1, 1], units_per_pair=k.row_blocks)
-    return man
+                         f"[ptr x5, f32 x2]: the DSL changed the kernel ABI")
+    return dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
+                params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_PARAMS)],
+                shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
+                math=v["math"], mid=v.get("mid", "f32"), tag=v.get("tag", ""),
+                # Programmatic Dependent Launch: gate-up triggers its dependents, down waits for its
+                # predecessor after issuing its weight loads and is launched with the PDL attribute
+                pdl="trigger" if v["mode"] == "gate_up" else "wait",
+                # what the loader checks before launching: base alignment (bytes) of each tensor
+                align=dict(x=16, w=16, s=4, out=4, ids=4))
 
 
 def _compile_mxfp4(v: dict, out: Path) -> dict:
     import cutlass
-    from .mxfp4_experts import Mxfp4ExpertGemvPipeSm90, Mxfp4ExpertGemvSm90
+    from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
-    cls = Mxfp4ExpertGemvPipeSm90 if v.get("pipe") else Mxfp4ExpertGemvSm90
-    k = cls(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"])
-    z, one = cutlass.Int64(0), cutlass.Int32(1)
-    args = (z, z, z, z, z, cutlass.Float32(4.0), cutlass.Float32(25.0)) + ((one, one) if v.get("pipe") else (one,))
-    return _compile(v, out, k, args, lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))
+    k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
+                            v.get("mid", "f32"), v.get("x_first", False))
+    z = cutlass.Int64(0)
+    return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
+                    lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))
 
 
 def _compile(v: dict, out: Path, kernel, args: tuple, manifest) -> dict:
@@ -300,18 +285,16 @@ def build(out: Path | None = None, force: bool = False, only: str | None = None,
 def jit_variants(kind: str, *key) -> list[dict]:
     """The variants dispatch needs for one lookup (`choose._find`'s kind and key), [] where
     `variants()` has none: "gemm" (op, n, k, m): the smallest token tile covering m;
-    "mxfp4" (I, L, K, math[, pipe[, rows]]): the gate-up (top-k K compiled in) and the down GEMV."""
+    "mxfp4" (I, L, K, math[, tag]): the gate-up (top-k K compiled in) and the down GEMV."""
     if kind == "gemm":
         op, n, k, m = key
         fit = [v for v in variants()
                if v["kernel"] == "skinny_gemm" and v["op"] == op and v["n"] == n and v["k"] == k and m <= v["mt"]]
         return sorted(fit, key=lambda v: v["mt"])[:1]
     I, L, K, math = key[:4]
-    pipe = bool(key[4]) if len(key) > 4 else False
-    if len(key) > 5 and key[5] is not None:    # a benchmark's alternate tiles: built with --alt, not here
-        return []
-    fit = [v for v in mxfp4_variants()
-           if v["I"] == I and v["L"] == L and v["math"] == math and v["pipe"] == pipe
+    tag = key[4] if len(key) > 4 else ""
+    fit = [v for v in mxfp4_variants(alt=bool(tag))
+           if v["I"] == I and v["L"] == L and v["math"] == math and v["tag"] == tag
            and (v["mode"] == "down" or v["K"] == K)]
     return fit if len(fit) == 2 else []
 
@@ -339,7 +322,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--only", default=None)
-    ap.add_argument("--alt", action="store_true", help="also the MXFP4 alternates (MXFP4_PIPE_ALT)")
+    ap.add_argument("--alt", action="store_true", help="also the MXFP4 alternates (MXFP4_ALT)")
     a = ap.parse_args(argv)
     build(a.out, a.force, a.only, alt=a.alt)
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +143,6 @@ def grid_of(man: dict, **dims: int) -> tuple[int, int, int]:
     for d in man["grid"]:
         if d == "n/64":
             g.append((dims["n"] + 63) // 64)
-        elif d == "persist":       # a persistent kernel: the CTA count the launcher chose
-            g.append(int(dims["ctas"]))
         elif isinstance(d, str):
             g.append(int(dims[d]))
         else:
@@ -174,8 +171,7 @@ class Driver:
     def __init__(self, lib: str = "libcuda.so.1"):
         self.cu = ctypes.CDLL(lib)
         for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel",
-                     "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent",
-                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"):
+                     "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent"):
             getattr(self.cu, name).restype = ctypes.c_int
         self.has_launch_ex = hasattr(self.cu, "cuLaunchKernelEx")   # CUDA >= 12.0
         if self.has_launch_ex:
@@ -199,14 +195,6 @@ class Driver:
         self.check(self.cu.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                    "cuFuncSetAttribute(max dynamic smem)")
         return fn
-
-    def occupancy(self, fn, threads: int, smem: int) -> int:
-        """CTAs of `fn` that fit on one SM with this block size and dynamic shared memory."""
-        n = ctypes.c_int()
-        self.check(self.cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, ctypes.c_int(threads),
-                                                                       ctypes.c_size_t(smem)),
-                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return n.value
 
     def encode_tma(self, s: TmaSpec) -> bytes:
         m = (ctypes.c_uint8 * 192)()
@@ -250,7 +238,6 @@ class Artifact:
         self.man = json.loads(self.path.read_text())
         self.cubin = self.path.with_suffix(".cubin").read_bytes()
         self._fn: dict[int, object] = {}
-        self._occ: dict[int, int] = {}
 
     def launch_gemm(self, x, w, out=None, driver: Driver | None = None):
         """out[M, N] = x[M, K] @ w[N, K]^T on torch's current stream (bf16, contiguous, M <= m_max)."""
@@ -305,22 +292,6 @@ class Artifact:
                 self._fn[dev] = drv.load(self.cubin, self.man["symbol"], self.man["smem"])
         return self._fn[dev]
 
-    def persist_ctas(self, P: int, device, driver: Driver | None = None) -> int:
-        """The grid of a persistent ("persist") kernel for P pairs: min(P * units_per_pair, SMs x
-        CTAs per SM), CTAs per SM = the occupancy the driver computes, capped by env
-        K3_CUTE_CTAS_PER_SM (benchmarks)."""
-        import torch
-        drv = driver or _driver()
-        dev = device_index(device)
-        if dev not in self._occ:
-            self._occ[dev] = drv.occupancy(self._function(dev, drv), self.man["block"][0], self.man["smem"])
-        per_sm = self._occ[dev]
-        cap = int(os.environ.get("K3_CUTE_CTAS_PER_SM") or 0)
-        if cap > 0:
-            per_sm = min(per_sm, cap)
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        return max(1, min(P * self.man["units_per_pair"], sms * max(per_sm, 1)))
-
     def launch_values(self, values: dict, grid_dims: dict, device, driver: Driver | None = None,
                       pdl: bool = False) -> None:
         """Launch with named parameter values (pack_values) on torch's current stream of `device`;
@@ -369,6 +340,9 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     for name, (t, want) in shapes.items():
         if t.dim() != 3 or tuple(t.shape[1:]) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
+    mid_dt = gate_up.man.get("mid", "f32")
+    if down.man.get("mid", "f32") != mid_dt:
+        raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} disagree on mid's dtype")
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
@@ -376,26 +350,22 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     if ids.dtype != torch.int32:
         ids = ids.to(torch.int32)
     ids = ids.contiguous()
-    mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
+    mid = torch.empty(P, I, dtype=torch.bfloat16 if mid_dt == "bf16" else torch.float32, device=x.device)
     for art, ts in ((gate_up, dict(x=x, ids=ids, w=w13, s=w13_scale, out=mid)),
                     (down, dict(x=mid, ids=ids, w=w2, s=w2_scale, out=out))):
         why = mxfp4_check(art.man, {k: v for k, v in ts.items() if not (art is down and k == "x")})
         if why:
             raise ValueError(f"{art.path.stem}: {why}")
         vals = {k: v.data_ptr() for k, v in ts.items()}
-        vals.update(beta=beta, linear_beta=linear_beta, P=P)
-        dims = dict(P=P)
-        if art.man["grid"][0] == "persist":
-            dims["ctas"] = art.persist_ctas(P, x.device, driver)
-        art.launch_values(vals, dims, x.device, driver, pdl=pdl)
+        vals.update(beta=beta, linear_beta=linear_beta)
+        art.launch_values(vals, dict(P=P), x.device, driver, pdl=pdl)
     return out
 
 
-def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32", pipe: bool = False,
-               rows: tuple[int, int] | None = None) -> tuple["tuple[Artifact, Artifact] | None", str]:
-    """The (gate_up, down) artifacts for these shapes, math ("f32" | "f16x2") and form (pipe: the
-    persistent pipelined kernels), or (None, why). rows = (gate-up BI, down BL) picks those tiles
-    (benchmarks; the alternates are only taken so), else the default ones."""
+def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
+               tag: str = "") -> tuple["tuple[Artifact, Artifact] | None", str]:
+    """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why);
+    tag: an alternate's (build.MXFP4_ALT, benchmarks), "" the default kernels."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -405,18 +375,13 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32", pipe: b
             man = json.loads(mf.read_text())
         except ValueError:
             continue
-        var, sh = man.get("variant", {}), man.get("shapes", {})
-        op = var.get("op")
-        if rows is None:
-            tile_ok = not var.get("alt")
-        else:
-            tile_ok = sh.get("rows") == rows[0 if op == "mxfp4_gate_up" else 1]
+        op, sh = man.get("variant", {}).get("op"), man.get("shapes", {})
         if (op in ("mxfp4_gate_up", "mxfp4_down") and man.get("math", "f32") == math and sh.get("I") == I and sh.get("L") == L
-                and bool(var.get("pipe")) == pipe and tile_ok
-                and (op == "mxfp4_down" or sh.get("K") == K) and mf.with_suffix(".cubin").exists()):
+                and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
+                and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
     if len(found) < 2:
-        what = f"{math}{' pipelined' if pipe else ''}{f' rows {rows}' if rows else ''}"
+        what = math + (f" {tag!r}" if tag else "")
         return None, f"no CuTe MXFP4 {what} artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
     return (Artifact(found["mxfp4_gate_up"]), Artifact(found["mxfp4_down"])), ""
 

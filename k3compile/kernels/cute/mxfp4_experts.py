@@ -44,6 +44,13 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   K3_CUTE_PDL=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
+- Options (build.MXFP4_ALT alternates, measured against the default before any becomes one):
+  mid="bf16" stores gate-up's output as bf16 and down reads 64 bytes of it per thread instead of
+  128 (Nsight Compute showed down's L1 at 84% of its throughput at TP=8 M=16, its DRAM at 50%);
+  x_first emits gate-up's activation loads, ordered, ahead of its weights (in the default they
+  are pure asm and the SASS issues them after the first cp.async wait, so their latency follows
+  that stage's; with x_first ptxas still schedules them after the weights' cp.async, but before
+  the first wait).
 `emulate_mxfp4_experts` in `k3compile.kernels.cute.mxfp4_ref` reproduces the bit tricks and this summation
 order in PyTorch (CPU-tested against `k3compile.model.mxfp4`).
 
@@ -155,10 +162,13 @@ class Mxfp4ExpertGemvSm90:
     order (the first also carries the CTA's scale bytes)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
-                 math: str = "f32"):
+                 math: str = "f32", mid: str = "f32", x_first: bool = False):
         assert mode in ("gate_up", "down"), mode
         assert math in ("f32", "f16x2"), math
+        assert mid in ("f32", "bf16"), mid
         self.half = math == "f16x2"
+        self.mid_bf16 = mid == "bf16"             # mid (gate-up's output, down's input) stored as bf16
+        self.x_first = x_first and mode == "gate_up"   # down's activations exist only after pdl_wait
         self.mode, self.I, self.L, self.K = mode, I, L, K
         k_in = L if mode == "gate_up" else I
         assert k_in % 128 == 0, "NV = K_in / 32 scale bytes per row must be a multiple of 4 (cp.async 4 B)"
@@ -205,6 +215,23 @@ class Mxfp4ExpertGemvSm90:
             # spilled; (> 1 would make the DSL query a device for its shared memory size)
             min_blocks_per_mp=1)
 
+    def _load_x_words(self, x, p, v):
+        """This thread's 32 activations as raw 32-bit words (16 words of bf16 pairs: x[t] for gate-up,
+        or a bf16 mid; 32 fp32 words: an fp32 mid), emitted at trace time where it is called. Down's
+        loads and x_first's are ordered (side-effecting asm): down's must stay after pdl_wait, and
+        x_first's ahead of the weights (a pure asm load is sunk to its first use, past the first
+        cp.async wait, which serialises its latency after that stage's)."""
+        if self.mode == "gate_up":
+            xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
+            n = 4
+        else:
+            xa = x + (Int64(p) * self.I + Int64(v) * 32) * (2 if self.mid_bf16 else 4)
+            n = 4 if self.mid_bf16 else 8
+        words = []
+        for i in range(n):
+            words += ld_v4_keep(xa + 16 * i, self.mode == "down" or self.x_first)
+        return words
+
     @cute.kernel
     def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -233,6 +260,9 @@ class Mxfp4ExpertGemvSm90:
                 if idx < self.run_chunks:
                     cp_async4(ssm + run * self.run_chunks * 4 + idx * 4, sexp + Int64(row0) * self.nv + Int64(idx) * 4)
         per = self.rpg // self.stages
+        xw = []
+        if cutlass.const_expr(self.x_first):
+            xw = self._load_x_words(x, p, v)                 # in flight with (and ahead of) the weights
         for r in cutlass.range_constexpr(self.rpg):
             if cutlass.const_expr(self.mode == "gate_up"):   # G == 1: local row r, gate then up
                 row = Int64(rb * self.bi + (r if r < self.bi else r - self.bi + self.I))
@@ -250,19 +280,15 @@ class Mxfp4ExpertGemvSm90:
         # scales them below)
         pre = Float32(1.0 if self.half else PRESCALE)
         xs = []
-        if cutlass.const_expr(self.mode == "gate_up"):
-            xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
-            for i in cutlass.range_constexpr(4):
-                q4 = ld_v4_keep(xa + 16 * i)
-                for j in cutlass.range_constexpr(4):
-                    xs.append(as_f32(q4[j] << 16) * pre)
-                    xs.append(bits_to_f32_hi(q4[j]) * pre)
+        if cutlass.const_expr(not self.x_first):
+            xw = self._load_x_words(x, p, v)
+        if cutlass.const_expr(self.mode == "gate_up" or self.mid_bf16):   # bf16 pairs in each word
+            for i in cutlass.range_constexpr(16):
+                xs.append(as_f32(xw[i] << 16) * pre)
+                xs.append(bits_to_f32_hi(xw[i]) * pre)
         else:
-            xa = x + (Int64(p) * self.I + Int64(v) * 32) * 4
-            for i in cutlass.range_constexpr(8):
-                q4 = ld_v4_keep(xa + 16 * i, True)
-                for j in cutlass.range_constexpr(4):
-                    xs.append(as_f32(q4[j]) * pre)
+            for i in cutlass.range_constexpr(32):
+                xs.append(as_f32(xw[i]) * pre)
 
         xh = []
         inv = Float32(1.0)
@@ -319,7 +345,10 @@ class Mxfp4ExpertGemvSm90:
                 up = tot[tidx + self.bi]
                 gs = beta * cute.math.tanh(gt / beta) / (Float32(1.0) + cute.math.exp(-gt))
                 us = lbeta * cute.math.tanh(up / lbeta)
-                st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 4, gs * us)
+                if cutlass.const_expr(self.mid_bf16):
+                    st_bf16(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 2, gs * us)
+                else:
+                    st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 4, gs * us)
         else:
             if tidx < self.r:
                 st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + tidx)) * 2, tot[tidx])
@@ -327,220 +356,3 @@ class Mxfp4ExpertGemvSm90:
 
 def _up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-class Mxfp4ExpertGemvPipeSm90:
-    """The same contract and arithmetic per 32-code block as Mxfp4ExpertGemvSm90, as a persistent,
-    software-pipelined kernel ("_p" artifacts).
-
-    Why: the one-shot kernel issues all of a CTA's rows, waits, computes, reduces and exits, so the
-    CTAs that start together on an SM load together and then compute together, with no bytes in
-    flight while they compute (measured 60-67% of HBM bandwidth where its instruction count would
-    allow more).
-    Work unit u = p * RB + rb (pair-major; RB row blocks per pair): gate-up BI gate + BI up rows,
-    down G * RPG rows, as above. The grid has C CTAs (the loader: min(P * RB, SMs x occupancy));
-    CTA c takes units [c U / C, (c + 1) U / C), U = P * RB, in order. Shared memory holds a ring of
-    two units per thread: while unit i is computed, unit i + 1's weight vectors and scale bytes are
-    in flight (cp.async, `stages` commit groups per unit; an empty unit commits empty groups so the
-    wait counts are constants). Each thread reads back only what it copied itself (its 16-byte
-    vector per row, and the 4-byte chunk holding its scale byte), so the ring needs no barrier.
-    The expert id of unit i + 2 is read one unit ahead; the activations (x[t] for gate-up, mid[p]
-    for down) are reloaded only when the token (gate-up) or the pair (down) changes.
-    Per unit: each thread's row partials into a double-buffered [R, NV] smem tile, one CTA barrier,
-    then Q lanes per row (a power of two dividing NV, Q * rows a multiple of 32 or Q = 1) sum NV / Q
-    partials each and combine them with butterfly shuffles; lane 0 stores (SiTU for gate-up).
-    PDL: the down kernel issues its first unit's loads before `griddepcontrol.wait`; gate-up triggers
-    its dependents once its last unit's loads are issued."""
-
-    def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 2,
-                 math: str = "f16x2"):
-        assert mode in ("gate_up", "down"), mode
-        assert math in ("f32", "f16x2"), math
-        self.half = math == "f16x2"
-        self.mode, self.I, self.L, self.K = mode, I, L, K
-        k_in = L if mode == "gate_up" else I
-        assert k_in % 128 == 0, "NV = K_in / 32 must be a multiple of 4 (a thread's 4-byte scale chunk)"
-        self.nv = k_in // 32
-        self.kb = k_in // 2
-        self.g = groups
-        self.threads = self.g * self.nv
-        assert self.threads <= 1024, self.threads
-        if mode == "gate_up":
-            assert I % rows == 0 and groups == 1
-            self.bi, self.r, self.rr = rows, 2 * rows, rows     # rr: rows the reduction yields (gate-up: pairs)
-        else:
-            assert L % rows == 0
-            self.r = self.rr = rows
-        assert self.r % self.g == 0, (self.r, self.g)
-        self.rpg = self.r // self.g
-        assert self.rpg % stages == 0, (self.rpg, stages)
-        self.stages = stages
-        self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
-        self.q = max(d for d in (1, 2, 4, 8, 16, 32) if self.nv % d == 0 and self.rr * d <= self.threads
-                     and (d == 1 or self.rr * d % 32 == 0))
-        self.offs = [self.q >> k for k in range(1, self.q.bit_length())]   # butterfly offsets Q/2, ..., 1
-        self.wslot = self.rpg * self.threads * 16     # bytes of one unit's weight vectors
-        self.sslot = self.rpg * self.threads * 4      # and of its scale chunks
-        self.smem_bytes = 2 * self.wslot + 2 * self.sslot + 2 * self.r * self.nv * 4 + 64 + 1024
-
-    @cute.jit
-    def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32,
-                 P: Int32, ctas: Int32, stream: cuda.CUstream):
-        @cute.struct
-        class Smem:
-            wring: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.wslot // 4], 16]
-            sring: cute.struct.Align[cute.struct.MemRange[Int32, 2 * self.sslot // 4], 16]
-            part: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.r * self.nv], 16]
-        self.smem_t = Smem
-        self.kernel(x, ids, w, s, out, beta, lbeta, P).launch(
-            grid=(ctas, 1, 1), block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
-
-    @cute.jit
-    def _issue(self, u: Int32, e: Int32, slot: Int32, wsm: Int32, ssm: Int32, w: Int64, s: Int64, v: Int32,
-               g: Int32):
-        """cp.async of unit u's rows (expert e) into ring slot `slot`: `stages` commit groups."""
-        rb = u % Int32(self.row_blocks)
-        n_rows = 2 * self.I if self.mode == "gate_up" else self.L
-        wb = w + Int64(e) * (n_rows * self.kb) + Int64(v) * 16
-        sb = s + Int64(e) * (n_rows * self.nv) + Int64(v & Int32(-4))
-        wd = wsm + slot * self.wslot
-        sd = ssm + slot * self.sslot
-        per = self.rpg // self.stages
-        for r in cutlass.range_constexpr(self.rpg):
-            if cutlass.const_expr(self.mode == "gate_up"):
-                row = Int64(rb * self.bi + (r if r < self.bi else r - self.bi + self.I))
-            else:
-                row = Int64(rb * self.r + g + r * self.g)
-            cp_async16(wd + r * self.threads * 16, wb + row * self.kb)
-            cp_async4(sd + r * self.threads * 4, sb + row * self.nv)
-            if cutlass.const_expr(r % per == per - 1):
-                cp_async_commit()
-
-    @cute.kernel
-    def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32,
-               P: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        c, _, _ = cute.arch.block_idx()
-        nc, _, _ = cute.arch.grid_dim()
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.smem_t)
-        part = st.part.get_tensor(cute.make_layout((2, self.r, self.nv), stride=(self.r * self.nv, self.nv, 1)))
-        wsm = st.wring.data_ptr().toint() + tidx * 16
-        ssm = st.sring.data_ptr().toint() + tidx * 4
-        v = tidx % self.nv
-        g = tidx // self.nv
-        RB = Int32(self.row_blocks)
-        U = P * RB
-        u0 = Int32((Int64(c) * Int64(U)) // Int64(nc))
-        n = Int32((Int64(c + 1) * Int64(U)) // Int64(nc)) - u0
-        per = self.rpg // self.stages
-
-        self._issue(u0, ld_s32(ids + Int64(u0 // RB) * 4), Int32(0), wsm, ssm, w, s, v, g)
-        e_next = ld_s32(ids + Int64(cutlass.min(u0 + 1, U - 1) // RB) * 4)
-        if cutlass.const_expr(self.mode == "gate_up"):
-            if n == 1:
-                pdl_trigger()
-        else:
-            pdl_wait()        # the first unit's weights are in flight; mid is read below
-
-        nx = 32 if not self.half else 16
-        xr = cute.make_rmem_tensor(nx, Float32 if not self.half else Int32)
-        invr = cute.make_rmem_tensor(1, Float32)
-        invr[0] = Float32(1.0)
-        key_prev = Int32(-1)
-        for i in cutlass.range(n, unroll=1):
-            u = u0 + i
-            slot = i & 1
-            if i + 1 < n:
-                self._issue(u + 1, e_next, 1 - slot, wsm, ssm, w, s, v, g)
-            else:
-                for _ in cutlass.range_constexpr(self.stages):
-                    cp_async_commit()
-            e_next = ld_s32(ids + Int64(cutlass.min(u + 2, U - 1) // RB) * 4)
-            if cutlass.const_expr(self.mode == "gate_up"):
-                if i + 2 == n:
-                    pdl_trigger()   # the last unit's loads are issued
-            p = u // RB
-            rb = u - p * RB
-            key = p
-            if cutlass.const_expr(self.mode == "gate_up"):
-                key = p // self.K
-            if key != key_prev:
-                self._load_x(x, p, v, xr, invr)
-            key_prev = key
-            for r in cutlass.range_constexpr(self.rpg):
-                if cutlass.const_expr(r % per == 0):
-                    cp_async_wait(2 * self.stages - 1 - r // per)
-                lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
-                sc = lds_u8(ssm + slot * self.sslot + r * self.threads * 4 + (v & Int32(3)))
-                words = lds_v4(wsm + slot * self.wslot + r * self.threads * 16)
-                xv = []
-                for k in cutlass.range_constexpr(nx):
-                    xv.append(xr[k])
-                if cutlass.const_expr(self.half):
-                    part[slot, lr, v] = _block_dot_h2(words, xv) * as_f32((sc + H_SCALE_BIAS) << 23) * invr[0]
-                else:
-                    part[slot, lr, v] = _block_dot(words, xv) * as_f32((sc + SCALE_BIAS) << 23)
-            cute.arch.sync_threads()
-            self._reduce_store(part, slot, tidx, p, rb, out, beta, lbeta)
-
-    @cute.jit
-    def _load_x(self, x: Int64, p: Int32, v: Int32, xr, invr):
-        """This thread's 32 activations of pair p into xr: fp32 pre-scaled by 2^100 (f32 math), or
-        the f16x2 pairs times 2^kx with 2^-kx in invr[0] (f16x2 math)."""
-        pre = Float32(1.0 if self.half else PRESCALE)
-        xs = []
-        if cutlass.const_expr(self.mode == "gate_up"):
-            xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
-            for i in cutlass.range_constexpr(4):
-                q4 = ld_v4_keep(xa + 16 * i, True)
-                for j in cutlass.range_constexpr(4):
-                    xs.append(as_f32(q4[j] << 16) * pre)
-                    xs.append(bits_to_f32_hi(q4[j]) * pre)
-        else:
-            xa = x + (Int64(p) * self.I + Int64(v) * 32) * 4
-            for i in cutlass.range_constexpr(8):
-                q4 = ld_v4_keep(xa + 16 * i, True)
-                for j in cutlass.range_constexpr(4):
-                    xs.append(as_f32(q4[j]) * pre)
-        if cutlass.const_expr(self.half):
-            amax = Int32(0)
-            for i in cutlass.range_constexpr(32):
-                amax = imax(amax, as_i32(xs[i]) & Int32(0x7FFFFFFF))
-            ex = imax(amax >> 23, Int32(H_MIN_EXP))
-            xup = as_f32((Int32(H_TARGET_EXP + 127) - ex) << 23)
-            invr[0] = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)
-            for j in cutlass.range_constexpr(4):
-                for k in cutlass.range_constexpr(4):
-                    xr[4 * j + k] = f32x2_to_f16x2(xs[8 * j + k + 4] * xup, xs[8 * j + k] * xup)
-        else:
-            for i in cutlass.range_constexpr(32):
-                xr[i] = xs[i]
-
-    @cute.jit
-    def _reduce_store(self, part, slot: Int32, tidx: Int32, p: Int32, rb: Int32, out: Int64, beta: Float32,
-                      lbeta: Float32):
-        """Row sums of unit (p, rb) from part[slot]: Q lanes per row, NV / Q partials each in order,
-        then butterfly shuffles (xor Q/2 .. 1); lane 0 stores."""
-        Q = self.q
-        if tidx < self.rr * Q:
-            row = tidx // Q
-            c0 = (tidx % Q) * (self.nv // Q)
-            a = Float32(0.0)
-            b = Float32(0.0)
-            for cc in cutlass.range_constexpr(self.nv // Q):
-                a = a + part[slot, row, c0 + cc]
-                if cutlass.const_expr(self.mode == "gate_up"):
-                    b = b + part[slot, row + self.bi, c0 + cc]
-            offs = self.offs
-            for k in cutlass.range_constexpr(len(offs)):
-                a = a + cute.arch.shuffle_sync_bfly(a, offs[k])
-                if cutlass.const_expr(self.mode == "gate_up"):
-                    b = b + cute.arch.shuffle_sync_bfly(b, offs[k])
-            if tidx % Q == 0:
-                if cutlass.const_expr(self.mode == "gate_up"):
-                    gs = beta * cute.math.tanh(a / beta) / (Float32(1.0) + cute.math.exp(-a))
-                    us = lbeta * cute.math.tanh(b / lbeta)
-                    st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + row)) * 4, gs * us)
-                else:
-                    st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + row)) * 2, a)

@@ -14,8 +14,6 @@ Importing this module does not import the DSL.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 PRESCALE = 2.0 ** 100
@@ -62,44 +60,32 @@ def block_dot(words: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _two_level_sum(part: torch.Tensor, q: int, bfly: bool = False) -> torch.Tensor:
+def _two_level_sum(part: torch.Tensor, q: int) -> torch.Tensor:
     """The kernels' reduction order of per-vector row partials [R, NV]: Q threads per row each sum
-    NV / Q consecutive partials in order, then one thread sums the Q results in order (one-shot
-    kernel), or butterfly shuffles combine them (bfly: the pipelined kernel; lane 0's sum: at
-    offsets Q/2, ..., 1, s[i] += s[i ^ offset])."""
+    NV / Q consecutive partials in order, then one thread sums the Q results in order."""
     R, nv = part.shape
     part = part.reshape(R, q, nv // q)
     s1 = torch.zeros(R, q, dtype=torch.float32)
     for c in range(nv // q):
         s1 = s1 + part[..., c]
-    if bfly:
-        off = q // 2
-        while off >= 1:
-            s1 = s1 + s1[:, torch.arange(q) ^ off]
-            off //= 2
-        return s1[:, 0].clone()
     tot = torch.zeros(R, dtype=torch.float32)
     for c in range(q):
         tot = tot + s1[:, c]
     return tot
 
 
-def rows_dot(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int, bfly: bool = False) -> torch.Tensor:
+def rows_dot(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int) -> torch.Tensor:
     """sum_k W[r, k] * vec[k] for packed rows [R, KB], scales [R, KB/16], vec fp32 [2*KB], with the
     kernel's order: block sums * scale, Q partial sums of NV/Q blocks, then the Q sums."""
     R, KB = packed.shape
     nv = KB // 16
     xs = (vec.to(torch.float32) * PRESCALE).reshape(1, nv, 32)
     part = block_dot(words_of(packed), xs) * scale_f32(scales)          # [R, NV]
-    return _two_level_sum(part, q, bfly)
+    return _two_level_sum(part, q)
 
 
-def reduction_q(nv: int, rows: int, threads: int, pipe: bool = False) -> int:
-    """The kernel's level-1 split: the largest divisor Q of NV with rows * Q <= threads (pipe: a
-    power of two <= 32 with rows * Q a multiple of 32, or 1; `rows` = the rows it yields)."""
-    if pipe:
-        return max(d for d in (1, 2, 4, 8, 16, 32) if nv % d == 0 and rows * d <= threads
-                   and (d == 1 or rows * d % 32 == 0))
+def reduction_q(nv: int, rows: int, threads: int) -> int:
+    """The kernel's level-1 split: the largest divisor Q of NV with rows * Q <= threads."""
     return max(d for d in range(1, nv + 1) if nv % d == 0 and rows * d <= threads)
 
 
@@ -127,7 +113,7 @@ def x_scale_exp(xblk: torch.Tensor) -> torch.Tensor:
     return torch.clamp(bits >> 23, min=20).to(torch.int64)
 
 
-def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int, bfly: bool = False) -> torch.Tensor:
+def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int) -> torch.Tensor:
     """rows_dot with the f16x2 math."""
     R, KB = packed.shape
     nv = KB // 16
@@ -144,7 +130,7 @@ def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q
             acc_hi = (hi.float() * xh[:, 8 * j + k + 4].float() + acc_hi.float()).half()
     blk = acc_lo.float() + acc_hi.float()
     part = blk * _f32((scales.to(torch.int64) + 14) << 23) * _f32((ex - 12) << 23)[None, :]
-    return _two_level_sum(part, q, bfly)
+    return _two_level_sum(part, q)
 
 
 def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.Tensor:
@@ -152,28 +138,26 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.T
 
 
 def emulate_mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
-                          bi: int = 8, bl: int = 64, groups_d: int = 8, math: str = "f32", pipe: bool = False):
-    """The CuTe gate-up + down kernels on CPU: [N, K, L] in x.dtype (the op's contract). pipe:
-    the pipelined kernels' reduction (Q lanes per gate/up row pair and per down row, butterfly)."""
+                          bi: int = 8, bl: int = 64, groups_d: int = 8, math: str = "f32", mid: str = "f32"):
+    """The CuTe gate-up + down kernels on CPU: [N, K, L] in x.dtype (the op's contract); mid="bf16":
+    the kernels that store gate-up's output (SiTU) rounded to bf16."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
     nv_gu, nv_d = L // 32, I // 32
-    if pipe:
-        q_gu = reduction_q(nv_gu, bi, nv_gu, pipe=True)
-        q_d = reduction_q(nv_d, bl, nv_d * groups_d, pipe=True)
-    else:
-        assert 2 * bi <= nv_gu and bl <= nv_d * groups_d, "a CTA needs a thread per row"
-        q_gu = reduction_q(nv_gu, 2 * bi, nv_gu)
-        q_d = reduction_q(nv_d, bl, nv_d * groups_d)
-    dot = functools.partial(rows_dot_h2 if math == "f16x2" else rows_dot, bfly=pipe)
+    assert 2 * bi <= nv_gu and bl <= nv_d * groups_d, "a CTA needs a thread per row"
+    q_gu = reduction_q(nv_gu, 2 * bi, nv_gu)
+    q_d = reduction_q(nv_d, bl, nv_d * groups_d)
+    dot = rows_dot_h2 if math == "f16x2" else rows_dot
     out = torch.empty(N * K, L, dtype=torch.float32)
     ids = topk_ids.reshape(-1).tolist()
     for p, e in enumerate(ids):
         xt = x[p // K].float()
-        mid = torch.empty(I, dtype=torch.float32)
+        h = torch.empty(I, dtype=torch.float32)
         for rb in range(I // bi):
             rows = torch.cat([torch.arange(rb * bi, rb * bi + bi), I + torch.arange(rb * bi, rb * bi + bi)])
             tot = dot(w13[e, rows], w13_scale[e, rows], xt, q_gu)
-            mid[rb * bi:(rb + 1) * bi] = situ(tot[:bi], tot[bi:], beta, linear_beta)
-        out[p] = dot(w2[e], w2_scale[e], mid, q_d)
+            h[rb * bi:(rb + 1) * bi] = situ(tot[:bi], tot[bi:], beta, linear_beta)
+        if mid == "bf16":
+            h = h.bfloat16().float()
+        out[p] = dot(w2[e], w2_scale[e], h, q_d)
     return out.view(N, K, L).to(x.dtype)
