@@ -351,17 +351,19 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
 
 
 def test_mxfp4_alternates_compile_as_described(tmp_path):
-    """build --alt: "xf" issues gate-up's activation loads (ordered) ahead of the first weight
-    cp.async; "mb" stores mid as bf16 in gate-up and reads 64 bytes of it per thread in down."""
+    """build --alt: "xf" emits gate-up's activation loads (ordered) ahead of the first weight
+    cp.async; "m32" keeps mid in fp32 (gate-up stores fp32, down reads 128 bytes per thread),
+    where the default f16x2 kernels store and read bf16 (64 bytes)."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
-    alts = [v for v in build.mxfp4_variants(alt=True) if v["tag"] and v["I"] == 384]
-    assert len(alts) == 6 and {v["tag"] for v in alts} == {"xf", "mb", "xfmb"}
+    alts = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"]
+    assert len(alts) == 6 and {v["tag"] for v in alts} == {"", "xf", "m32"}
     for v in alts:
         man, ptx = mans[v["name"]], (tmp_path / f"{v['name']}.ptx").read_text()
-        assert man["tag"] == v["tag"] and man["mid"] == v["mid"] and v["name"].endswith("_h2_" + v["tag"])
+        assert man["tag"] == v["tag"] and man["mid"] == v["mid"] == ("f32" if v["tag"] == "m32" else "bf16")
+        assert v["name"].endswith("_h2" + (f"_{v['tag']}" if v["tag"] else ""))
         first_w = ptx.index("cp.async.cg.shared.global")
         if v["mode"] == "gate_up":
-            assert ptx.count("ld.global.nc.v4.u32") == 4
+            assert ptx.count("ld.global.nc.v4.u32") == 4 and v["x_first"] == (v["tag"] == "xf")
             assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
             assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
         else:
@@ -387,8 +389,9 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert loader.find_mxfp4(out, 1536, 3584, 16)[0] is not None
     h2, why = loader.find_mxfp4(out, 384, 3584, 16, math="f16x2")
     assert h2 is not None and all(a.man["math"] == "f16x2" and a.path.stem.endswith("_h2") for a in h2), why
-    assert all(a.man["tag"] == "" and a.man["mid"] == "f32" for a in h2)
-    assert "'mb'" in loader.find_mxfp4(out, 384, 3584, 16, "f16x2", "mb")[1]    # alternates: build --alt
+    assert all(a.man["tag"] == "" for a in h2)
+    assert all(a.man["mid"] == "bf16" for a in h2) and all(a.man["mid"] == "f32" for a in arts)
+    assert "'m32'" in loader.find_mxfp4(out, 384, 3584, 16, "f16x2", "m32")[1]    # alternates: build --alt
     assert all(a.man["math"] == "f32" for a in arts)
     assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
 
@@ -452,8 +455,8 @@ def test_jit_variants_cover_what_the_loader_looks_up():
         ["skinny_gemm_bf16_n7168_k1536_mt16"]
     assert build.jit_variants("gemm", "oproj_gemm", 7168, 1536, 65) == []
     assert build.jit_variants("gemm", "oproj_gemm", 8, 16, 3) == []
-    mb = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "mb")
-    assert len(mb) == 2 and all(v["tag"] == "mb" and v["mid"] == "bf16" for v in mb)
+    m32 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "m32")
+    assert len(m32) == 2 and all(v["tag"] == "m32" and v["mid"] == "f32" for v in m32)
     assert [v["x_first"] for v in build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "xf")] == [True, False]
     h2 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2")
     assert sorted(v["op"] for v in h2) == ["mxfp4_down", "mxfp4_gate_up"]

@@ -115,7 +115,7 @@ def test_half_emulated_kernels_match_model_reference():
 
 
 def test_half_emulated_kernels_with_bf16_mid_match_model_reference():
-    """The "mb" alternates: gate-up stores mid rounded to bf16 (down reads half the bytes)."""
+    """The default f16x2 kernels store mid rounded to bf16 (down reads half the bytes)."""
     g = torch.Generator().manual_seed(7)
     E, I, L, N, K = 5, 128, 512, 2, 4
     w13, s13, w2, s2 = random_experts(E, I, L, g)

@@ -85,12 +85,14 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 
 
 # math: "f32" (fp32 FMAs, exact products) or "f16x2" (packed fp16 FMAs per 32-code block with a
-# per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py)
-MXFP4_MATH = {"f32": "", "f16x2": "_h2"}
+# per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py), and the
+# dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
+# halved: 5-15% faster at every measured batch, 6db8633), f32 math in fp32 (its point is accuracy)
+MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # alternates of the f16x2 kernels, built with --alt and picked only by benchmarks (env
-# K3_CUTE_MXFP4_TAG=tag): "xf" gate-up issues its activation loads before the first cp.async wait; "mb" mid
-# (gate-up's output, down's input) in bf16 instead of fp32 (half down's activation bytes)
-MXFP4_ALT = {"xf": dict(x_first=True), "mb": dict(mid="bf16"), "xfmb": dict(x_first=True, mid="bf16")}
+# K3_CUTE_MXFP4_TAG=tag): "xf" gate-up issues its activation loads before the first cp.async wait;
+# "m32" mid in fp32 (the default before 6db8633's measurement)
+MXFP4_ALT = {"xf": dict(x_first=True), "m32": dict(mid="f32")}
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
@@ -99,10 +101,11 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
     opts = [(math, "", {}) for math in MXFP4_MATH]
     opts += [("f16x2", tag, o) for tag, o in MXFP4_ALT.items()] if alt else []
     for math, tag, o in opts:
-        sfx = MXFP4_MATH[math] + (f"_{tag}" if tag else "")
+        sfx, mid = MXFP4_MATH[math]
+        sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag,
-                          mid=o.get("mid", "f32"), x_first=o.get("x_first", False))
+                          mid=o.get("mid", mid), x_first=o.get("x_first", False))
             out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
                             mode="gate_up", rows=t["bi"], groups=1))
             out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",

@@ -1,7 +1,7 @@
 """MXFP4 routed-expert GEMV for decode on sm_90a (CuTe DSL): gate-up (SiTU fused) and down.
 
 Contract (the same as triton_moe's kernels, one CTA per (token, slot) pair p and row block):
-  gate_up: mid[p] = SiTU(W13[e] @ x[t])    fp32 [P, I]    (t = p // K, e = ids[p])
+  gate_up: mid[p] = SiTU(W13[e] @ x[t])    [P, I] fp32, or bf16 (mid="bf16")  (t = p // K, e = ids[p])
   down:    out[p] = W2[e] @ mid[p]         bf16 [P, L]    (unweighted, unfinalised)
 Weights: packed E2M1 codes, two per byte, low nibble first ([E, rows, KB] uint8, KB = K_in / 2),
 E8M0 scales [E, rows, K_in / 32] uint8 (value = code * 2^(s - 127)).
@@ -11,7 +11,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   threads, NV = K_in / 32 vectors per row: thread t owns vector v = t % NV of every row it reads
   and row group g = t // NV; it reads rows g, g + G, ... (RPG rows), so a group's NV threads read
   one row's bytes contiguously and consecutive groups consecutive rows (fully coalesced).
-- The thread's 32 activations (x[t, 32v:32v+32] as bf16, or mid's fp32 for down) are loaded once,
+- The thread's 32 activations (x[t, 32v:32v+32] as bf16, or mid's for down) are loaded once,
   converted to fp32 and pre-scaled by 2^100 (exact), and kept in registers for all its rows.
 - All RPG rows' 16-byte vectors (ld.global.nc.L1::no_allocate.v4.u32) and scale bytes are issued
   before any math: RPG * 16 bytes in flight per thread (gate-up TP=8: 16 rows -> 28 KB per CTA).
@@ -44,9 +44,10 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   K3_CUTE_PDL=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
-- Options (build.MXFP4_ALT alternates, measured against the default before any becomes one):
-  mid="bf16" stores gate-up's output as bf16 and down reads 64 bytes of it per thread instead of
-  128 (Nsight Compute showed down's L1 at 84% of its throughput at TP=8 M=16, its DRAM at 50%);
+- Options: mid="bf16" (the f16x2 artifacts' default) stores gate-up's output as bf16, and down
+  reads 64 bytes of it per thread instead of 128: every down CTA re-reads its pairs' mid rows
+  (as many bytes as its weights with fp32), and Nsight Compute showed down's L1 at 84% of its
+  throughput and its DRAM at 50% at TP=8 M=16 (64% with bf16; 5-15% faster graphed, 6db8633);
   x_first emits gate-up's activation loads, ordered, ahead of its weights (in the default they
   are pure asm and the SASS issues them after the first cp.async wait, so their latency follows
   that stage's; with x_first ptxas still schedules them after the weights' cp.async, but before
