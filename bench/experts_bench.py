@@ -9,7 +9,8 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      missing artifact is reported as an error, not timed as its v3 fallback);
                      "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
                      Dependent Launch (K3_CUTE_PDL=0; the plain names run it, K3_CUTE_PDL=1);
-                     "cute_h2@TAG": an alternate of the f16x2 kernels (build --alt, MXFP4_ALT);
+                     "cute_h2@TAG": a variant of the f16x2 kernels (build.MXFP4_TAGS, alternates
+                     built with --alt; "@none": the untagged kernels at every batch);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
 Every case runs on the same data and is checked against the reference (first <= 4 tokens); a case
 that fails to compile or run is recorded with its error and the bench goes on.
@@ -113,10 +114,13 @@ def main():
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)
                 # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch;
-                # "cute_h2@TAG": an alternate of the f16x2 kernels (build --alt, build.MXFP4_ALT)
+                # "cute_h2@TAG": a variant of the f16x2 kernels (build.MXFP4_TAGS; "none": untagged)
                 v, _, tag = v.partition("@")
                 os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
-                os.environ["K3_CUTE_MXFP4_TAG"] = tag
+                if tag:
+                    os.environ["K3_CUTE_MXFP4_TAG"] = tag
+                else:                       # dispatch's own choice (choose.CUTE_XF_MAX_N)
+                    os.environ.pop("K3_CUTE_MXFP4_TAG", None)
                 v = v.removesuffix("_nopdl")
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):

@@ -29,7 +29,8 @@ def main():
     E, L, TOPK = 896, 3584, 16
     I = {"tp8": 384, "tp2": 1536}[a.shape]
     v, _, tag = a.variant.partition("@")       # "cute_h2@TAG": an alternate (build --alt)
-    os.environ["K3_CUTE_MXFP4_TAG"] = tag
+    if tag:
+        os.environ["K3_CUTE_MXFP4_TAG"] = tag
     torch.manual_seed(0)
     w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
     s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")

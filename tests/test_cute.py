@@ -42,7 +42,7 @@ def built(tmp_path_factory):
 
 def test_every_variant_compiles_with_wgmma_and_tma(built):
     out, mans = built
-    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 24
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 26
     for name, man in mans.items():
         if not name.startswith("skinny_gemm"):
             continue
@@ -306,8 +306,7 @@ def _sass(cubin_path):
 
 def test_mxfp4_variants_compile_to_streaming_gemv(built):
     out, mans = built
-    names = [v["name"] for v in build.mxfp4_variants()]
-    assert all(not mans[n]["variant"]["tag"] for n in names)      # alternates only with --alt
+    names = [v["name"] for v in build.mxfp4_variants() if not v["tag"]]
     assert len(names) == 8 and {mans[n]["variant"]["op"] for n in names} == {"mxfp4_gate_up", "mxfp4_down"}
     for name in names:
         man, v = mans[name], mans[name]["variant"]
@@ -350,14 +349,16 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
             assert body <= (8 if v["math"] == "f32" else 6) * rpg * 16, (name, body, rpg * 16)
 
 
-def test_mxfp4_alternates_compile_as_described(tmp_path):
-    """build --alt: "xf" emits gate-up's activation loads (ordered) ahead of the first weight
-    cp.async; "m32" keeps mid in fp32 (gate-up stores fp32, down reads 128 bytes per thread),
-    where the default f16x2 kernels store and read bf16 (64 bytes)."""
+def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
+    """The f16x2 kernels by tag: "" stores mid as bf16 in gate-up and reads 64 bytes of it per
+    thread in down; "xf" (a gate-up only, built by default) emits its activation loads (ordered)
+    ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes)."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
-    alts = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"]
-    assert len(alts) == 6 and {v["tag"] for v in alts} == {"", "xf", "m32"}
-    for v in alts:
+    vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"]
+    assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
+                                                         ("m32", "gate_up"), ("xf", "gate_up")]
+    assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
+    for v in vs:
         man, ptx = mans[v["name"]], (tmp_path / f"{v['name']}.ptx").read_text()
         assert man["tag"] == v["tag"] and man["mid"] == v["mid"] == ("f32" if v["tag"] == "m32" else "bf16")
         assert v["name"].endswith("_h2" + (f"_{v['tag']}" if v["tag"] else ""))
@@ -371,6 +372,10 @@ def test_mxfp4_alternates_compile_as_described(tmp_path):
             assert first_w < ptx.index("griddepcontrol.wait") < ptx.index("ld.global.nc.v4.u32")
         assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == 16 * (2 * v["rows"] if v["mode"] == "gate_up"
                                                                              else v["rows"]) // v["groups"]
+    xf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "xf")
+    assert xf is not None and xf[0].man["tag"] == "xf" and xf[1].man["tag"] == "", why   # the untagged down
+    m32, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "m32")
+    assert m32 is not None and [a.man["mid"] for a in m32] == ["f32", "f32"], why
 
 
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
@@ -392,6 +397,7 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert all(a.man["tag"] == "" for a in h2)
     assert all(a.man["mid"] == "bf16" for a in h2) and all(a.man["mid"] == "f32" for a in arts)
     assert "'m32'" in loader.find_mxfp4(out, 384, 3584, 16, "f16x2", "m32")[1]    # alternates: build --alt
+    assert loader.find_mxfp4(out, 384, 3584, 16, "f16x2", "xf")[0][0].man["variant"]["x_first"]
     assert all(a.man["math"] == "f32" for a in arts)
     assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
 
@@ -457,7 +463,8 @@ def test_jit_variants_cover_what_the_loader_looks_up():
     assert build.jit_variants("gemm", "oproj_gemm", 8, 16, 3) == []
     m32 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "m32")
     assert len(m32) == 2 and all(v["tag"] == "m32" and v["mid"] == "f32" for v in m32)
-    assert [v["x_first"] for v in build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "xf")] == [True, False]
+    xf = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "xf")
+    assert [(v["x_first"], v["tag"]) for v in xf] == [(True, "xf"), (False, "")]    # the untagged down
     h2 = build.jit_variants("mxfp4", 384, 3584, 16, "f16x2")
     assert sorted(v["op"] for v in h2) == ["mxfp4_down", "mxfp4_gate_up"]
     assert all(v["I"] == 384 and v["math"] == "f16x2" for v in h2)

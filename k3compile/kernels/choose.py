@@ -51,6 +51,12 @@ def wanted(op: str, m: int) -> bool:
     return lo <= m <= hi
 
 
+# the CuTe f16x2 gate-up with its activation loads before the first cp.async wait ("xf") up to this
+# many tokens: 1.0-1.8 us faster at 1 token, 0.1-0.6 us at 2, mixed at 4, slower at 8-16 (cold
+# routings, one H200, bab4aec: bench/results/experts_alt_cold8_h200_bab4aec.json)
+CUTE_XF_MAX_N = 2
+
+
 def cute_pdl() -> bool:
     """Whether the CuTe MXFP4 down kernel is launched with PDL (on unless K3_CUTE_PDL=0)."""
     return os.environ.get("K3_CUTE_PDL", "") != "0"
@@ -276,7 +282,10 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     with the reason in fallbacks()."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    tag = os.environ.get("K3_CUTE_MXFP4_TAG", "")   # benchmarks: an alternate (build.MXFP4_ALT)
+    tag = os.environ.get("K3_CUTE_MXFP4_TAG")   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
+    if tag is None:
+        tag = "xf" if math == "f16x2" and N <= CUTE_XF_MAX_N else ""
+    tag = "" if tag == "none" else tag
     key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (f" {tag}" if tag else "")
     if not x.is_cuda:
         _note(key, "not CUDA (the CuTe kernels are sm_90a cubins)")

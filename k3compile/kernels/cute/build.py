@@ -89,27 +89,31 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
 # halved: 5-15% faster at every measured batch, 6db8633), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
-# alternates of the f16x2 kernels, built with --alt and picked only by benchmarks (env
-# K3_CUTE_MXFP4_TAG=tag): "xf" gate-up issues its activation loads before the first cp.async wait;
-# "m32" mid in fp32 (the default before 6db8633's measurement)
-MXFP4_ALT = {"xf": dict(x_first=True), "m32": dict(mid="f32")}
+# variants of the f16x2 kernels, by tag: "xf" (built by default: dispatch takes it at batches of
+# <= choose.CUTE_XF_MAX_N tokens) is a gate-up that issues its activation loads before the first
+# cp.async wait (1-10% faster at 1-2 tokens, slower at 8-16; bab4aec) and pairs with the default
+# down; "m32" (an alternate, built with --alt and picked only by benchmarks, env
+# K3_CUTE_MXFP4_TAG=tag) keeps mid in fp32, the default before 6db8633's measurement
+MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
+              "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True)}
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
     out = []
     L, K = MXFP4_SHAPES["L"], MXFP4_SHAPES["K"]
-    opts = [(math, "", {}) for math in MXFP4_MATH]
-    opts += [("f16x2", tag, o) for tag, o in MXFP4_ALT.items()] if alt else []
+    opts = [(math, "", dict(modes=("gate_up", "down"))) for math in MXFP4_MATH]
+    opts += [("f16x2", tag, o) for tag, o in MXFP4_TAGS.items() if alt or not o["alt"]]
     for math, tag, o in opts:
         sfx, mid = MXFP4_MATH[math]
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
-            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag,
-                          mid=o.get("mid", mid), x_first=o.get("x_first", False))
-            out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
-                            mode="gate_up", rows=t["bi"], groups=1))
-            out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
-                            mode="down", rows=t["bl"], groups=t["groups"], x_first=False))   # gate-up's option
+            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid))
+            if "gate_up" in o["modes"]:
+                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
+                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
+            if "down" in o["modes"]:
+                out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
+                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
     return out
 
 
@@ -297,9 +301,11 @@ def jit_variants(kind: str, *key) -> list[dict]:
     I, L, K, math = key[:4]
     tag = key[4] if len(key) > 4 else ""
     fit = [v for v in mxfp4_variants(alt=bool(tag))
-           if v["I"] == I and v["L"] == L and v["math"] == math and v["tag"] == tag
-           and (v["mode"] == "down" or v["K"] == K)]
-    return fit if len(fit) == 2 else []
+           if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
+    gu = [v for v in fit if v["mode"] == "gate_up" and v["tag"] == tag]
+    dn = [v for v in fit if v["mode"] == "down" and v["tag"] == tag] or \
+        [v for v in fit if v["mode"] == "down" and v["tag"] == ""]     # a tag that only changes gate-up
+    return gu + dn if len(gu) == 1 and len(dn) == 1 else []
 
 
 def ensure(v: dict | str, out: Path | None = None) -> Path:
@@ -325,7 +331,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--only", default=None)
-    ap.add_argument("--alt", action="store_true", help="also the MXFP4 alternates (MXFP4_ALT)")
+    ap.add_argument("--alt", action="store_true", help="also the MXFP4 alternates (MXFP4_TAGS' alt ones)")
     a = ap.parse_args(argv)
     build(a.out, a.force, a.only, alt=a.alt)
     return 0

@@ -365,7 +365,8 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
 def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
                tag: str = "") -> tuple["tuple[Artifact, Artifact] | None", str]:
     """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why);
-    tag: an alternate's (build.MXFP4_ALT, benchmarks), "" the default kernels."""
+    tag: a variant's (build.MXFP4_TAGS; its down is the untagged one where it has none), "" the
+    default kernels."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -380,6 +381,10 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
                 and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
                 and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
+    if tag and "mxfp4_down" not in found and "mxfp4_gate_up" in found:   # a tag that only changes gate-up
+        plain = find_mxfp4(art_dir, I, L, K, math)[0]
+        if plain is not None:
+            found["mxfp4_down"] = plain[1].path
     if len(found) < 2:
         what = math + (f" {tag!r}" if tag else "")
         return None, f"no CuTe MXFP4 {what} artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
