@@ -95,7 +95,11 @@ MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # down; "m32" (an alternate, built with --alt and picked only by benchmarks, env
 # K3_CUTE_MXFP4_TAG=tag) keeps mid in fp32, the default before 6db8633's measurement
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
-              "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True)}
+              "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
+              # bigger tiles: 32 rows per thread in gate-up (BI=16) / 16 in down (BL = 2x the default,
+              # TP=2 only: at TP=8 down's 96 threads cannot reduce 128 rows)
+              "gu16": dict(bi=16, modes=("gate_up",), alt=True),
+              "dn2x": dict(bl2x=True, modes=("down",), alt=True)}
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
@@ -107,11 +111,12 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
         sfx, mid = MXFP4_MATH[math]
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
+            t = dict(t, bi=o.get("bi", t["bi"]), bl=t["bl"] * (2 if o.get("bl2x") else 1))
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid))
-            if "gate_up" in o["modes"]:
+            if "gate_up" in o["modes"] and 2 * t["bi"] <= L // 32:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
-            if "down" in o["modes"]:
+            if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
                                 mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
     return out
@@ -302,9 +307,11 @@ def jit_variants(kind: str, *key) -> list[dict]:
     tag = key[4] if len(key) > 4 else ""
     fit = [v for v in mxfp4_variants(alt=bool(tag))
            if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
-    gu = [v for v in fit if v["mode"] == "gate_up" and v["tag"] == tag]
-    dn = [v for v in fit if v["mode"] == "down" and v["tag"] == tag] or \
-        [v for v in fit if v["mode"] == "down" and v["tag"] == ""]     # a tag that only changes gate-up
+    if tag and not any(v["tag"] == tag for v in fit):
+        return []
+    # a tag that changes one kernel pairs it with the other's untagged one
+    gu, dn = ([v for v in fit if v["mode"] == m and v["tag"] == tag] or
+              [v for v in fit if v["mode"] == m and v["tag"] == ""] for m in ("gate_up", "down"))
     return gu + dn if len(gu) == 1 and len(dn) == 1 else []
 
 

@@ -381,10 +381,11 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
                 and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
                 and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
-    if tag and "mxfp4_down" not in found and "mxfp4_gate_up" in found:   # a tag that only changes gate-up
+    if tag and found and len(found) < 2:     # a tag that changes one kernel: the other's untagged one
         plain = find_mxfp4(art_dir, I, L, K, math)[0]
         if plain is not None:
-            found["mxfp4_down"] = plain[1].path
+            found.setdefault("mxfp4_gate_up", plain[0].path)
+            found.setdefault("mxfp4_down", plain[1].path)
     if len(found) < 2:
         what = math + (f" {tag!r}" if tag else "")
         return None, f"no CuTe MXFP4 {what} artifacts for I={I} L={L} K={K} in {art_dir} (have {sorted(found)})"
