@@ -354,9 +354,12 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     thread in down; "xf" (a gate-up only, built by default) emits its activation loads (ordered)
     ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes)."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
-    vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"]
+    vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"
+          and v["tag"] in ("", "xf", "m32")]
     assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
                                                          ("m32", "gate_up"), ("xf", "gate_up")]
+    tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] in ("gu16", "dn2x")}
+    assert tiles == {(384, "gu16", "gate_up"): 16, (1536, "gu16", "gate_up"): 16, (1536, "dn2x", "down"): 64}
     assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
     for v in vs:
         man, ptx = mans[v["name"]], (tmp_path / f"{v['name']}.ptx").read_text()
