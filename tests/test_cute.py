@@ -287,10 +287,8 @@ class FakeCuda(torch.Tensor):
 
 # ---------------------------------------------------------------- MXFP4 expert GEMV (mxfp4_experts.py)
 
-def _sass(cubin_path):
-    """SASS opcode counts of a cubin with Triton's bundled cuobjdump (None where it is missing)."""
-    import collections
-    import re
+def _sass_text(cubin_path):
+    """The cubin's SASS with Triton's bundled cuobjdump (None where it is missing)."""
     import subprocess
     try:
         import triton
@@ -299,9 +297,29 @@ def _sass(cubin_path):
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return None
-    txt = subprocess.run([tool, "-sass", str(cubin_path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([tool, "-sass", str(cubin_path)], capture_output=True, text=True, check=True).stdout
+
+
+def _sass(cubin_path):
+    """SASS opcode counts of a cubin (None where cuobjdump is missing)."""
+    import collections
+    import re
+    txt = _sass_text(cubin_path)
+    if txt is None:
+        return None
     ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)", txt, re.M)
     return collections.Counter(ops)
+
+
+def _check_down_reads_mid_after_wait(name, ptx, cubin_path):
+    """Down's mid loads: coherent (ld.global, not .nc) and, in the SASS, every 16-byte global load
+    after ACQBULK (griddepcontrol.wait). ptxas hoisted .nc loads above it in a 16-rows-per-thread
+    down kernel, which then read mid before gate-up had written it (04ea468, with PDL only)."""
+    assert "ld.global.nc.v4" not in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global.v4.u32"), name
+    txt = _sass_text(cubin_path)
+    if txt is not None:
+        wait = txt.index("ACQBULK")
+        assert "LDG.E.128" in txt and "LDG.E.128" not in txt[:wait], name
 
 
 def test_mxfp4_variants_compile_to_streaming_gemv(built):
@@ -316,7 +334,8 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
         # every weight row: one 16-byte cp.async per thread, in `stages` commit groups; scales by 4 B
         assert ptx.count("cp.async.cg.shared.global") == rpg, name
         assert "cp.async.ca.shared.global" in ptx and ptx.count("cp.async.commit_group") == v["stages"], name
-        assert "ld.global.nc.v4.u32" in ptx and "ld.shared.v4.u32" in ptx, name
+        assert ("ld.global.nc.v4.u32" if v["mode"] == "gate_up" else "ld.global.v4.u32") in ptx, name
+        assert "ld.shared.v4.u32" in ptx, name
         if v["math"] == "f32":
             # two fp32 FMAs per code pair, never flushing subnormal inputs (+-0.5 * 2^-126)
             assert ptx.count("fma.rn.f32") >= rpg * 32 and "fma.rn.ftz" not in ptx, name
@@ -331,8 +350,8 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
             assert man["pdl"] == "trigger", name
         else:
             assert ptx.count("griddepcontrol.wait") == 1 and "launch_dependents" not in ptx, name
-            wait = ptx.index("griddepcontrol.wait")
-            assert ptx.rindex("cp.async.cg.shared.global") < wait < ptx.index("ld.global.nc.v4.u32"), name
+            assert ptx.rindex("cp.async.cg.shared.global") < ptx.index("griddepcontrol.wait"), name
+            _check_down_reads_mid_after_wait(name, ptx, out / f"{name}.cubin")
             assert man["pdl"] == "wait", name
         assert ".minnctapersm 1" in ptx, name
         assert "ld.local" not in ptx and "st.local" not in ptx, name
@@ -354,12 +373,16 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     thread in down; "xf" (a gate-up only, built by default) emits its activation loads (ordered)
     ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes)."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
+    mans.update(build.build(tmp_path, alt=True, only="_dn2x", log=lambda *_: None))
+    dn2x = next(v for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x")
+    _check_down_reads_mid_after_wait(dn2x["name"], (tmp_path / f"{dn2x['name']}.ptx").read_text(),
+                                     tmp_path / f"{dn2x['name']}.cubin")
     vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"
           and v["tag"] in ("", "xf", "m32")]
     assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
                                                          ("m32", "gate_up"), ("xf", "gate_up")]
-    tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] in ("gu16", "dn2x")}
-    assert tiles == {(384, "gu16", "gate_up"): 16, (1536, "gu16", "gate_up"): 16, (1536, "dn2x", "down"): 64}
+    tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x"}
+    assert tiles == {(1536, "dn2x", "down"): 64}
     assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
     for v in vs:
         man, ptx = mans[v["name"]], (tmp_path / f"{v['name']}.ptx").read_text()
@@ -371,8 +394,9 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
             assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
             assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
         else:
-            assert ptx.count("ld.global.nc.v4.u32") == (4 if v["mid"] == "bf16" else 8), v["name"]
-            assert first_w < ptx.index("griddepcontrol.wait") < ptx.index("ld.global.nc.v4.u32")
+            assert ptx.count("ld.global.v4.u32") == (4 if v["mid"] == "bf16" else 8), v["name"]
+            assert first_w < ptx.index("griddepcontrol.wait")
+            _check_down_reads_mid_after_wait(v["name"], ptx, tmp_path / f"{v['name']}.cubin")
         assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == 16 * (2 * v["rows"] if v["mode"] == "gate_up"
                                                                              else v["rows"]) // v["groups"]
     xf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "xf")

@@ -96,9 +96,9 @@ MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # K3_CUTE_MXFP4_TAG=tag) keeps mid in fp32, the default before 6db8633's measurement
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
-              # bigger tiles: 32 rows per thread in gate-up (BI=16) / 16 in down (BL = 2x the default,
-              # TP=2 only: at TP=8 down's 96 threads cannot reduce 128 rows)
-              "gu16": dict(bi=16, modes=("gate_up",), alt=True),
+              # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
+              # cannot reduce 128 rows). (32 gate-up rows per thread, BI=16, measured 7-15% slower
+              # at every batch, 04ea468, and was removed.)
               "dn2x": dict(bl2x=True, modes=("down",), alt=True)}
 
 
@@ -111,7 +111,7 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
         sfx, mid = MXFP4_MATH[math]
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
-            t = dict(t, bi=o.get("bi", t["bi"]), bl=t["bl"] * (2 if o.get("bl2x") else 1))
+            t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid))
             if "gate_up" in o["modes"] and 2 * t["bi"] <= L // 32:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",

@@ -67,7 +67,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
+                  ld_v4_dep, ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -221,7 +221,8 @@ class Mxfp4ExpertGemvSm90:
         or a bf16 mid; 32 fp32 words: an fp32 mid), emitted at trace time where it is called. Down's
         loads and x_first's are ordered (side-effecting asm): down's must stay after pdl_wait, and
         x_first's ahead of the weights (a pure asm load is sunk to its first use, past the first
-        cp.async wait, which serialises its latency after that stage's)."""
+        cp.async wait, which serialises its latency after that stage's); down's are coherent loads
+        (ld_v4_dep), not ld.global.nc."""
         if self.mode == "gate_up":
             xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
             n = 4
@@ -230,7 +231,10 @@ class Mxfp4ExpertGemvSm90:
             n = 4 if self.mid_bf16 else 8
         words = []
         for i in range(n):
-            words += ld_v4_keep(xa + 16 * i, self.mode == "down" or self.x_first)
+            if self.mode == "down":      # written by gate-up, which PDL may still be running: see ld_v4_dep
+                words += ld_v4_dep(xa + 16 * i)
+            else:
+                words += ld_v4_keep(xa + 16 * i, self.x_first)
         return words
 
     @cute.kernel

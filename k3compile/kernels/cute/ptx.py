@@ -25,11 +25,26 @@ def ld_v4(addr: Int64, *, loc=None, ip=None):
 
 @dsl_user_op
 def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
-    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs).
-    ordered: a side-effecting asm, never hoisted above `pdl_wait` (a pure asm could be)."""
+    """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs),
+    through the non-coherent path: only for data no kernel still running writes (see ld_v4_dep).
+    ordered: a side-effecting asm, which LLVM keeps where it is emitted (a pure one it may sink
+    to its first use); ptxas may still move it."""
     st = llvm.StructType.get_literal([T.i32()] * 4)
     r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
              "=r,=r,=r,=r,l", side=ordered)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_v4_dep(addr: Int64, *, loc=None, ip=None):
+    """Four u32 words from a 16-byte aligned global address that the previous kernel in the stream
+    wrote: a plain (coherent) load, ordered, for after `pdl_wait`. Not ld.global.nc: the
+    non-coherent path promises the data is constant for the kernel's lifetime, and ptxas did hoist
+    such loads above griddepcontrol.wait (a down kernel with 16 rows per thread read mid before
+    gate-up had written it)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", side=True)
     return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
