@@ -97,8 +97,10 @@ MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
-              # cannot reduce 128 rows). (32 gate-up rows per thread, BI=16, measured 7-15% slower
-              # at every batch, 04ea468, and was removed.)
+              # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
+              # the regression case of the PDL hazard ptx.ld_v4_dep avoids (with .nc loads ptxas
+              # hoisted its mid reads above griddepcontrol.wait). (32 gate-up rows per thread,
+              # BI=16, measured 7-15% slower at every batch, 04ea468, and was removed.)
               "dn2x": dict(bl2x=True, modes=("down",), alt=True)}
 
 
