@@ -96,6 +96,7 @@ def main():
         s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
         per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
         for M in [int(m) for m in a.ms.split(",")]:
+            keep = []
             x = torch.randn(M, L, device="cuda").to(torch.bfloat16)
             routings = [torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
                         for _ in range(a.cold)]
@@ -130,7 +131,13 @@ def main():
                         variant=v, tiles=tiles)
                     if v.startswith("cute"):  # the AOT CuTe artifacts (K3_CUTE_DIR); a silent v3 fallback is an error here
                         choose._WHY.clear()
+                    # the output buffer must not hold an earlier variant's (correct) result: keep
+                    # those alive and leave a NaN-filled block of this size for the allocator to
+                    # reuse, so rows a kernel never writes fail the check (a dn2x down that read mid
+                    # too early passed at M=4 once, 04ea468)
+                    torch.full((M, TOPK, L), float("nan"), dtype=x.dtype, device="cuda")
                     out = fn(r=ids)
+                    keep.append(out)
                     torch.cuda.synchronize()
                     if v.startswith("cute") and choose.fallbacks():
                         raise RuntimeError(f"cute fell back to {launch.CUTE_FALLBACK}: {choose.fallbacks()}")

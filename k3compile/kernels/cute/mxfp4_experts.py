@@ -13,8 +13,9 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   one row's bytes contiguously and consecutive groups consecutive rows (fully coalesced).
 - The thread's 32 activations (x[t, 32v:32v+32] as bf16, or mid's for down) are loaded once,
   converted to fp32 and pre-scaled by 2^100 (exact), and kept in registers for all its rows.
-- All RPG rows' 16-byte vectors (ld.global.nc.L1::no_allocate.v4.u32) and scale bytes are issued
-  before any math: RPG * 16 bytes in flight per thread (gate-up TP=8: 16 rows -> 28 KB per CTA).
+- All RPG rows' 16-byte vectors and the CTA's scale bytes are issued before any math, as cp.async
+  into shared memory (`stages` commit groups): RPG * 16 bytes in flight per thread (gate-up TP=8:
+  16 rows -> 28 KB per CTA).
 - Dequantisation two codes per 3 integer ops (v3's trick): for a word w (8 codes, code j in nibble
   j) and k in 0..3, n = (k < 2 ? w : w >> 8) & (k even ? 0x000F000F : 0x00F000F0);
   m = n * (k even ? 2^6 + 2^12 : 2^2 + 2^8) puts codes (k, k + 4) as two bf16 bit patterns
@@ -218,11 +219,10 @@ class Mxfp4ExpertGemvSm90:
 
     def _load_x_words(self, x, p, v):
         """This thread's 32 activations as raw 32-bit words (16 words of bf16 pairs: x[t] for gate-up,
-        or a bf16 mid; 32 fp32 words: an fp32 mid), emitted at trace time where it is called. Down's
-        loads and x_first's are ordered (side-effecting asm): down's must stay after pdl_wait, and
-        x_first's ahead of the weights (a pure asm load is sunk to its first use, past the first
-        cp.async wait, which serialises its latency after that stage's); down's are coherent loads
-        (ld_v4_dep), not ld.global.nc."""
+        or a bf16 mid; 32 fp32 words: an fp32 mid), emitted at trace time where it is called.
+        Down reads mid, which gate-up wrote, with coherent ordered loads (ld_v4_dep) after pdl_wait.
+        Gate-up reads x through the non-coherent path: pure asm by default (the compiler sinks it
+        to its first use, past the first cp.async wait), ordered with x_first (issued before it)."""
         if self.mode == "gate_up":
             xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
             n = 4
