@@ -87,7 +87,7 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # math: "f32" (fp32 FMAs, exact products) or "f16x2" (packed fp16 FMAs per 32-code block with a
 # per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py), and the
 # dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
-# halved: 5-15% faster at every measured batch, 6db8633), f32 math in fp32 (its point is accuracy)
+# halved: 4-15% faster at every measured batch, 6db8633 and bab4aec), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # variants of the f16x2 kernels, by tag: "xf" (built by default: dispatch takes it at batches of
 # <= choose.CUTE_XF_MAX_N tokens) is a gate-up that issues its activation loads before the first

@@ -48,7 +48,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
 - Options: mid="bf16" (the f16x2 artifacts' default) stores gate-up's output as bf16, and down
   reads 64 bytes of it per thread instead of 128: every down CTA re-reads its pairs' mid rows
   (as many bytes as its weights with fp32), and Nsight Compute showed down's L1 at 84% of its
-  throughput and its DRAM at 50% at TP=8 M=16 (64% with bf16; 5-15% faster graphed, 6db8633);
+  throughput and its DRAM at 50% at TP=8 M=16 (64% with bf16; 4-15% faster graphed, 6db8633 and bab4aec);
   x_first emits gate-up's activation loads, ordered, ahead of its weights (in the default they
   are pure asm and the SASS issues them after the first cp.async wait, so their latency follows
   that stage's; with x_first ptxas still schedules them after the weights' cp.async, but before
