@@ -295,7 +295,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         return None
     try:
         from .cute import loader
-        arts, why = _find("mxfp4", I, L, K, math, tag) if tag else _find("mxfp4", I, L, K, math)
+        arts, why = _find("mxfp4", I, L, K, math, tag)
         if arts is None:
             _note(key, why)
             return None
