@@ -364,7 +364,7 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
         if sass is not None:
             assert sass["LDGSTS"] >= rpg and sass["LDL"] == 0 and sass["STL"] == 0, (name, sass)
             # the dequantisation + FMA body per weight byte over the kernel: f32 ~7.7, f16x2 ~5.3
-            body = sum(sass[o] for o in ("LOP3", "IMAD", "FFMA", "HFMA2", "SHF"))
+            body = sum(sass[o] for o in ("LOP3", "IMAD", "FFMA", "HFMA2", "SHF", "PRMT"))
             assert body <= (8 if v["math"] == "f32" else 6) * rpg * 16, (name, body, rpg * 16)
 
 
@@ -378,9 +378,10 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     _check_down_reads_mid_after_wait(dn2x["name"], (tmp_path / f"{dn2x['name']}.ptx").read_text(),
                                      tmp_path / f"{dn2x['name']}.cubin")
     vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"
-          and v["tag"] in ("", "xf", "m32")]
+          and v["tag"] in ("", "xf", "m32", "pb", "pbxf")]
     assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
-                                                         ("m32", "gate_up"), ("xf", "gate_up")]
+                                                         ("m32", "gate_up"), ("pb", "down"), ("pb", "gate_up"),
+                                                         ("pbxf", "gate_up"), ("xf", "gate_up")]
     tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x"}
     assert tiles == {(1536, "dn2x", "down"): 64}
     assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
@@ -389,18 +390,22 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
         assert man["tag"] == v["tag"] and man["mid"] == v["mid"] == ("f32" if v["tag"] == "m32" else "bf16")
         assert v["name"].endswith("_h2" + (f"_{v['tag']}" if v["tag"] else ""))
         first_w = ptx.index("cp.async.cg.shared.global")
+        # the byte-permute dequantisation: one prmt per code pair (as many as the f16x2 FMAs)
+        n_fma = 16 * (2 * v["rows"] if v["mode"] == "gate_up" else v["rows"]) // v["groups"]
+        assert ptx.count("prmt.b32") == (n_fma if v["tag"].startswith("pb") else 0), v["name"]
         if v["mode"] == "gate_up":
-            assert ptx.count("ld.global.nc.v4.u32") == 4 and v["x_first"] == (v["tag"] == "xf")
+            assert ptx.count("ld.global.nc.v4.u32") == 4 and v["x_first"] == (v["tag"] in ("xf", "pbxf"))
             assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
             assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
         else:
             assert ptx.count("ld.global.v4.u32") == (4 if v["mid"] == "bf16" else 8), v["name"]
             assert first_w < ptx.index("griddepcontrol.wait")
             _check_down_reads_mid_after_wait(v["name"], ptx, tmp_path / f"{v['name']}.cubin")
-        assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == 16 * (2 * v["rows"] if v["mode"] == "gate_up"
-                                                                             else v["rows"]) // v["groups"]
+        assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == n_fma
     xf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "xf")
     assert xf is not None and xf[0].man["tag"] == "xf" and xf[1].man["tag"] == "", why   # the untagged down
+    pbxf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "pbxf")
+    assert pbxf is not None and [a.man["tag"] for a in pbxf] == ["pbxf", ""], why
     m32, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "m32")
     assert m32 is not None and [a.man["mid"] for a in m32] == ["f32", "f32"], why
 

@@ -87,6 +87,42 @@ def test_half_pair_bits_decode_every_code_pair_exactly():
             assert torch.equal(torch.signbit(lo), codes[0] >= 8) and torch.equal(torch.signbit(hi), codes[1] >= 8)
 
 
+def test_pb_pair_bits_decode_every_code_pair_exactly():
+    """deq="prmt": the E / O bytes and the byte permute give every code's value, in the pairs the
+    kernel pairs with its activations (mxfp4_experts.PB_PAIRS, mirrored in mxfp4_ref)."""
+    vals = torch.tensor(mxfp4.E2M1_VALUES, dtype=torch.float32)
+    b = torch.arange(256, dtype=torch.int64)
+    seen = []
+    for pos in range(4):
+        word = (b << (8 * pos)) | (0xA5 << (8 * ((pos + 1) % 4))) | (0x7F << (8 * ((pos + 3) % 4)))
+        for i in range(4):
+            lo, hi = R.pb_pair_bits(word, i)
+            cl, ch = R.PB_PAIRS[i]
+            codes = (word >> (4 * cl)) & 0xF, (word >> (4 * ch)) & 0xF
+            assert torch.equal(lo.float(), vals[codes[0]] * 2.0 ** -14), (pos, i)
+            assert torch.equal(hi.float(), vals[codes[1]] * 2.0 ** -14), (pos, i)
+            assert torch.equal(torch.signbit(lo), codes[0] >= 8) and torch.equal(torch.signbit(hi), codes[1] >= 8)
+            seen += [cl, ch]
+    assert sorted(set(seen)) == list(range(8))      # every code of a word, once per pair set
+    from k3compile.kernels.cute import mxfp4_ref
+    src = open(mxfp4_ref.__file__.replace("mxfp4_ref", "mxfp4_experts")).read()
+    assert "PB_PAIRS = " + repr(R.PB_PAIRS) in src   # the kernel's pairing is the emulated one
+
+
+def test_pb_rows_dot_sums_in_its_own_order():
+    """The two dequantisations give the same values in a different f16x2 accumulation order: equal
+    within fp16 rounding, not bit-identical (so the emulation really follows the pairing)."""
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (32, 128), generator=g, dtype=torch.uint8)
+    scales = torch.randint(115, 125, (32, 8), generator=g, dtype=torch.uint8)
+    vec = torch.randn(256, generator=g).bfloat16().float()
+    sh = R.rows_dot_h2(packed, scales, vec, q=4)
+    pb = R.rows_dot_h2(packed, scales, vec, q=4, deq="prmt")
+    want = mxfp4.dequantize(packed, scales, torch.float64) @ vec.double()
+    bound = 2e-3 * (mxfp4.dequantize(packed, scales, torch.float64).abs() @ vec.double().abs())
+    assert ((pb.double() - want).abs() <= bound).all() and not torch.equal(sh, pb)
+
+
 def test_half_x_scale_keeps_block_max_in_range():
     x = torch.tensor([[3.0] + [0.0] * 31, [1e-30] + [0.0] * 31, [0.0] * 32, [6e4] + [-1e-3] * 31])
     ex = R.x_scale_exp(x)
@@ -117,3 +153,5 @@ def test_half_emulated_kernels_match_model_reference():
     f32 = R.emulate_mxfp4_experts(*args, **kw)
     bf16 = R.emulate_mxfp4_experts(*args, mid="bf16", **kw)
     assert _rel_err(f32, ref) <= 1e-2 and _rel_err(bf16, ref) <= 1e-2 and not torch.equal(f32, bf16)
+    pb = R.emulate_mxfp4_experts(*args, mid="bf16", deq="prmt", **kw)
+    assert _rel_err(pb, ref) <= 1e-2

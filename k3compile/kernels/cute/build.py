@@ -101,7 +101,11 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # the regression case of the PDL hazard ptx.ld_v4_dep avoids (with .nc loads ptxas
               # hoisted its mid reads above griddepcontrol.wait). (32 gate-up rows per thread,
               # BI=16, measured 7-15% slower at every batch, 04ea468, and was removed.)
-              "dn2x": dict(bl2x=True, modes=("down",), alt=True)}
+              "dn2x": dict(bl2x=True, modes=("down",), alt=True),
+              # the byte-permute dequantisation (mxfp4_experts.PB_PAIRS: 2.75 integer ops per code
+              # pair instead of 3.75), both kernels; "pbxf": its gate-up with x_first
+              "pb": dict(deq="prmt", modes=("gate_up", "down"), alt=False),
+              "pbxf": dict(deq="prmt", x_first=True, modes=("gate_up",), alt=False)}
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
@@ -117,10 +121,12 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid))
             if "gate_up" in o["modes"]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
-                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
+                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False),
+                                deq=o.get("deq", "shift")))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
-                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
+                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False,
+                                deq=o.get("deq", "shift")))
     return out
 
 
@@ -214,7 +220,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
     from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
-                            v.get("mid", "f32"), v.get("x_first", False))
+                            v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

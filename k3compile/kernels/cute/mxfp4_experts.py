@@ -146,14 +146,41 @@ def _half_pair(w, k: cutlass.Constexpr):
     return mag | (sgn & Int32(-2147450880))            # 0x80008000
 
 
+# ---- deq="prmt": the high bytes of the f16 patterns of a word's 8 codes, 4 at a time, then one
+# byte permute per pair (2.75 integer ops per pair instead of 3.75). H(c) = ((c & 7) << 1) |
+# ((c & 8) << 4) is the high byte of ((c & 7) << 9) | ((c & 8) << 12) (its low byte is 0):
+#   E = ((w << 1) & 0x0E0E0E0E) | ((w << 4) & 0x80808080)   byte i = H(code 2i)      (4 ops)
+#   O = ((w >> 3) & 0x0E0E0E0E) | (w & 0x80808080)          byte i = H(code 2i + 1)  (3 ops)
+# prmt(E or O, 0, sel) puts two of those bytes in the high bytes of the halves, zeros below.
+# Pairs per word, (low half code, high half code), in accumulation order:
+PB_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))
+_PB_SEL = (0x1404, 0x3424)          # bytes (0, 1) / (2, 3) of the first operand -> bytes 1, 3; 4 = zero
+
+
+@dsl_user_op
+def prmt_hi(a: Int32, sel: int, *, loc=None, ip=None) -> Int32:
+    """prmt.b32 d, a, 0, sel: bytes of a (selector nibbles 0-3) or zero bytes (4)."""
+    return Int32(_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip)],
+                      "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $1, z, " + hex(sel) + "; }", "=r,r"))
+
+
 @cute.jit
-def _block_dot_h2(words, xh):
-    """f16x2 sum over the 32 codes of 4 words: acc = fma(pair(j, k), xh[4j+k], acc), j, k = 0..3;
-    returns lo + hi in fp32 (value * 2^-14 * x * 2^kx)."""
+def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift"):
+    """f16x2 sum over the 32 codes of 4 words, returns lo + hi in fp32 (value * 2^-14 * x * 2^kx).
+    deq "shift": acc = fma(pair(j, k), xh[4j+k], acc), j, k = 0..3 (codes 8j+k, 8j+k+4);
+    deq "prmt": the pairs PB_PAIRS of word j, in order, with xh[4j+i] built to match."""
     acc = Int32(0)
     for j in cutlass.range_constexpr(4):
-        for k in cutlass.range_constexpr(4):
-            acc = hfma2(_half_pair(words[j], k), xh[4 * j + k], acc)
+        if cutlass.const_expr(deq == "prmt"):
+            w = words[j]
+            ev = ((w << 1) & Int32(0x0E0E0E0E)) | ((w << 4) & Int32(-2139062144))        # 0x80808080
+            od = ((w >> 3) & Int32(0x0E0E0E0E)) | (w & Int32(-2139062144))               # >>: masked
+            srcs = (ev, ev, od, od)
+            for i in cutlass.range_constexpr(4):
+                acc = hfma2(prmt_hi(srcs[i], _PB_SEL[i % 2]), xh[4 * j + i], acc)
+        else:
+            for k in cutlass.range_constexpr(4):
+                acc = hfma2(_half_pair(words[j], k), xh[4 * j + k], acc)
     return f16x2_sum(acc)
 
 
@@ -164,8 +191,10 @@ class Mxfp4ExpertGemvSm90:
     order (the first also carries the CTA's scale bytes)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
-                 math: str = "f32", mid: str = "f32", x_first: bool = False):
+                 math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift"):
         assert mode in ("gate_up", "down"), mode
+        assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
+        self.deq = deq
         assert math in ("f32", "f16x2"), math
         assert mid in ("f32", "bf16"), mid
         self.half = math == "f16x2"
@@ -308,7 +337,8 @@ class Mxfp4ExpertGemvSm90:
             inv = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)         # 2^-kx
             for j in cutlass.range_constexpr(4):
                 for k in cutlass.range_constexpr(4):
-                    xh.append(f32x2_to_f16x2(xs[8 * j + k + 4] * xup, xs[8 * j + k] * xup))
+                    lo, hi = PB_PAIRS[k] if cutlass.const_expr(self.deq == "prmt") else (k, k + 4)
+                    xh.append(f32x2_to_f16x2(xs[8 * j + hi] * xup, xs[8 * j + lo] * xup))
         sums = []
         for r in cutlass.range_constexpr(self.rpg):
             if cutlass.const_expr(r % per == 0):
@@ -318,7 +348,7 @@ class Mxfp4ExpertGemvSm90:
             lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
             sc = lds_u8(ssm + lr * self.nv + v)
             if cutlass.const_expr(self.half):
-                blk = _block_dot_h2(lds_v4(wsm + r * self.threads * 16), xh)
+                blk = _block_dot_h2(lds_v4(wsm + r * self.threads * 16), xh, self.deq)
                 sums.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * inv)
             else:
                 blk = _block_dot(lds_v4(wsm + r * self.threads * 16), xs)

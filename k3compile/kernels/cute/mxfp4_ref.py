@@ -14,6 +14,8 @@ Importing this module does not import the DSL.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 PRESCALE = 2.0 ** 100
@@ -107,14 +109,36 @@ def half_pair_bits(word: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return f16(lo), f16(hi)
 
 
+PB_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))     # mxfp4_experts.PB_PAIRS: (low, high) code of a word
+
+
+def pb_pair_bits(word: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """deq="prmt": pair PB_PAIRS[i] of words (int64 uint32 values) with the kernel's ops: the bytes
+    E (H of the even codes) or O (the odd ones), then prmt(src, 0, 0x1404 / 0x3424) (bytes 0, 1 or
+    2, 3 of src into the high bytes of the halves): (lo, hi) fp16 = value(code) * 2^-14."""
+    if i < 2:
+        src = ((word << 1) & 0x0E0E0E0E) | ((word << 4) & 0x80808080)
+    else:
+        src = ((word >> 3) & 0x0E0E0E0E) | (word & 0x80808080)
+    b0 = (src >> (16 * (i % 2))) & 0xFF            # selector nibble 1: byte 0 (or 2) of src
+    b1 = (src >> (16 * (i % 2) + 8)) & 0xFF        # nibble 3: byte 1 (or 3)
+    lo, hi = b0 << 8, b1 << 8                      # nibbles 0 and 2 select zero bytes
+
+    def f16(h):
+        return torch.where(h >= 2 ** 15, h - 2 ** 16, h).to(torch.int16).view(torch.float16)
+    return f16(lo), f16(hi)
+
+
 def x_scale_exp(xblk: torch.Tensor) -> torch.Tensor:
     """The kernel's per-thread exponent: max(exponent field of max |x| over the block, 20)."""
     bits = xblk.float().abs().view(torch.int32).amax(-1)
     return torch.clamp(bits >> 23, min=20).to(torch.int64)
 
 
-def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int) -> torch.Tensor:
-    """rows_dot with the f16x2 math."""
+def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q: int,
+                deq: str = "shift") -> torch.Tensor:
+    """rows_dot with the f16x2 math; deq: the kernel's dequantisation ("shift": pairs (k, k + 4) of
+    each word, k = 0..3; "prmt": PB_PAIRS), which sets the order of the f16x2 accumulation."""
     R, KB = packed.shape
     nv = KB // 16
     xb = vec.to(torch.float32).reshape(nv, 32)
@@ -125,9 +149,14 @@ def rows_dot_h2(packed: torch.Tensor, scales: torch.Tensor, vec: torch.Tensor, q
     acc_hi = torch.zeros(R, nv, dtype=torch.float16)
     for j in range(4):
         for k in range(4):
-            lo, hi = half_pair_bits(w[..., j], k)
-            acc_lo = (lo.float() * xh[:, 8 * j + k].float() + acc_lo.float()).half()
-            acc_hi = (hi.float() * xh[:, 8 * j + k + 4].float() + acc_hi.float()).half()
+            if deq == "prmt":
+                lo, hi = pb_pair_bits(w[..., j], k)
+                cl, ch = PB_PAIRS[k]
+            else:
+                lo, hi = half_pair_bits(w[..., j], k)
+                cl, ch = k, k + 4
+            acc_lo = (lo.float() * xh[:, 8 * j + cl].float() + acc_lo.float()).half()
+            acc_hi = (hi.float() * xh[:, 8 * j + ch].float() + acc_hi.float()).half()
     blk = acc_lo.float() + acc_hi.float()
     part = blk * _f32((scales.to(torch.int64) + 14) << 23) * _f32((ex - 12) << 23)[None, :]
     return _two_level_sum(part, q)
@@ -138,16 +167,18 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.T
 
 
 def emulate_mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
-                          bi: int = 8, bl: int = 64, groups_d: int = 8, math: str = "f32", mid: str = "f32"):
+                          bi: int = 8, bl: int = 64, groups_d: int = 8, math: str = "f32", mid: str = "f32",
+                          deq: str = "shift"):
     """The CuTe gate-up + down kernels on CPU: [N, K, L] in x.dtype (the op's contract); mid="bf16":
-    the kernels that store gate-up's output (SiTU) rounded to bf16."""
+    the kernels that store gate-up's output (SiTU) rounded to bf16; deq: see rows_dot_h2."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
     nv_gu, nv_d = L // 32, I // 32
     assert 2 * bi <= nv_gu and bl <= nv_d * groups_d, "a CTA needs a thread per row"
     q_gu = reduction_q(nv_gu, 2 * bi, nv_gu)
     q_d = reduction_q(nv_d, bl, nv_d * groups_d)
-    dot = rows_dot_h2 if math == "f16x2" else rows_dot
+    assert deq == "shift" or math == "f16x2", (deq, math)
+    dot = functools.partial(rows_dot_h2, deq=deq) if math == "f16x2" else rows_dot
     out = torch.empty(N * K, L, dtype=torch.float32)
     ids = topk_ids.reshape(-1).tolist()
     for p, e in enumerate(ids):
