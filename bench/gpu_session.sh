@@ -72,11 +72,11 @@ for st in "$@"; do
                step experts_cold$c 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} \
                  --no-reference-time --cold $c --shapes tp8,tp2 --ms ${K3_MS:-1,4,16} --out "$R/experts_cold$c.json"
              done ;;
-    # the CuTe f16x2 experts' variants (build --alt: xf, m32, none = untagged) against the default, cold
+    # the CuTe f16x2 experts' variants (build --alt: xf, m32, sh, dn2x, none = untagged) against the default, cold
     # routings; their GPU tests first
     alt) step alt_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
          step experts_alt 300 python3 bench/experts_bench.py \
-           --variants ${K3_VARIANTS:-cute_h2,cute_h2@none,cute_h2@xf,cute_h2@m32} --no-reference-time \
+           --variants ${K3_VARIANTS:-cute_h2,cute_h2@none,cute_h2@xf,cute_h2@sh} --no-reference-time \
            --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_alt.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
     # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")

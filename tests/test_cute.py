@@ -371,17 +371,18 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
 def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     """The f16x2 kernels by tag: "" stores mid as bf16 in gate-up and reads 64 bytes of it per
     thread in down; "xf" (a gate-up only, built by default) emits its activation loads (ordered)
-    ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes)."""
+    ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes); "sh"
+    (build --alt) dequantises with shifts, every other one with one byte permute per code pair."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
     mans.update(build.build(tmp_path, alt=True, only="_dn2x", log=lambda *_: None))
     dn2x = next(v for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x")
     _check_down_reads_mid_after_wait(dn2x["name"], (tmp_path / f"{dn2x['name']}.ptx").read_text(),
                                      tmp_path / f"{dn2x['name']}.cubin")
     vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"
-          and v["tag"] in ("", "xf", "m32", "pb", "pbxf")]
+          and v["tag"] in ("", "xf", "m32", "sh")]
     assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
-                                                         ("m32", "gate_up"), ("pb", "down"), ("pb", "gate_up"),
-                                                         ("pbxf", "gate_up"), ("xf", "gate_up")]
+                                                         ("m32", "gate_up"), ("sh", "down"), ("sh", "gate_up"),
+                                                         ("xf", "gate_up")]
     tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x"}
     assert tiles == {(1536, "dn2x", "down"): 64}
     assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
@@ -390,11 +391,12 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
         assert man["tag"] == v["tag"] and man["mid"] == v["mid"] == ("f32" if v["tag"] == "m32" else "bf16")
         assert v["name"].endswith("_h2" + (f"_{v['tag']}" if v["tag"] else ""))
         first_w = ptx.index("cp.async.cg.shared.global")
-        # the byte-permute dequantisation: one prmt per code pair (as many as the f16x2 FMAs)
+        # the byte-permute dequantisation (all but "sh"): one prmt per code pair (as many as the FMAs)
         n_fma = 16 * (2 * v["rows"] if v["mode"] == "gate_up" else v["rows"]) // v["groups"]
-        assert ptx.count("prmt.b32") == (n_fma if v["tag"].startswith("pb") else 0), v["name"]
+        assert ptx.count("prmt.b32") == (0 if v["tag"] == "sh" else n_fma), v["name"]
+        assert v["deq"] == ("shift" if v["tag"] == "sh" else "prmt")
         if v["mode"] == "gate_up":
-            assert ptx.count("ld.global.nc.v4.u32") == 4 and v["x_first"] == (v["tag"] in ("xf", "pbxf"))
+            assert ptx.count("ld.global.nc.v4.u32") == 4 and v["x_first"] == (v["tag"] == "xf")
             assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
             assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
         else:
@@ -404,8 +406,6 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
         assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == n_fma
     xf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "xf")
     assert xf is not None and xf[0].man["tag"] == "xf" and xf[1].man["tag"] == "", why   # the untagged down
-    pbxf, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "pbxf")
-    assert pbxf is not None and [a.man["tag"] for a in pbxf] == ["pbxf", ""], why
     m32, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "m32")
     assert m32 is not None and [a.man["mid"] for a in m32] == ["f32", "f32"], why
 

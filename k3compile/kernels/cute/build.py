@@ -102,10 +102,10 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # hoisted its mid reads above griddepcontrol.wait). (32 gate-up rows per thread,
               # BI=16, measured 7-15% slower at every batch, 04ea468, and was removed.)
               "dn2x": dict(bl2x=True, modes=("down",), alt=True),
-              # the byte-permute dequantisation (mxfp4_experts.PB_PAIRS: 2.75 integer ops per code
-              # pair instead of 3.75), both kernels; "pbxf": its gate-up with x_first
-              "pb": dict(deq="prmt", modes=("gate_up", "down"), alt=False),
-              "pbxf": dict(deq="prmt", x_first=True, modes=("gate_up",), alt=False)}
+              # the shift dequantisation (3.75 integer ops per code pair), the default until the
+              # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
+              "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True)}
+MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
 def mxfp4_variants(alt: bool = False) -> list[dict]:
@@ -122,11 +122,11 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             if "gate_up" in o["modes"]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False),
-                                deq=o.get("deq", "shift")))
+                                deq=o.get("deq", MXFP4_DEQ[math])))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
                                 mode="down", rows=t["bl"], groups=t["groups"], x_first=False,
-                                deq=o.get("deq", "shift")))
+                                deq=o.get("deq", MXFP4_DEQ[math])))
     return out
 
 

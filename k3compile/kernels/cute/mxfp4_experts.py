@@ -31,13 +31,17 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   partials each, then one thread per row sums the Q results; the epilogue (SiTU of gate row i and
   up row i; bf16 rounding for down) stores one value per row.
 - math="f16x2" (the "_h2" artifacts): codes as f16x2 patterns ((c & 7) << 9) | ((c & 8) << 12) =
-  value * 2^-14, 4 integer ops per pair (mask, shift, shifted sign, LOP3 merge); the thread's 32
+  value * 2^-14. deq="prmt" (the default since 390620b's measurement: median 1.06x the "shift" kernels over
+  TP=8 / TP=2, M = 1..64, graphed, 0.97-1.28x; SASS 1600 instead of 1856 instructions per gate-up thread): the patterns' high bytes
+  of a word's even and of its odd codes, 4 at a time (7 integer ops per word), then one byte
+  permute per pair, 2.75 ops per pair (see PB_PAIRS); deq="shift" (the "sh" alternate): 3.75 ops
+  per pair (mask, shift, shifted sign, LOP3 merge), pairs (k, k + 4). The thread's 32
   activations times a power of two 2^kx with max |x| * 2^kx in [2^12, 2^13) (from the exponent
-  of max |x|, exact), packed once as f16x2 (x[8j+k], x[8j+k+4]); one fma.rn.f16x2 per pair into
+  of max |x|, exact), packed once as f16x2 in the dequantisation's pairs; one fma.rn.f16x2 per pair into
   an f16x2 block accumulator (|products| <= 3, block sums <= 48: no overflow; products of
   x < 2^-26 max |x| become fp16 subnormals, negligible against the block); the two halves summed
-  in fp32 and scaled by 2^(s - 127 + 14) * 2^-kx. SASS: ~5.3 instructions per weight byte in the
-  body vs ~7.7 for f32; error vs the fp32 reference ~6e-3 of max |out| on CPU emulation (f32: 0).
+  in fp32 and scaled by 2^(s - 127 + 14) * 2^-kx. SASS (gate-up, TP=8): 6.25 instructions per
+  weight byte over the whole kernel (shift: 7.25, f32: 9.25); error vs the fp32 reference ~6e-3 of max |out| on CPU emulation (f32: 0).
 - Programmatic Dependent Launch (Hopper): the gate-up kernel executes
   `griddepcontrol.launch_dependents` once its weight bytes are in flight, and the down kernel
   issues its own weight and scale loads, then `griddepcontrol.wait`s before it reads mid. The
@@ -100,7 +104,7 @@ def _block_dot(words, xs):
     return acc
 
 
-# ---- half2 math (math="f16x2"): 4 integer ops per code pair + one fma.rn.f16x2 per pair
+# ---- half2 math (math="f16x2"), deq="shift": 3.75 integer ops per code pair + one fma.rn.f16x2
 _H_MAG = ((0x00070007, 9), (0x00700070, 5), (0x07000700, 1), (0x70007000, -3))   # mask, left shift
 _H_SIGN = (12, 8, 4, 0)                                                          # sign bit -> 15 / 31
 H_SCALE_BIAS = 14    # code pattern = value * 2^-14: block scale 2^(s - 127) * 2^14 = bits (s + 14) << 23

@@ -6,7 +6,7 @@ int64), the 2^100 activation pre-scale, the scale built from its fp32 bits, and 
 order (per 32-code block: word j = 0..3, pair k = 0..3, code 8j+k+4 then code 8j+k; block sum
 times scale; then Q partial sums of NV/Q blocks per row; then the Q sums). fp32 multiply + add
 stands in for the kernel's fused multiply-add (a rounding difference of <= 1 ulp per step).
-math="f16x2" (the "_h2" artifacts): code pairs as f16x2 value * 2^-14 with 4 integer ops, the
+math="f16x2" (the "_h2" artifacts): code pairs as f16x2 value * 2^-14 (deq "prmt" or "shift"), the
 thread's 32 activations times 2^kx (max |x| * 2^kx in [2^12, 2^13)) rounded to fp16, one fused
 f16x2 multiply-add per pair (emulated: fp32 product + sum, rounded once to fp16), the two halves
 summed in fp32, times 2^(s - 127 + 14) * 2^-kx.
@@ -168,9 +168,11 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta: float, lbeta: float) -> torch.T
 
 def emulate_mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta,
                           bi: int = 8, bl: int = 64, groups_d: int = 8, math: str = "f32", mid: str = "f32",
-                          deq: str = "shift"):
+                          deq: str | None = None):
     """The CuTe gate-up + down kernels on CPU: [N, K, L] in x.dtype (the op's contract); mid="bf16":
-    the kernels that store gate-up's output (SiTU) rounded to bf16; deq: see rows_dot_h2."""
+    the kernels that store gate-up's output (SiTU) rounded to bf16; deq: see rows_dot_h2 (default:
+    the artifacts', build.MXFP4_DEQ: "prmt" for f16x2)."""
+    deq = deq or ("prmt" if math == "f16x2" else "shift")
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
     nv_gu, nv_d = L // 32, I // 32
