@@ -78,6 +78,9 @@ for st in "$@"; do
          step experts_alt 300 python3 bench/experts_bench.py \
            --variants ${K3_VARIANTS:-cute_h2,cute_h2@none,cute_h2@xf,cute_h2@sh} --no-reference-time \
            --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_alt.json" ;;
+    # the MXFP4 experts at small batches: each CuTe kernel alone, the pair with / without PDL, and
+    # Triton kernels that only read the same bytes (one kernel, two, contiguous)
+    probe) step experts_probe 200 python3 bench/experts_probe.py --ms ${K3_MS:-1,2,4} --out "$R/experts_probe.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
     # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")
     ncu) for c in ${K3_NCU_CASES:-cute_h2:tp8:16 cute_h2:tp2:1 cute_h2:tp8:1}; do

@@ -1,0 +1,135 @@
+"""Where the MXFP4 experts' time goes at small batches: each CuTe kernel alone, the pair with and
+without Programmatic Dependent Launch, and what a kernel that only *reads* the same bytes takes.
+
+The read probes answer "how close to the bytes-over-bandwidth floor can any kernel get at this
+size": a Triton kernel sums the bytes of each routed pair's expert (weights and scales of gate-up
+and down, laid out contiguously per expert: the same byte count as the real tensors) as int32
+words, one program per (pair, chunk), one value out per program. "read1" reads all of a call's
+bytes in one kernel; "read2" reads the gate-up bytes, then the down bytes, in two kernels (the
+boundary the CuTe pair has); "contig" reads as many bytes from one contiguous buffer (no gather).
+Every case: K routings in turn call by call (--cold, as experts_bench), CUDA graph, events, median.
+
+    python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
+
+L, E, TOPK = 3584, 896, 16
+SHAPES = {"tp8": 384, "tp2": 1536}
+
+
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_rows(src, ids, out, row_words, start, n_words, BLOCK: tl.constexpr):
+        """out[p, c] = sum of int32 words [start + c * BLOCK, ...) of row ids[p] of src (row_words
+        words per row), n_words words read per pair."""
+        p = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(ids + p).to(tl.int64)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + e * row_words + start + offs, mask=offs < n_words, other=0)
+        tl.store(out + p * tl.num_programs(1) + c, tl.sum(v, 0))
+    return read_rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="tp8,tp2")
+    ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--cold", type=int, default=8)
+    ap.add_argument("--blocks", default="2048,8192", help="int32 words per read program")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+    import triton
+
+    from k3compile.kernels import choose
+    from k3compile.kernels.cute import loader
+    read_rows = _read_kernel()
+    torch.manual_seed(0)
+    bw = hbm_bandwidth()
+    rows = []
+    for shape in a.shapes.split(","):
+        I = SHAPES[shape]
+        w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
+        s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
+        w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
+        s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+        gu_bytes = w13[0].numel() + s13[0].numel()
+        dn_bytes = w2[0].numel() + s2[0].numel()
+        per_expert = gu_bytes + dn_bytes
+        assert per_expert % 4 == 0 and gu_bytes % 4 == 0
+        flat = torch.randint(-2 ** 31, 2 ** 31 - 1, (E, per_expert // 4), dtype=torch.int32, device="cuda")
+        for M in [int(m) for m in a.ms.split(",")]:
+            x = torch.randn(M, L, device="cuda").to(torch.bfloat16)
+            routings = [torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
+                        for _ in range(a.cold)]
+            flat_ids = [r.reshape(-1).contiguous() for r in routings]
+            P = M * TOPK
+            distinct = sum(int(torch.unique(r).numel()) for r in routings) / a.cold
+            nbytes = distinct * per_expert
+            contig = torch.randint(-2 ** 31, 2 ** 31 - 1, (a.cold, P * per_expert // 4), dtype=torch.int32,
+                                   device="cuda")
+            turn = iter(range(1 << 62))
+            cases = {}
+            contig_ids = [torch.full((1,), i, dtype=torch.int32, device="cuda") for i in range(a.cold)]
+            for blk in [int(b) for b in a.blocks.split(",")]:
+                def read(blk=blk, parts=((0, per_expert // 4),), src=flat, ids=flat_ids, n_rows=P):
+                    i = next(turn) % a.cold
+                    for start, n in parts:
+                        nc = triton.cdiv(n, blk)
+                        out = torch.empty(n_rows * nc, dtype=torch.int32, device="cuda")
+                        read_rows[(n_rows, nc)](src, ids[i], out, src.shape[1], start, n, BLOCK=blk,
+                                                num_warps=8 if blk >= 4096 else 4)
+                cases[f"read1 b{blk}"] = read
+                cases[f"read2 b{blk}"] = (lambda blk=blk: read(blk, ((0, gu_bytes // 4),
+                                                                     (gu_bytes // 4, dn_bytes // 4))))
+                cases[f"contig b{blk}"] = (lambda blk=blk: read(
+                    blk, ((0, P * per_expert // 4),), contig, contig_ids, 1))
+            # the CuTe kernels (the artifacts dispatch picks for this batch: choose.CUTE_XF_MAX_N)
+            tag = "xf" if M <= choose.CUTE_XF_MAX_N else ""
+            arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag)
+            if arts is None:
+                print("no CuTe artifacts:", why)
+            else:
+                gu, dn = arts
+                mid = torch.randn(P, I, device="cuda").to(torch.bfloat16)
+                out = torch.empty(M, TOPK, L, dtype=torch.bfloat16, device="cuda")
+
+                def launch(which, pdl=False):
+                    ids = flat_ids[next(turn) % a.cold]
+                    if "g" in which:
+                        gu.launch_values(dict(x=x.data_ptr(), ids=ids.data_ptr(), w=w13.data_ptr(),
+                                              s=s13.data_ptr(), out=mid.data_ptr(), beta=4.0, linear_beta=25.0),
+                                         dict(P=P), x.device)
+                    if "d" in which:
+                        dn.launch_values(dict(x=mid.data_ptr(), ids=ids.data_ptr(), w=w2.data_ptr(),
+                                              s=s2.data_ptr(), out=out.data_ptr(), beta=4.0, linear_beta=25.0),
+                                         dict(P=P), x.device, pdl=pdl)
+                cases["cute gate-up"] = lambda: launch("g")
+                cases["cute down"] = lambda: launch("d")
+                cases["cute both plain"] = lambda: launch("gd")
+                cases["cute both pdl"] = lambda: launch("gd", pdl=True)
+            for name, fn in cases.items():
+                t = time_graph(fn)
+                b = (nbytes if name.startswith(("read", "cute both")) else
+                     P * per_expert if name.startswith("contig") else
+                     distinct * (gu_bytes if "gate-up" in name else dn_bytes))
+                rows.append(dict(shapes=shape, M=M, case=name, us=t, bytes=b, share=b / (t * 1e-6) / bw))
+                print(f"probe {shape} M={M:<3} {name:<18} {t:8.2f} us {b / 1e6:8.1f} MB "
+                      f"{b / (t * 1e-6) / 1e12:5.2f} TB/s = {100 * b / (t * 1e-6) / bw:3.0f}%", flush=True)
+    save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
+                     torch=torch.__version__, triton=triton.__version__))
+
+
+if __name__ == "__main__":
+    main()
