@@ -18,9 +18,10 @@ Bytes = the MXFP4 weights and scales of the distinct experts used (what the op m
 --cold, the mean over the routings); bandwidth share = bytes / time / measured HBM bandwidth
 (bench.common.hbm_bandwidth). --cold K: K routings used in turn, call by call (the weights a call
 reads are then not left in L2 by the call before, as in a model where each layer's experts are
-read once per step).
+read once per step). --pool N: skewed routing (each token's top-k from one pool of N experts per
+routing), where pairs share experts: the bytes to read shrink, the kernels' per-pair work does not.
 
-    python bench/experts_bench.py [--ms 1,4,16,64,256] [--variants v1,dot,v2b] [--sweep]
+    python bench/experts_bench.py [--ms 1,4,16,64,256] [--variants v1,dot,v2b] [--sweep] [--pool N]
                                   [--tiles JSON] [--shapes tp8,tp2] [--out results.json]
 
 --tiles: {"variant": [override, ...]} (keys of launch._mxfp4_tiles: BN, BKB_GU, BN_D, BKB_D, BT for
@@ -72,6 +73,9 @@ def main():
                     help="rotate through this many routings (different random experts) call by call, so that "
                          "the experts a call reads are not in L2 from the call before (1: the same routing "
                          "every call: at M=1 its 35 MB of TP=8 experts can stay in the L2)")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="skewed routing: every token picks its top-k from one random pool of this many "
+                         "experts (0: from all of them); bytes are still the distinct experts' only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
@@ -98,8 +102,9 @@ def main():
         for M in [int(m) for m in a.ms.split(",")]:
             keep = []
             x = torch.randn(M, L, device="cuda").to(torch.bfloat16)
-            routings = [torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(M)]).to(torch.int32)
-                        for _ in range(a.cold)]
+            pools = [torch.randperm(E, device="cuda")[:a.pool or E] for _ in range(a.cold)]
+            routings = [torch.stack([pool[torch.randperm(pool.numel(), device="cuda")[:TOPK]] for _ in range(M)])
+                        .to(torch.int32) for pool in pools]
             ids = routings[0]
             turn = iter(range(1 << 62))
             distinct = sum(int(torch.unique(r).numel()) for r in routings) / a.cold   # per call, on average
@@ -110,7 +115,7 @@ def main():
             t_ref = (time_graph(ref, reps=2, iters=5)
                      if M * I <= 16 * 384 and not a.no_reference_time else None)  # it materialises fp32 weights
             base = dict(shapes=shape, M=M, I=I, distinct_experts=distinct, bytes=nbytes, reference_us=t_ref,
-                        floor_us=nbytes / bw * 1e6, cold=a.cold)
+                        floor_us=nbytes / bw * 1e6, cold=a.cold, pool=a.pool or E)
             for v, tiles in cases:
                 label = v + (json.dumps(tiles, separators=(",", ":")) if tiles else "")
                 row = dict(base, variant=v, tiles=tiles, label=label)

@@ -6,7 +6,8 @@ size": a Triton kernel sums the bytes of each routed pair's expert (weights and 
 and down, laid out contiguously per expert: the same byte count as the real tensors) as int32
 words, one program per (pair, chunk), one value out per program. "read1" reads all of a call's
 bytes in one kernel; "read2" reads the gate-up bytes, then the down bytes, in two kernels (the
-boundary the CuTe pair has); "contig" reads as many bytes from one contiguous buffer (no gather).
+boundary the CuTe pair has); "contig" reads as many bytes (every pair's, duplicates too) from
+consecutive rows of one buffer (no gather).
 Every case: K routings in turn call by call (--cold, as experts_bench), CUDA graph, events, median.
 
     python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--out F]
@@ -77,24 +78,24 @@ def main():
             P = M * TOPK
             distinct = sum(int(torch.unique(r).numel()) for r in routings) / a.cold
             nbytes = distinct * per_expert
-            contig = torch.randint(-2 ** 31, 2 ** 31 - 1, (a.cold, P * per_expert // 4), dtype=torch.int32,
+            # as many bytes, pair after pair in one buffer: routing i reads rows i * P .. i * P + P - 1
+            contig = torch.randint(-2 ** 31, 2 ** 31 - 1, (a.cold * P, per_expert // 4), dtype=torch.int32,
                                    device="cuda")
+            contig_ids = [torch.arange(i * P, (i + 1) * P, dtype=torch.int32, device="cuda") for i in range(a.cold)]
             turn = iter(range(1 << 62))
             cases = {}
-            contig_ids = [torch.full((1,), i, dtype=torch.int32, device="cuda") for i in range(a.cold)]
             for blk in [int(b) for b in a.blocks.split(",")]:
-                def read(blk=blk, parts=((0, per_expert // 4),), src=flat, ids=flat_ids, n_rows=P):
+                def read(blk=blk, parts=((0, per_expert // 4),), src=flat, ids=flat_ids):
                     i = next(turn) % a.cold
                     for start, n in parts:
                         nc = triton.cdiv(n, blk)
-                        out = torch.empty(n_rows * nc, dtype=torch.int32, device="cuda")
-                        read_rows[(n_rows, nc)](src, ids[i], out, src.shape[1], start, n, BLOCK=blk,
-                                                num_warps=8 if blk >= 4096 else 4)
+                        out = torch.empty(P * nc, dtype=torch.int32, device="cuda")
+                        read_rows[(P, nc)](src, ids[i], out, src.shape[1], start, n, BLOCK=blk,
+                                           num_warps=8 if blk >= 4096 else 4)
                 cases[f"read1 b{blk}"] = read
                 cases[f"read2 b{blk}"] = (lambda blk=blk: read(blk, ((0, gu_bytes // 4),
                                                                      (gu_bytes // 4, dn_bytes // 4))))
-                cases[f"contig b{blk}"] = (lambda blk=blk: read(
-                    blk, ((0, P * per_expert // 4),), contig, contig_ids, 1))
+                cases[f"contig b{blk}"] = (lambda blk=blk: read(blk, src=contig, ids=contig_ids))
             # the CuTe kernels (the artifacts dispatch picks for this batch: choose.CUTE_XF_MAX_N)
             tag = "xf" if M <= choose.CUTE_XF_MAX_N else ""
             arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag)
@@ -123,7 +124,7 @@ def main():
                 t = time_graph(fn)
                 b = (nbytes if name.startswith(("read", "cute both")) else
                      P * per_expert if name.startswith("contig") else
-                     distinct * (gu_bytes if "gate-up" in name else dn_bytes))
+                     distinct * (gu_bytes if "gate-up" in name else dn_bytes))   # per call, as experts_bench
                 rows.append(dict(shapes=shape, M=M, case=name, us=t, bytes=b, share=b / (t * 1e-6) / bw))
                 print(f"probe {shape} M={M:<3} {name:<18} {t:8.2f} us {b / 1e6:8.1f} MB "
                       f"{b / (t * 1e-6) / 1e12:5.2f} TB/s = {100 * b / (t * 1e-6) / bw:3.0f}%", flush=True)

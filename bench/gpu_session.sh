@@ -80,6 +80,12 @@ for st in "$@"; do
            --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16,64} --out "$R/experts_alt.json" ;;
     # the MXFP4 experts at small batches: each CuTe kernel alone, the pair with / without PDL, and
     # Triton kernels that only read the same bytes (one kernel, two, contiguous)
+    # skewed routing: each token's top-16 from a pool of 32 (then 128) experts
+    skew) for pool in 32 128; do
+            step experts_pool$pool 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v3} \
+              --no-reference-time --cold 8 --pool $pool --shapes tp8,tp2 --ms ${K3_MS:-4,16,64} \
+              --out "$R/experts_pool$pool.json"
+          done ;;
     probe) step experts_probe 200 python3 bench/experts_probe.py --ms ${K3_MS:-1,2,4} --out "$R/experts_probe.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
     # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")
