@@ -371,8 +371,7 @@ def test_mxfp4_variants_compile_to_streaming_gemv(built):
 def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     """The f16x2 kernels by tag: "" stores mid as bf16 in gate-up and reads 64 bytes of it per
     thread in down; "xf" (a gate-up only, built by default) emits its activation loads (ordered)
-    ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes); "ms" (a
-    down only) stages the pair's mid row once per CTA in shared memory; "sh"
+    ahead of the first weight cp.async; "m32" (build --alt) keeps mid in fp32 (128 bytes); "sh"
     (build --alt) dequantises with shifts, every other one with one byte permute per code pair."""
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
     mans.update(build.build(tmp_path, alt=True, only="_dn2x", log=lambda *_: None))
@@ -380,10 +379,10 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     _check_down_reads_mid_after_wait(dn2x["name"], (tmp_path / f"{dn2x['name']}.ptx").read_text(),
                                      tmp_path / f"{dn2x['name']}.cubin")
     vs = [v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"
-          and v["tag"] in ("", "xf", "m32", "sh", "ms")]
+          and v["tag"] in ("", "xf", "m32", "sh")]
     assert sorted((v["tag"], v["mode"]) for v in vs) == [("", "down"), ("", "gate_up"), ("m32", "down"),
-                                                         ("m32", "gate_up"), ("ms", "down"), ("sh", "down"),
-                                                         ("sh", "gate_up"), ("xf", "gate_up")]
+                                                         ("m32", "gate_up"), ("sh", "down"), ("sh", "gate_up"),
+                                                         ("xf", "gate_up")]
     tiles = {(v["I"], v["tag"], v["mode"]): v["rows"] for v in build.mxfp4_variants(alt=True) if v["tag"] == "dn2x"}
     assert tiles == {(1536, "dn2x", "down"): 64}
     assert not any(v["tag"] == "m32" for v in build.mxfp4_variants())      # alternates only with --alt
@@ -401,10 +400,7 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
             assert (ptx.index("ld.global.nc.v4.u32") < first_w) == v["x_first"], v["name"]
             assert ("st.global.b16" in ptx) == (v["mid"] == "bf16") and ("st.global.f32" in ptx) != (v["mid"] == "bf16")
         else:
-            # mid: 64 (bf16) or 128 (fp32) bytes per thread, or ("ms") 16 bytes by as many threads
-            # as the row needs, staged in shared memory for all the CTA's row groups
-            n_ld = 1 if v["tag"] == "ms" else 4 if v["mid"] == "bf16" else 8
-            assert ptx.count("ld.global.v4.u32") == n_ld and ("st.shared.v4.u32" in ptx) == (v["tag"] == "ms")
+            assert ptx.count("ld.global.v4.u32") == (4 if v["mid"] == "bf16" else 8), v["name"]
             assert first_w < ptx.index("griddepcontrol.wait")
             _check_down_reads_mid_after_wait(v["name"], ptx, tmp_path / f"{v['name']}.cubin")
         assert "ld.local" not in ptx and ptx.count("fma.rn.f16x2") == n_fma

@@ -104,9 +104,7 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "dn2x": dict(bl2x=True, modes=("down",), alt=True),
               # the shift dequantisation (3.75 integer ops per code pair), the default until the
               # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
-              "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
-              # down with the pair's mid row staged once per CTA in shared memory (mid_smem)
-              "ms": dict(mid_smem=True, modes=("down",), alt=True)}
+              "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -128,7 +126,7 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
                                 mode="down", rows=t["bl"], groups=t["groups"], x_first=False,
-                                deq=o.get("deq", MXFP4_DEQ[math]), mid_smem=o.get("mid_smem", False)))
+                                deq=o.get("deq", MXFP4_DEQ[math])))
     return out
 
 
@@ -222,8 +220,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
     from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
-                            v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"),
-                            v.get("mid_smem", False))
+                            v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

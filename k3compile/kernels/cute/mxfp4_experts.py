@@ -72,7 +72,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32, sts_v4)
+                  ld_v4_dep, ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -195,15 +195,10 @@ class Mxfp4ExpertGemvSm90:
     order (the first also carries the CTA's scale bytes)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
-                 math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
-                 mid_smem: bool = False):
+                 math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift"):
         assert mode in ("gate_up", "down"), mode
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
-        # down: the pair's mid row loaded once per CTA (16 B per thread) into shared memory, where
-        # every row group reads its slice (instead of each group reading it from L2 / L1)
-        self.mid_smem = mid_smem and mode == "down"
-        self.xbytes = I * (2 if mid == "bf16" else 4) if self.mid_smem else 16
         assert math in ("f32", "f16x2"), math
         assert mid in ("f32", "bf16"), mid
         self.half = math == "f16x2"
@@ -236,7 +231,7 @@ class Mxfp4ExpertGemvSm90:
         self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
         # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
         self.smem_bytes = (self.rpg * self.threads * 16 + _up(self.r * self.nv, 16)
-                           + 4 * (self.r * self.q + self.r) + 64 + _up(self.xbytes, 16) + 16 + 1024)
+                           + 4 * (self.r * self.q + self.r) + 64 + 1024)
 
     @cute.jit
     def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, out: Int64, P: Int32, beta: Float32,
@@ -248,7 +243,6 @@ class Mxfp4ExpertGemvSm90:
             sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.r * self.nv], 16]
             part2: cute.struct.MemRange[Float32, self.r * self.q]
             tot: cute.struct.MemRange[Float32, self.r]
-            xbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.xbytes], 16]   # mid_smem
         self.smem_t = Smem
         self.kernel(x, ids, w, s, out, beta, lbeta).launch(
             grid=(P, self.row_blocks, 1), block=(self.threads, 1, 1), stream=stream,
@@ -324,20 +318,7 @@ class Mxfp4ExpertGemvSm90:
         # scales them below)
         pre = Float32(1.0 if self.half else PRESCALE)
         xs = []
-        if cutlass.const_expr(self.mid_smem):
-            xsm = st.xbuf.data_ptr().toint()
-            n16 = self.xbytes // 16
-            xrow = x + Int64(p) * self.xbytes
-            for c in cutlass.range_constexpr((n16 + self.threads - 1) // self.threads):
-                idx = tidx + c * self.threads
-                if idx < n16:
-                    a0, a1, a2, a3 = ld_v4_dep(xrow + Int64(idx) * 16)
-                    sts_v4(xsm + idx * 16, a0, a1, a2, a3)
-            cute.arch.sync_threads()
-            xw = []
-            for i in cutlass.range_constexpr(self.xbytes // self.nv // 16):
-                xw += lds_v4(xsm + v * (self.xbytes // self.nv) + 16 * i)
-        elif cutlass.const_expr(not self.x_first):
+        if cutlass.const_expr(not self.x_first):
             xw = self._load_x_words(x, p, v)
         if cutlass.const_expr(self.mode == "gate_up" or self.mid_bf16):   # bf16 pairs in each word
             for i in cutlass.range_constexpr(16):

@@ -158,13 +158,6 @@ def sts_bf16(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def sts_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    """Four u32 words to a 16-byte aligned shared-memory address."""
-    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)] + [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-         "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side=True)
-
-
-@dsl_user_op
 def st_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     """Four u32 words to a 16-byte aligned global address (this GPU's memory or a peer's over NVLink)."""
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
