@@ -57,7 +57,7 @@ SWEEP = {
 }
 # max error / max |reference|: the output is rounded to bf16 (2^-9 relative per element) and the
 # sums run in another order, so 1e-3 flagged v1 itself; dot also rounds activations to bf16
-TOL = {"dot": 2e-2, "v3": 2e-2, "cute": 1e-2, "cute_h2": 2e-2}  # v3 too: bf16 activations (the SiTU output rounded)
+TOL = {"dot": 2e-2, "v3": 2e-2, "v3g": 2e-2, "cute": 1e-2, "cute_h2": 2e-2}  # v3, v3g too: bf16 activations (the SiTU output rounded)
 TOL_DEFAULT = 1e-2
 
 

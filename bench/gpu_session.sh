@@ -86,6 +86,14 @@ for st in "$@"; do
               --no-reference-time --cold 8 --pool $pool --shapes tp8,tp2 --ms ${K3_MS:-4,16,64} \
               --out "$R/experts_pool$pool.json"
           done ;;
+    # the expert-grouped Triton kernels (v3g) against the per-pair ones: GPU tests, then uniform and
+    # skewed routing (K3_TILES: experts_bench --tiles JSON)
+    grouped) step grouped_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k mxfp4_expert_kernels
+             for pool in 0 32; do
+               step experts_grouped_pool$pool 300 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v3,v3g} \
+                 --tiles "${K3_TILES:-{\}}" --no-reference-time --cold 8 --pool $pool --shapes tp8,tp2 \
+                 --ms ${K3_MS:-4,16,64,256} --out "$R/experts_grouped_pool$pool.json"
+             done ;;
     probe) step experts_probe 200 python3 bench/experts_probe.py --ms ${K3_MS:-1,2,4} --out "$R/experts_probe.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters
     # on Firecracker machines; K3_NCU_CASES: "variant:shape:M ...")

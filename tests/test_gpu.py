@@ -208,12 +208,13 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     assert not bad, bad
 
 
-@pytest.mark.parametrize("variant", ["v2b", "v3", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)
+@pytest.mark.parametrize("variant", ["v2b", "v3", "v3g", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)
 def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch):
     """The MXFP4 expert kernels through k3::mxfp4_experts (bf16, K3's per-rank TP=8 expert
     width) equal the model op's reference, eagerly and replayed from a CUDA graph; each variant
     (K3_MXFP4, read at every call) - v3 is the only check of its bf16 MMA path (subnormal +-0.5
-    operands included: random codes)."""
+    operands included: random codes); 16 tokens on 32 experts share experts (v3g's tiles of
+    several pairs)."""
     monkeypatch.setenv("K3_MXFP4", variant)
     import os
     import sys

@@ -451,6 +451,54 @@ def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("P,E,TG", [(1, 4, 4), (7, 3, 4), (40, 5, 8), (33, 896, 4), (64, 2, 16)])
+def test_mxfp4_group_kernel_tiles_each_experts_pairs(P, E, TG):
+    """mxfp4_group_kernel: order is the pairs sorted by (expert, pair), sorted_e their experts, and
+    the tiles (tstart >= 0, then -1) cut each expert's run into pieces of TG: every pair in exactly
+    one tile, a tile never spans two experts."""
+    import triton
+
+    from k3compile.kernels import triton_moe as KM
+    g = torch.Generator().manual_seed(P * 7 + E)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    order, sorted_e, tstart = (torch.full((P,), -7, dtype=torch.int32) for _ in range(3))
+    KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=TG)
+    key = ids.long() * P + torch.arange(P)
+    assert torch.equal(order.long(), torch.argsort(key)) and torch.equal(sorted_e, ids[order.long()])
+    n = int((tstart >= 0).sum())
+    assert (tstart[:n] >= 0).all() and (tstart[n:] == -1).all() and torch.equal(tstart[:n], tstart[:n].sort()[0])
+    want = [i for i in range(P) if (i - next(j for j in range(i + 1) if sorted_e[j] == sorted_e[i])) % TG == 0]
+    assert tstart[:n].tolist() == want
+
+
+@pytest.mark.parametrize("fp16", [0, 1])
+@pytest.mark.parametrize("N,K,E,I,L,tiles,skew", [(1, 2, 4, 128, 128, None, False),
+                                                  (5, 4, 6, 128, 256, None, False),
+                                                  (6, 2, 4, 128, 512, dict(BI=64, BL=64, TG=8), False),
+                                                  (9, 3, 3, 256, 256, dict(TG=2, BKB_GU=128, BKB_D=128, BI=16, BL=32), True)])
+def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
+    """v3g (v3's dequantisation and scales, pairs grouped by expert, TG activation vectors per
+    tile as MMA columns) on the CPU interpreter's fp32 dot path, against the reference: uniform
+    routing and skewed (every token on the same K experts: tiles of several pairs)."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(N * 100 + L + fp16)
+    x = torch.randn(N, L, generator=g).bfloat16().float()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int32)
+    if skew:
+        ids = ids[:1].repeat(N, 1)
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(118, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    tiles = dict(tiles or {}, FP16=fp16)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=tiles)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3g", tiles=tiles)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    tol = 1e-2 if not fp16 else 5e-3
+    torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=dict(TG=3))   # not a power of 2
+
+
 def test_mxfp4_variant_selection(monkeypatch):
     x = torch.zeros(1, 3584)
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)

@@ -320,7 +320,7 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "cute", "cute_h2")
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "cute", "cute_h2")
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
 # math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
 # misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
@@ -380,6 +380,11 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # not timed yet: BI=32 keeps 192 programs at M=1 (TP=8); BI=64 issues ~5% fewer per byte
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (256, 128, 64)), BL=_divisor(L, (128, 64)),
                  BKB_D=_divisor(I // 2, (64,)), BT=16, FP16=0, num_warps=4, num_stages=3)
+    elif variant == "v3g":
+        # v3's k loop over pairs grouped by expert, TG pairs per tile: the MMA's N is BKB/16 * TG
+        # (one column per scale block and pair), so k steps stay short (64 bytes: N = 4 * TG)
+        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=4, FP16=0,
+                 num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -394,6 +399,10 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     if variant == "v3":  # one MMA column per scale block of a k step
         ok = (ok and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64 and d["BKB_GU"] // 16 <= d["BT"]
               and d["BKB_D"] // 16 <= d["BT"] and d["BT"] >= 16 and rows_gu >= 16 and rows_d >= 16)
+    if variant == "v3g":  # one MMA column per scale block and pair: N = BKB / 16 * TG >= 16
+        tg = d["TG"]
+        ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
+              and d["BKB_GU"] // 16 * tg >= 16 and d["BKB_D"] // 16 * tg >= 16 and rows_gu >= 16 and rows_d >= 16)
     return d if ok else None
 
 
@@ -446,6 +455,19 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                                                      float(linear_beta), BI=d["BI"], BKB=d["BKB_GU"], **v3)
         KM.mxfp4_down_v3_kernel[(P, L // d["BL"])](mid, ids, w2, w2_scale, out, I, L, BL=d["BL"], BKB=d["BKB_D"],
                                                   **v3)
+        return out
+    if variant == "v3g":
+        # group the pairs by expert (one program), then one program per (tile, row block); programs
+        # past the last tile return at once
+        order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
+        KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
+                                    num_warps=4 if P <= 1024 else 8)
+        g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), **opts)
+        KM.mxfp4_gate_up_v3g_kernel[(P, I // d["BI"])](x, order, sorted_e, tstart, w13, w13_scale, mid, P, K, I, L,
+                                                      float(beta), float(linear_beta), BI=d["BI"], BKB=d["BKB_GU"],
+                                                      **g)
+        KM.mxfp4_down_v3g_kernel[(P, L // d["BL"])](mid, order, sorted_e, tstart, w2, w2_scale, out, P, I, L,
+                                                   BL=d["BL"], BKB=d["BKB_D"], **g)
         return out
     if variant != "v1":
         opts["LOOP"] = d["LOOP"]

@@ -399,6 +399,129 @@ def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.const
     tl.store(out + p * L + rows, acc.to(out.dtype.element_ty))
 
 
+# ---------------------------------------------------------------- variant "v3g" (v3, pairs grouped by expert)
+# The per-pair kernels above dequantise an expert's weights once for every token routed to it. v3g
+# groups the pairs by expert first (mxfp4_group_kernel: one program sorts the P expert ids and
+# cuts each expert's run into tiles of up to TG pairs), then runs v3's k loop once per (tile, row
+# block) with the tile's TG activation vectors as MMA columns: B [8*BW, NB*TG], column j*TG + i
+# holds token i's activation on the K positions of scale block j (block-diagonal per token, as
+# v3's one column per block), so each weight is dequantised once per TG tokens.
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def mxfp4_group_kernel(ids, order, sorted_e, tstart, P, PB: tl.constexpr, TG: tl.constexpr):
+    """One program: order = the pairs 0..P-1 sorted by (expert, pair), sorted_e = their experts,
+    tstart[t] = the sorted position where tile t starts (each expert's run cut into tiles of TG
+    pairs), -1 for t >= the number of tiles. PB: a power of two >= P; experts < 2^31 / PB."""
+    i = tl.arange(0, PB)
+    live = i < P
+    e = tl.load(ids + i, mask=live, other=0).to(tl.int32)
+    key = tl.sort(tl.where(live, e * PB + i, 2147483647))           # padding sorts last
+    se = key // PB
+    tl.store(order + i, key % PB, mask=live)
+    tl.store(sorted_e + i, se, mask=live)
+    tl.store(tstart + i, -1, mask=live)
+    tl.debug_barrier()                                              # the stores above, then re-read shifted
+    prev = tl.load(sorted_e + i - 1, mask=live & (i > 0), other=-1)
+    first = live & ((i == 0) | (prev != se))                        # an expert's first pair
+    gs = tl.associative_scan(tl.where(first, i, 0), 0, _max_combine)   # where this expert's run starts
+    tile = live & ((i - gs) % TG == 0)
+    t = tl.cumsum(tile.to(tl.int32), 0) - 1
+    tl.store(tstart + t, i, mask=tile)
+
+
+@triton.jit
+def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
+              TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [R, TG] += the BW words' (NB = BW/4 scale blocks') products for TG activation vectors
+    at v_ptr + voff[n] (n = j*TG + i: vector i, repeated for each block j; vok: live columns)."""
+    DT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    NB: tl.constexpr = BW // 4
+    w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
+    a = _v3_a_tile(w, FP16, DOT_F32)                                                      # [R, 8BW]
+    code = _v3_code(tl.arange(0, 8 * BW))
+    blk = tl.arange(0, NB * TG) // TG
+    # B^T [NB*TG, 8BW]: vector i on the K positions of block j, 0 elsewhere
+    sel = vok[:, None] & (blk[:, None] == (code // 32)[None, :])
+    v = tl.load(v_ptr + voff[:, None] + 8 * kw + code[None, :], mask=sel, other=0.0).to(tl.float32)
+    if not FP16:
+        v = v * 1.2676506002282294e30                                                     # 2^100
+    b = tl.trans(v.to(DT))                                                                # [8BW, NB*TG]
+    if DOT_F32:
+        part = tl.dot(a, b.to(tl.float32))
+    else:
+        part = tl.dot(a, b)
+    s = tl.load(s_ptr + rows[:, None] * row_scales + kw // 4 + tl.arange(0, NB)[None, :])  # [R, NB]
+    OFF: tl.constexpr = 14 if FP16 else 26          # as in _v3_step
+    sc = (tl.minimum(s.to(tl.int32), 255 - OFF) * 8388608 + OFF * 8388608).to(tl.float32, bitcast=True)
+    return acc + tl.sum(tl.reshape(part, [rows.shape[0], NB, TG]) * sc[:, :, None], 1)
+
+
+@triton.jit
+def _fp4_dot_v3g(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, voff, vok, KB: tl.constexpr,
+                 BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    BW: tl.constexpr = BKB // 4
+    wp = w_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([rows.shape[0], TG], tl.float32)
+    for kw in tl.range(0, KB // 4, BW):
+        acc = _v3g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, TG, FP16,
+                        DOT_F32)
+    return acc
+
+
+@triton.jit
+def _v3g_tile(order, sorted_e, tstart, P, N: tl.constexpr, TG: tl.constexpr):
+    """This program's tile: its first sorted position (< 0: no tile), its expert (int64), and for
+    n = 0..N-1 the pair of column n % TG and whether it is live (same expert, < P)."""
+    ts = tl.load(tstart + tl.program_id(0))
+    e = tl.load(sorted_e + tl.maximum(ts, 0)).to(tl.int64)
+    pos = ts + tl.arange(0, N) % TG
+    ok = (pos < P) & (pos - tl.arange(0, N) % TG >= 0)          # ts >= 0, as a vector
+    ok = ok & (tl.load(sorted_e + pos, mask=ok, other=-1).to(tl.int64) == e)
+    pair = tl.load(order + pos, mask=ok, other=0)
+    return ts, e, pair, ok
+
+
+@triton.jit
+def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl.constexpr, I,
+                             L: tl.constexpr, beta, lbeta, BI: tl.constexpr, BKB: tl.constexpr, TG: tl.constexpr,
+                             FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    NB: tl.constexpr = BKB // 16
+    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, P, NB * TG, TG)
+    if ts >= 0:
+        r = tl.arange(0, 2 * BI)
+        rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
+        wb = w13 + e * (2 * I) * (L // 2)
+        sb = s13 + e * (2 * I) * (L // 32)
+        acc = _fp4_dot_v3g(wb, sb, rows, L // 2, L // 32, x, (pair // K).to(tl.int64) * L, ok, L // 2, BKB, TG,
+                           FP16, DOT_F32)                                                  # [2BI, TG]
+        gu = tl.reshape(acc, [2, BI, TG])
+        first = (tl.arange(0, 2) == 0)[:, None, None]
+        g = tl.sum(tl.where(first, gu, 0.0), 0)
+        u = tl.sum(tl.where(first, 0.0, gu), 0)
+        _, _, tp, tok = _v3g_tile(order, sorted_e, tstart, P, TG, TG)                     # the TG columns
+        cols = tl.program_id(1) * BI + tl.arange(0, BI)
+        tl.store(mid + tp[None, :].to(tl.int64) * I + cols[:, None], _situ(g, u, beta, lbeta), mask=tok[None, :])
+
+
+@triton.jit
+def mxfp4_down_v3g_kernel(mid, order, sorted_e, tstart, w2, s2, out, P, I: tl.constexpr, L, BL: tl.constexpr,
+                          BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+    NB: tl.constexpr = BKB // 16
+    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, P, NB * TG, TG)
+    if ts >= 0:
+        rows = tl.program_id(1) * BL + tl.arange(0, BL)
+        acc = _fp4_dot_v3g(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32, mid,
+                           pair.to(tl.int64) * I, ok, I // 2, BKB, TG, FP16, DOT_F32)     # [BL, TG]
+        _, _, tp, tok = _v3g_tile(order, sorted_e, tstart, P, TG, TG)
+        tl.store(out + tp[None, :].to(tl.int64) * L + rows[:, None], acc.to(out.dtype.element_ty),
+                 mask=tok[None, :])
+
+
 # ---------------------------------------------------------------- SiTU of the shared expert (dense)
 
 @triton.jit
