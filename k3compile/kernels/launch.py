@@ -383,8 +383,8 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     elif variant == "v3g":
         # v3's k loop over pairs grouped by expert, TG pairs per tile: the MMA's N is BKB/16 * TG
         # (one column per scale block and pair), so k steps stay short (64 bytes: N = 4 * TG)
-        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=4, FP16=0,
-                 num_warps=4, num_stages=3)
+        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=8, FP16=0,
+                 PROGS=132 * 8, num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -401,7 +401,7 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
               and d["BKB_D"] // 16 <= d["BT"] and d["BT"] >= 16 and rows_gu >= 16 and rows_d >= 16)
     if variant == "v3g":  # one MMA column per scale block and pair: N = BKB / 16 * TG >= 16
         tg = d["TG"]
-        ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
+        ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["PROGS"] >= 1 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
               and d["BKB_GU"] // 16 * tg >= 16 and d["BKB_D"] // 16 * tg >= 16 and rows_gu >= 16 and rows_d >= 16)
     return d if ok else None
 
@@ -463,11 +463,13 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
         KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
                                     num_warps=4 if P <= 1024 else 8)
         g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), **opts)
-        KM.mxfp4_gate_up_v3g_kernel[(P, I // d["BI"])](x, order, sorted_e, tstart, w13, w13_scale, mid, P, K, I, L,
-                                                      float(beta), float(linear_beta), BI=d["BI"], BKB=d["BKB_GU"],
-                                                      **g)
-        KM.mxfp4_down_v3g_kernel[(P, L // d["BL"])](mid, order, sorted_e, tstart, w2, w2_scale, out, P, I, L,
-                                                   BL=d["BL"], BKB=d["BKB_D"], **g)
+        # persistent over the tiles (at most P of them): about PROGS programs in all
+        rb_gu, rb_d = I // d["BI"], L // d["BL"]
+        KM.mxfp4_gate_up_v3g_kernel[(min(P, -(-d["PROGS"] // rb_gu)), rb_gu)](
+            x, order, sorted_e, tstart, w13, w13_scale, mid, P, K, I, L, float(beta), float(linear_beta),
+            BI=d["BI"], BKB=d["BKB_GU"], **g)
+        KM.mxfp4_down_v3g_kernel[(min(P, -(-d["PROGS"] // rb_d)), rb_d)](
+            mid, order, sorted_e, tstart, w2, w2_scale, out, P, I, L, BL=d["BL"], BKB=d["BKB_D"], **g)
         return out
     if variant != "v1":
         opts["LOOP"] = d["LOOP"]

@@ -438,19 +438,19 @@ def mxfp4_group_kernel(ids, order, sorted_e, tstart, P, PB: tl.constexpr, TG: tl
 def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
               TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [R, TG] += the BW words' (NB = BW/4 scale blocks') products for TG activation vectors
-    at v_ptr + voff[n] (n = j*TG + i: vector i, repeated for each block j; vok: live columns)."""
+    at v_ptr + voff[i] (vok: live ones). The vectors are loaded once ([TG, 8BW], in A's K order)
+    and spread block-diagonally: B column j*TG + i = vector i on block j's K positions."""
     DT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
     NB: tl.constexpr = BW // 4
     w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
     a = _v3_a_tile(w, FP16, DOT_F32)                                                      # [R, 8BW]
     code = _v3_code(tl.arange(0, 8 * BW))
-    blk = tl.arange(0, NB * TG) // TG
-    # B^T [NB*TG, 8BW]: vector i on the K positions of block j, 0 elsewhere
-    sel = vok[:, None] & (blk[:, None] == (code // 32)[None, :])
-    v = tl.load(v_ptr + voff[:, None] + 8 * kw + code[None, :], mask=sel, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + voff[:, None] + 8 * kw + code[None, :], mask=vok[:, None], other=0.0).to(tl.float32)
     if not FP16:
         v = v * 1.2676506002282294e30                                                     # 2^100
-    b = tl.trans(v.to(DT))                                                                # [8BW, NB*TG]
+    on = tl.arange(0, NB)[:, None, None] == (code // 32)[None, None, :]                    # [NB, 1, 8BW]
+    bt = tl.reshape(tl.where(on, v[None, :, :], 0.0), [NB * TG, 8 * BW])
+    b = tl.trans(bt.to(DT))                                                               # [8BW, NB*TG]
     if DOT_F32:
         part = tl.dot(a, b.to(tl.float32))
     else:
@@ -474,13 +474,14 @@ def _fp4_dot_v3g(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, voff, vok, KB
 
 
 @triton.jit
-def _v3g_tile(order, sorted_e, tstart, P, N: tl.constexpr, TG: tl.constexpr):
-    """This program's tile: its first sorted position (< 0: no tile), its expert (int64), and for
-    n = 0..N-1 the pair of column n % TG and whether it is live (same expert, < P)."""
-    ts = tl.load(tstart + tl.program_id(0))
+def _v3g_tile(order, sorted_e, tstart, t, P, TG: tl.constexpr):
+    """Tile t: its first sorted position ts (< 0: no such tile), its expert (int64), and its TG
+    columns' pairs and whether each is live (same expert, < P)."""
+    ts = tl.load(tstart + t, mask=t < P, other=-1)
     e = tl.load(sorted_e + tl.maximum(ts, 0)).to(tl.int64)
-    pos = ts + tl.arange(0, N) % TG
-    ok = (pos < P) & (pos - tl.arange(0, N) % TG >= 0)          # ts >= 0, as a vector
+    i = tl.arange(0, TG)
+    pos = ts + i
+    ok = (pos < P) & (pos - i >= 0)                                  # ts >= 0, as a vector
     ok = ok & (tl.load(sorted_e + pos, mask=ok, other=-1).to(tl.int64) == e)
     pair = tl.load(order + pos, mask=ok, other=0)
     return ts, e, pair, ok
@@ -490,36 +491,39 @@ def _v3g_tile(order, sorted_e, tstart, P, N: tl.constexpr, TG: tl.constexpr):
 def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl.constexpr, I,
                              L: tl.constexpr, beta, lbeta, BI: tl.constexpr, BKB: tl.constexpr, TG: tl.constexpr,
                              FP16: tl.constexpr, DOT_F32: tl.constexpr):
-    NB: tl.constexpr = BKB // 16
-    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, P, NB * TG, TG)
-    if ts >= 0:
-        r = tl.arange(0, 2 * BI)
-        rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
+    """Persistent over tiles: program (q, rb) takes tiles q, q + grid0, ... until the first empty one."""
+    r = tl.arange(0, 2 * BI)
+    rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)
+    first = (tl.arange(0, 2) == 0)[:, None, None]
+    t = tl.program_id(0)
+    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
+    while ts >= 0:
         wb = w13 + e * (2 * I) * (L // 2)
         sb = s13 + e * (2 * I) * (L // 32)
         acc = _fp4_dot_v3g(wb, sb, rows, L // 2, L // 32, x, (pair // K).to(tl.int64) * L, ok, L // 2, BKB, TG,
                            FP16, DOT_F32)                                                  # [2BI, TG]
         gu = tl.reshape(acc, [2, BI, TG])
-        first = (tl.arange(0, 2) == 0)[:, None, None]
         g = tl.sum(tl.where(first, gu, 0.0), 0)
         u = tl.sum(tl.where(first, 0.0, gu), 0)
-        _, _, tp, tok = _v3g_tile(order, sorted_e, tstart, P, TG, TG)                     # the TG columns
-        cols = tl.program_id(1) * BI + tl.arange(0, BI)
-        tl.store(mid + tp[None, :].to(tl.int64) * I + cols[:, None], _situ(g, u, beta, lbeta), mask=tok[None, :])
+        tl.store(mid + pair[None, :].to(tl.int64) * I + cols[:, None], _situ(g, u, beta, lbeta), mask=ok[None, :])
+        t += tl.num_programs(0)
+        ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
 
 
 @triton.jit
 def mxfp4_down_v3g_kernel(mid, order, sorted_e, tstart, w2, s2, out, P, I: tl.constexpr, L, BL: tl.constexpr,
                           BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
-    NB: tl.constexpr = BKB // 16
-    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, P, NB * TG, TG)
-    if ts >= 0:
-        rows = tl.program_id(1) * BL + tl.arange(0, BL)
+    rows = tl.program_id(1) * BL + tl.arange(0, BL)
+    t = tl.program_id(0)
+    ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
+    while ts >= 0:
         acc = _fp4_dot_v3g(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32, mid,
                            pair.to(tl.int64) * I, ok, I // 2, BKB, TG, FP16, DOT_F32)     # [BL, TG]
-        _, _, tp, tok = _v3g_tile(order, sorted_e, tstart, P, TG, TG)
-        tl.store(out + tp[None, :].to(tl.int64) * L + rows[:, None], acc.to(out.dtype.element_ty),
-                 mask=tok[None, :])
+        tl.store(out + pair[None, :].to(tl.int64) * L + rows[:, None], acc.to(out.dtype.element_ty),
+                 mask=ok[None, :])
+        t += tl.num_programs(0)
+        ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
 
 
 # ---------------------------------------------------------------- SiTU of the shared expert (dense)
