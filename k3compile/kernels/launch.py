@@ -384,7 +384,7 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # v3's k loop over pairs grouped by expert, TG pairs per tile: the MMA's N is BKB/16 * TG
         # (one column per scale block and pair), so k steps stay short (64 bytes: N = 4 * TG)
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=8, FP16=0,
-                 PROGS=132 * 8, num_warps=4, num_stages=3)
+                 PROGS=132 * 16, num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
