@@ -514,12 +514,15 @@ def test_mxfp4_variant_selection(monkeypatch):
 
     class CudaX:  # what mxfp4_variant reads of a CUDA bf16 activation
         is_cuda, dtype, shape = True, torch.bfloat16, (1, 3584)
-    # on CUDA the CuTe f16x2 GEMVs in choose.CUTE_M's measured batch range, v3 above it or when off
+    # on CUDA the CuTe f16x2 GEMVs in choose.CUTE_M's measured batch range; above it or when off
+    # v3, or v3g (pairs grouped by expert) from MXFP4_GROUPED_MIN_N tokens
     lo, hi = launch.choose.CUTE_M["mxfp4_experts"]
+    g = launch.MXFP4_GROUPED_MIN_N
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == launch.mxfp4_variant(None, CudaX(), 384, hi)
-    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v3"
+    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v3g" and lo < g <= hi
     monkeypatch.setenv("K3_CUTE", "0")
-    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3"
+    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == launch.mxfp4_variant(None, CudaX(), 384, g - 1)
+    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v3g"
     monkeypatch.delenv("K3_CUTE")
     monkeypatch.setenv("K3_MXFP4", "dot")
     assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
@@ -647,7 +650,8 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setenv("K3_CUTE_JIT", "0")
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_CUTE_JIT=0))")
     monkeypatch.setattr(choose, "_FOUND", {})
-    assert "Triton v3 (M=65; CuTe at M in [1, 64])" in describe("cuda", None, (384, 3584, 16, 65, True))
+    assert "Triton v3g (pairs grouped by expert) (M=129; CuTe at M in [1, 128])" in describe(
+        "cuda", None, (384, 3584, 16, 129, True))
     assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
     monkeypatch.setenv("K3_MXFP4", "v3")
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("MXFP4 experts: v3 (K3_MXFP4)")
@@ -663,4 +667,4 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
     monkeypatch.setattr(choose, "_FOUND", {})
     assert describe("cuda", None, (384, 3584, 16, 16, True)).endswith(f"MXFP4 experts: CuTe f16x2 GEMVs ({d})")
-    assert "at M in [1, 64], Triton v3 above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
+    assert "at M in [1, 128], Triton v3g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))

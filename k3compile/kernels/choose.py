@@ -3,7 +3,11 @@
 `CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU
 (BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.14-1.38x faster than
 Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, commit 4477321),
-so they are the default there for bf16 activations. `oproj` (the skinny GEMM) has no range: it
+so they are the default there for bf16 activations; up to M=128 since c958188's and be22071's
+runs (uniform routing, TP=8 / TP=2 shapes): 1.4-1.6x v3 at M = 96, 128, 256, and faster than
+the expert-grouped v3g up to M=128 (at 128: 1.14x / 1.02x), slower from 192 (0.92x / 0.77x),
+where v3g is the default (launch.MXFP4_GROUPED_MIN_N). With skewed routing v3g is faster from
+M=16 on, but dispatch cannot see the routing. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
 epilogue, `push_gemm`) has none: on 2 x H200 (c9fc013, cold weights, 3 AttnRes blocks) the op was
 within 0.5 us of the pull path at TP=8 shapes M = 1..64 (22.1 vs 22.6 us at M=1), and the KDA /
@@ -24,7 +28,7 @@ import warnings
 
 import torch
 
-CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 64)}   # from GPU benchmark runs (docstring)
+CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 128)}   # from GPU benchmark runs (docstring)
 # Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains): on at
 # every batch. Measured with a different routing each call, as in a model (`experts_bench.py --cold 8`,
 # d5905b1, one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
@@ -309,7 +313,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
 def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     """Which MXFP4 expert kernel a graph's routed experts will run, and why not CuTe (for the
     match report, at compile time: launch.default_mxfp4_variant, the rule applied at run time)."""
-    from .launch import default_mxfp4_variant
+    from .launch import _triton_mxfp4, default_mxfp4_variant
     forced = os.environ.get("K3_MXFP4")
     if forced:
         return f"MXFP4 experts: {forced} (K3_MXFP4)"
@@ -318,17 +322,18 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     if v == "v2b":
         return ("MXFP4 experts: Triton v2b (activations not bf16)" if not bf16
                 else f"MXFP4 experts: Triton v2b (v3's tiles do not fit I={I} L={L})")
-    if v == "v3":
+    if v in ("v3", "v3g"):
+        name = "Triton v3" if v == "v3" else "Triton v3g (pairs grouped by expert)"
         if M is None:
-            return "MXFP4 experts: Triton v3 (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
-        return f"MXFP4 experts: Triton v3 (M={M}; CuTe at M in [{lo}, {hi}])"
+            return f"MXFP4 experts: {name} (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
+        return f"MXFP4 experts: {name} (M={M}; CuTe at M in [{lo}, {hi}])"
     try:   # no JIT build for a report: the first call builds
         arts, why = _find("mxfp4", I, L, K, "f16x2", jit=False)
         jit = arts is None and not _jit_variants("mxfp4", (I, L, K, "f16x2"))[1]
     except Exception as e:  # noqa: BLE001 - a broken artifact directory is a reason, not a crash
         arts, why, jit = None, f"loader error: {type(e).__name__}: {e}", False
     if arts is None and not jit:
-        return f"MXFP4 experts: Triton v3 ({why})"
-    where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v3 above (M is dynamic)"
+        return f"MXFP4 experts: Triton {_triton_mxfp4(M)} ({why})"
+    where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v3g above (M is dynamic)"
     how = "built just in time on the first call into " if jit else ""
     return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({how}{_artifact_dir()})"

@@ -321,6 +321,11 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
 
 
 MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "cute", "cute_h2")
+# From this many tokens the default Triton kernel is v3g (pairs grouped by expert), below it v3:
+# uniform routing, one H200, TP=8 / TP=2 shapes (c958188 with 2112 programs, be22071): v3g vs v3
+# 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256; with skewed routing (every
+# token's experts from one pool of 32) 2.2-3.6x at M = 16..256. (cute_h2 runs below CUTE_M's top.)
+MXFP4_GROUPED_MIN_N = 65
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
 # math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
 # misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
@@ -340,8 +345,9 @@ def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: 
                   N: int | None = None) -> str:
     """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: for bf16
     activations where v3's tiles fit the shapes, "cute_h2" (the CuTe f16x2 GEMVs) on CUDA at the
-    batch sizes choose.CUTE_M measured it faster (it falls back to v3, with the reason, where no
-    artifact fits), else "v3" (1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
+    batch sizes choose.CUTE_M measured it faster (it falls back to v3 / v3g, with the reason, where
+    no artifact fits), else "v3", or "v3g" from MXFP4_GROUPED_MIN_N tokens (v3 with the pairs
+    grouped by expert) (v3: 1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
     activations and the SiTU output to bf16 / fp16, which a bf16 model does anyway); other
     activations and shapes "v2b" (fp32 products of the exact activations)."""
     v = variant or os.environ.get("K3_MXFP4")
@@ -357,7 +363,14 @@ def default_mxfp4_variant(bf16: bool, L: int, I: int, cuda: bool, N: int | None)
     report's kernel note, choose.experts_note, asks the same)."""
     if not bf16 or _mxfp4_tiles("v3", L, I, None) is None:
         return "v2b"
-    return "cute_h2" if cuda and N is not None and choose.wanted("mxfp4_experts", N) else "v3"
+    if cuda and N is not None and choose.wanted("mxfp4_experts", N):
+        return "cute_h2"
+    return _triton_mxfp4(N)
+
+
+def _triton_mxfp4(N: int | None) -> str:
+    """The Triton expert kernel for bf16 activations at N tokens (unknown N: v3)."""
+    return "v3g" if N is not None and N >= MXFP4_GROUPED_MIN_N else "v3"
 
 
 def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | None:
@@ -430,7 +443,7 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                                         math="f16x2" if variant == "cute_h2" else "f32")
         if out is not None:
             return out
-        variant = CUTE_FALLBACK
+        variant = CUTE_FALLBACK if CUTE_FALLBACK != "v3" else _triton_mxfp4(N)
     P = N * K
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
