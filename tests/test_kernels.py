@@ -499,6 +499,8 @@ def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
     tol = 1e-2 if not fp16 else 5e-3
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
     assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=dict(TG=3))   # not a power of 2
+    big = torch.zeros(launch.MXFP4_GROUPED_MAX_P // K + 1, K, dtype=torch.int32)     # one sort program: too many pairs
+    assert not launch.mxfp4_experts_ok(x, big, w13, variant="v3g") and launch.mxfp4_experts_ok(x, big, w13, "v3")
 
 
 def test_mxfp4_variant_selection(monkeypatch):
@@ -522,7 +524,8 @@ def test_mxfp4_variant_selection(monkeypatch):
     assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v3g" and lo < g <= hi
     monkeypatch.setenv("K3_CUTE", "0")
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == launch.mxfp4_variant(None, CudaX(), 384, g - 1)
-    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v3g"
+    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v3g" == launch.mxfp4_variant(None, CudaX(), 384, 256)
+    assert launch.mxfp4_variant(None, CudaX(), 384, launch.MXFP4_GROUPED_MAX_N + 1) == "v3"   # not run above
     monkeypatch.delenv("K3_CUTE")
     monkeypatch.setenv("K3_MXFP4", "dot")
     assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"

@@ -325,10 +325,13 @@ MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "cute", "cute_h2")
 # uniform routing, one H200, TP=8 / TP=2 shapes (c958188 with 2112 programs, be22071): v3g vs v3
 # 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256; with skewed routing (every
 # token's experts from one pool of 32) 2.2-3.6x at M = 16..256. (cute_h2 runs below CUTE_M's top.)
-MXFP4_GROUPED_MIN_N = 65
+# Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: v3g's grouping is one
+# program sorting all P = M * top-k expert ids (mxfp4_experts_ok refuses more).
+MXFP4_GROUPED_MIN_N, MXFP4_GROUPED_MAX_N, MXFP4_GROUPED_MAX_P = 65, 256, 8192
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
 # math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
-# misaligned) they run CUTE_FALLBACK and choose.fallbacks() says why
+# misaligned) they run the Triton default (CUTE_FALLBACK, or v3g at MXFP4_GROUPED_MIN_N..MAX_N
+# tokens) and choose.fallbacks() says why
 CUTE_FALLBACK = "v3"
 
 
@@ -370,7 +373,7 @@ def default_mxfp4_variant(bf16: bool, L: int, I: int, cuda: bool, N: int | None)
 
 def _triton_mxfp4(N: int | None) -> str:
     """The Triton expert kernel for bf16 activations at N tokens (unknown N: v3)."""
-    return "v3g" if N is not None and N >= MXFP4_GROUPED_MIN_N else "v3"
+    return "v3g" if N is not None and MXFP4_GROUPED_MIN_N <= N <= MXFP4_GROUPED_MAX_N else CUTE_FALLBACK
 
 
 def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | None:
@@ -423,8 +426,10 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
     """Shapes the MXFP4 expert kernels of `variant` take: L % 32 == 0, I % 32 == 0 (row bytes split
     into 16-byte scale blocks) and row/byte tiles that divide I, L, L/2 and I/2."""
     L, I = x.shape[1], w13.shape[1] // 2
+    v = mxfp4_variant(variant, x, I)
     return (x.dim() == 2 and x.is_contiguous() and L % 32 == 0 and I % 32 == 0
-            and _mxfp4_tiles(mxfp4_variant(variant, x, I), L, I, tiles) is not None)
+            and _mxfp4_tiles(v, L, I, tiles) is not None
+            and (v != "v3g" or topk_ids.numel() <= MXFP4_GROUPED_MAX_P))
 
 
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
@@ -443,7 +448,7 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                                         math="f16x2" if variant == "cute_h2" else "f32")
         if out is not None:
             return out
-        variant = CUTE_FALLBACK if CUTE_FALLBACK != "v3" else _triton_mxfp4(N)
+        variant = _triton_mxfp4(N)
     P = N * K
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
@@ -470,8 +475,10 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                                                   **v3)
         return out
     if variant == "v3g":
-        # group the pairs by expert (one program), then one program per (tile, row block); programs
-        # past the last tile return at once
+        if P > MXFP4_GROUPED_MAX_P:
+            raise ValueError(f"MXFP4 experts v3g groups at most {MXFP4_GROUPED_MAX_P} (token, expert) pairs "
+                             f"in one program; got {P}: use v3")
+        # group the pairs by expert (one program), then the GEMVs' programs loop over the tiles
         order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
         KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
                                     num_warps=4 if P <= 1024 else 8)
