@@ -61,6 +61,16 @@ TOL = {"dot": 2e-2, "v3": 2e-2, "v3g": 2e-2, "cute": 1e-2, "cute_h2": 2e-2}  # v
 TOL_DEFAULT = 1e-2
 
 
+def expert_weights(I: int):
+    """Random MXFP4 experts [E, ...] at per-rank width I on CUDA: every code, scales 2^-9 .. 2^-4."""
+    import torch
+    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
+    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
+    s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+    return w13, s13, w2, s2
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,4,16,64,256")
@@ -94,10 +104,7 @@ def main():
     rows = []
     for shape in a.shapes.split(","):
         I = SHAPES[shape]
-        w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
-        s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
-        w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
-        s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+        w13, s13, w2, s2 = expert_weights(I)
         per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
         for M in [int(m) for m in a.ms.split(",")]:
             keep = []

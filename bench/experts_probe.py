@@ -20,9 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
-
-L, E, TOPK = 3584, 896, 16
-SHAPES = {"tp8": 384, "tp2": 1536}
+from bench.experts_bench import E, L, SHAPES, TOPK, expert_weights  # noqa: E402
 
 
 def _read_kernel():
@@ -61,10 +59,7 @@ def main():
     rows = []
     for shape in a.shapes.split(","):
         I = SHAPES[shape]
-        w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
-        s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
-        w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
-        s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+        w13, s13, w2, s2 = expert_weights(I)
         gu_bytes = w13[0].numel() + s13[0].numel()
         dn_bytes = w2[0].numel() + s2[0].numel()
         per_expert = gu_bytes + dn_bytes

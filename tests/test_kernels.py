@@ -413,6 +413,14 @@ def test_mxfp4_expert_tiles_match_reference(variant, tiles):
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+def _v3_experts(g, E, I, L):
+    """Random MXFP4 experts on CPU: every code, gate-up scales 2^-9 .. 2^3, down 2^-9 .. 2^-4."""
+    return (torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8),
+            torch.randint(118, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8),
+            torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8),
+            torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("fp16", [0, 1])
 @pytest.mark.parametrize("N,K,E,I,L,tiles", [(1, 2, 4, 128, 128, None), (3, 4, 8, 128, 256, None),
                                              (2, 2, 3, 256, 128, dict(BKB_GU=64, BI=16, BL=32, num_warps=8)),
@@ -431,10 +439,7 @@ def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
     g = torch.Generator().manual_seed(N * 100 + L + fp16)
     x = torch.randn(N, L, generator=g).bfloat16().float()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    w13, s13, w2, s2 = _v3_experts(g, E, I, L)
     tiles = dict(tiles or {}, FP16=fp16)
     assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3", tiles=tiles)
     d = launch._mxfp4_tiles("v3", L, I, tiles)
@@ -488,10 +493,7 @@ def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int32)
     if skew:
         ids = ids[:1].repeat(N, 1)
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), generator=g, dtype=torch.uint8)
-    s13 = torch.randint(118, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
-    w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
-    s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
+    w13, s13, w2, s2 = _v3_experts(g, E, I, L)
     tiles = dict(tiles or {}, FP16=fp16)
     assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=tiles)
     out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3g", tiles=tiles)

@@ -6,7 +6,7 @@ Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, c
 so they are the default there for bf16 activations; up to M=128 since c958188's and be22071's
 runs (uniform routing, TP=8 / TP=2 shapes): 1.4-1.6x v3 at M = 96, 128, 256, and faster than
 the expert-grouped v3g up to M=128 (at 128: 1.14x / 1.02x), slower from 192 (0.92x / 0.77x),
-where v3g is the default (launch.MXFP4_GROUPED_MIN_N). With skewed routing v3g is faster from
+where v3g is the default (up to launch.MXFP4_GROUPED_MAX_N = 256, the largest M run). With skewed routing v3g is faster from
 M=16 on, but dispatch cannot see the routing. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
 epilogue, `push_gemm`) has none: on 2 x H200 (c9fc013, cold weights, 3 AttnRes blocks) the op was
