@@ -405,7 +405,8 @@ def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.const
 # cuts each expert's run into tiles of up to TG pairs), then runs v3's k loop once per (tile, row
 # block) with the tile's TG activation vectors as MMA columns: B [8*BW, NB*TG], column j*TG + i
 # holds token i's activation on the K positions of scale block j (block-diagonal per token, as
-# v3's one column per block), so each weight is dequantised once per TG tokens.
+# v3's one column per block), so each weight is dequantised once per TG tokens. The GEMV programs
+# are persistent: program (q, rb) takes tiles q, q + grid0, ... (launch: about PROGS in all).
 
 @triton.jit
 def _max_combine(a, b):
