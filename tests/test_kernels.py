@@ -476,12 +476,12 @@ def test_mxfp4_group_kernel_tiles_each_experts_pairs(P, E, TG):
     assert tstart[:n].tolist() == want
 
 
-@pytest.mark.parametrize("fp16", [0, 1])
-@pytest.mark.parametrize("N,K,E,I,L,tiles,skew", [(1, 2, 4, 128, 128, None, False),
-                                                  (5, 4, 6, 128, 256, dict(PROGS=1, TG=4), False),
-                                                  (6, 2, 4, 128, 512, dict(BI=64, BL=64, TG=8), False),
-                                                  (9, 3, 3, 256, 256, dict(TG=2, BKB_GU=128, BKB_D=128, BI=16, BL=32,
-                                                                           PROGS=3), True)])
+@pytest.mark.parametrize("N,K,E,I,L,tiles,skew,fp16", [
+    (1, 2, 4, 128, 128, None, False, 0),
+    (5, 4, 6, 128, 256, dict(PROGS=1, TG=4), False, 1),
+    (6, 2, 4, 128, 512, dict(BI=64, BL=64, TG=8), False, 0),
+    (9, 3, 3, 256, 256, dict(TG=2, BKB_GU=128, BKB_D=128, BI=16, BL=32, PROGS=3), True, 0),
+    (9, 3, 3, 256, 256, dict(PROGS=2), True, 1)])
 def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
     """v3g (v3's dequantisation and scales, pairs grouped by expert, TG activation vectors per
     tile as MMA columns) on the CPU interpreter's fp32 dot path, against the reference: uniform
