@@ -25,17 +25,13 @@ def main():
     a = ap.parse_args()
     import torch
 
+    from bench.experts_bench import E, L, SHAPES, TOPK, expert_weights
     from k3compile.kernels import choose, launch
-    E, L, TOPK = 896, 3584, 16
-    I = {"tp8": 384, "tp2": 1536}[a.shape]
     v, _, tag = a.variant.partition("@")       # "cute_h2@TAG": an alternate (build --alt)
     if tag:
         os.environ["K3_CUTE_MXFP4_TAG"] = tag
     torch.manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * I, L // 2), dtype=torch.uint8, device="cuda")
-    s13 = torch.randint(118, 124, (E, 2 * I, L // 32), dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(0, 256, (E, L, I // 2), dtype=torch.uint8, device="cuda")
-    s2 = torch.randint(118, 124, (E, L, I // 32), dtype=torch.uint8, device="cuda")
+    w13, s13, w2, s2 = expert_weights(SHAPES[a.shape])
     x = torch.randn(a.m, L, device="cuda").to(torch.bfloat16)
     for _ in range(a.calls):
         ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(a.m)]).to(torch.int32)

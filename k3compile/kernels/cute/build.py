@@ -118,15 +118,14 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
             t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
-            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid))
+            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid),
+                          deq=o.get("deq", MXFP4_DEQ[math]))
             if "gate_up" in o["modes"]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
-                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False),
-                                deq=o.get("deq", MXFP4_DEQ[math])))
+                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
-                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False,
-                                deq=o.get("deq", MXFP4_DEQ[math])))
+                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
     return out
 
 
