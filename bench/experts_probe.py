@@ -10,7 +10,11 @@ boundary the CuTe pair has); "contig" reads as many bytes (every pair's, duplica
 consecutive rows of one buffer (no gather).
 Every case: K routings in turn call by call (--cold, as experts_bench), CUDA graph, events, median.
 
-    python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--out F]
+--tags T1,T2: also each gate-up variant of build.MXFP4_TAGS alone ("cute gate-up@T") and, unless it
+is a probe (wrong results: "nomath" / "noload" / "ldgnm"), the pair with it ("cute both pdl@T");
+--no-read skips the read kernels.
+
+    python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--tags ldg,b4] [--no-read] [--out F]
 """
 from __future__ import annotations
 
@@ -46,13 +50,16 @@ def main():
     ap.add_argument("--ms", default="1,2,4")
     ap.add_argument("--cold", type=int, default=8)
     ap.add_argument("--blocks", default="2048,8192", help="int32 words per read program")
+    ap.add_argument("--tags", default="", help="gate-up variants (build.MXFP4_TAGS) timed beside the default")
+    ap.add_argument("--no-read", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
     import triton
 
     from k3compile.kernels import choose
-    from k3compile.kernels.cute import loader
+    from k3compile.kernels.cute import build, loader
+    os.environ["K3_CUTE_PROBE"] = "1"         # find_mxfp4 serves the probe tags
     read_rows = _read_kernel()
     torch.manual_seed(0)
     bw = hbm_bandwidth()
@@ -79,7 +86,7 @@ def main():
             contig_ids = [torch.arange(i * P, (i + 1) * P, dtype=torch.int32, device="cuda") for i in range(a.cold)]
             turn = iter(range(1 << 62))
             cases = {}
-            for blk in [int(b) for b in a.blocks.split(",")]:
+            for blk in ([] if a.no_read else [int(b) for b in a.blocks.split(",")]):
                 def read(blk=blk, parts=((0, per_expert // 4),), src=flat, ids=flat_ids):
                     i = next(turn) % a.cold
                     for start, n in parts:
@@ -93,15 +100,16 @@ def main():
                 cases[f"contig b{blk}"] = (lambda blk=blk: read(blk, src=contig, ids=contig_ids))
             # the CuTe kernels (the artifacts dispatch picks for this batch: choose.CUTE_XF_MAX_N)
             tag = "xf" if M <= choose.CUTE_XF_MAX_N else ""
-            arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag)
-            if arts is None:
-                print("no CuTe artifacts:", why)
-            else:
+            for t in [None] + [t for t in a.tags.split(",") if t]:
+                arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag if t is None else t)
+                if arts is None:
+                    print("no CuTe artifacts:", why)
+                    continue
                 gu, dn = arts
                 mid = torch.randn(P, I, device="cuda").to(torch.bfloat16)
                 out = torch.empty(M, TOPK, L, dtype=torch.bfloat16, device="cuda")
 
-                def launch(which, pdl=False):
+                def launch(which, pdl=False, gu=gu, dn=dn, mid=mid, out=out):
                     ids = flat_ids[next(turn) % a.cold]
                     if "g" in which:
                         gu.launch_values(dict(x=x.data_ptr(), ids=ids.data_ptr(), w=w13.data_ptr(),
@@ -111,10 +119,15 @@ def main():
                         dn.launch_values(dict(x=mid.data_ptr(), ids=ids.data_ptr(), w=w2.data_ptr(),
                                               s=s2.data_ptr(), out=out.data_ptr(), beta=4.0, linear_beta=25.0),
                                          dict(P=P), x.device, pdl=pdl)
-                cases["cute gate-up"] = lambda: launch("g")
-                cases["cute down"] = lambda: launch("d")
-                cases["cute both plain"] = lambda: launch("gd")
-                cases["cute both pdl"] = lambda: launch("gd", pdl=True)
+                if t is None:
+                    cases["cute gate-up"] = lambda launch=launch: launch("g")
+                    cases["cute down"] = lambda launch=launch: launch("d")
+                    cases["cute both plain"] = lambda launch=launch: launch("gd")
+                    cases["cute both pdl"] = lambda launch=launch: launch("gd", pdl=True)
+                else:
+                    cases[f"cute gate-up@{t}"] = lambda launch=launch: launch("g")
+                    if not build.MXFP4_TAGS[t].get("probe"):
+                        cases[f"cute both pdl@{t}"] = lambda launch=launch: launch("gd", pdl=True)
             for name, fn in cases.items():
                 t = time_graph(fn)
                 b = (nbytes if name.startswith(("read", "cute both")) else

@@ -410,6 +410,29 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     assert m32 is not None and [a.man["mid"] for a in m32] == ["f32", "f32"], why
 
 
+def test_mxfp4_small_batch_gate_up_tags(tmp_path, monkeypatch):
+    """The gate-up alternates for small batches: "ldg" loads its weight vectors with ordered
+    read-only loads into registers (no weight cp.async; shared memory only for scales and partials),
+    "s8" uses 8 commit groups, "b4" 4 gate + 4 up rows per CTA; the probes are marked as such and the
+    loader serves them only with K3_CUTE_PROBE=1."""
+    mans = build.build(tmp_path, alt=True, only="gate_up_i384", log=lambda *_: None)
+    vs = {v["tag"]: v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["mode"] == "gate_up"}
+    ptx = {t: (tmp_path / f"{vs[t]['name']}.ptx").read_text() for t in ("xf", "ldg", "s8", "b4", "nomath", "ldgnm")}
+    rpg = 2 * vs["xf"]["rows"]
+    assert ptx["ldg"].count("ld.global.nc.L1::no_allocate.v4.u32") == rpg and "cp.async.cg" not in ptx["ldg"]
+    assert ptx["ldg"].count("fma.rn.f16x2") == ptx["xf"].count("fma.rn.f16x2") == 16 * rpg
+    assert mans[vs["ldg"]["name"]]["smem"] < mans[vs["xf"]["name"]]["smem"] // 2
+    assert ptx["s8"].count("cp.async.commit_group") == 8 and ptx["xf"].count("cp.async.commit_group") == 4
+    assert vs["b4"]["rows"] == 4 and ptx["b4"].count("cp.async.cg.shared.global") == 8
+    assert "fma.rn.f16x2" not in ptx["nomath"] and "fma.rn.f16x2" not in ptx["ldgnm"]
+    assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload", "ldgnm")) for t, v in vs.items())
+    # only gate-ups were built here: the probe's gate-up is found only with K3_CUTE_PROBE=1
+    monkeypatch.delenv("K3_CUTE_PROBE", raising=False)
+    assert "have []" in loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[1]
+    monkeypatch.setenv("K3_CUTE_PROBE", "1")
+    assert "have ['mxfp4_gate_up']" in loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[1]
+
+
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     out, mans = built
     arts, why = loader.find_mxfp4(out, 384, 3584, 16)

@@ -104,7 +104,21 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "dn2x": dict(bl2x=True, modes=("down",), alt=True),
               # the shift dequantisation (3.75 integer ops per code pair), the default until the
               # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
-              "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True)}
+              "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
+              # gate-up at small batches (all with xf's activation order): "ldg" loads each row's
+              # vector into registers one stage of 4 rows ahead of the math instead of staging every
+              # row in shared memory by cp.async; "s2" / "s8" / "s16": the cp.async rows in 2 / 8 / 16
+              # commit groups (default 4); "b4": 4 gate + 4 up rows per CTA (twice the CTAs)
+              "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
+              "s2": dict(stages=2, x_first=True, modes=("gate_up",), alt=True),
+              "s8": dict(stages=8, x_first=True, modes=("gate_up",), alt=True),
+              "s16": dict(stages=16, x_first=True, modes=("gate_up",), alt=True),
+              "b4": dict(bi=4, x_first=True, modes=("gate_up",), alt=True),
+              # probes (wrong results; loader.find_mxfp4 serves them only with K3_CUTE_PROBE=1, for
+              # bench/experts_probe.py): the loads without the math, the math without the loads
+              "nomath": dict(probe="nomath", x_first=True, modes=("gate_up",), alt=True),
+              "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True),
+              "ldgnm": dict(wload="ldg", probe="nomath", x_first=True, modes=("gate_up",), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -118,11 +132,13 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
             t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
-            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=4, math=math, tag=tag, mid=o.get("mid", mid),
-                          deq=o.get("deq", MXFP4_DEQ[math]))
+            common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=o.get("stages", 4), math=math, tag=tag,
+                          mid=o.get("mid", mid), deq=o.get("deq", MXFP4_DEQ[math]))
+            common.update({k: o[k] for k in ("wload", "probe") if k in o})
             if "gate_up" in o["modes"]:
-                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
-                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
+                bi = o.get("bi", t["bi"])
+                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
+                                mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False)))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
                                 mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
@@ -206,7 +222,7 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
     return dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
                 params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_PARAMS)],
                 shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
-                math=v["math"], mid=v.get("mid", "f32"), tag=v.get("tag", ""),
+                math=v["math"], mid=v.get("mid", "f32"), tag=v.get("tag", ""), probe=v.get("probe", ""),
                 # Programmatic Dependent Launch: gate-up triggers its dependents, down waits for its
                 # predecessor after issuing its weight loads and is launched with the PDL attribute
                 pdl="trigger" if v["mode"] == "gate_up" else "wait",
@@ -219,7 +235,8 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
     from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
-                            v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"))
+                            v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
+                            v.get("probe", ""))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

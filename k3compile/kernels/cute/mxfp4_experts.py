@@ -72,7 +72,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -192,11 +192,20 @@ class Mxfp4ExpertGemvSm90:
     """mode "gate_up": rows 2*BI per CTA (BI gate rows, the same BI up rows), K_in = L;
     mode "down": rows G*RPG per CTA, K_in = I. NV = K_in / 32 vectors (scale blocks) per row.
     stages: the rows a thread reads are split into this many cp.async commit groups, consumed in
-    order (the first also carries the CTA's scale bytes)."""
+    order (the first also carries the CTA's scale bytes).
+    wload: "cp" (the default: every row's vector staged in shared memory by cp.async, all in flight
+    before any math) or "ldg" (gate-up only: vectors loaded into registers, one stage of rows in
+    flight ahead of the stage being summed; shared memory holds only scales and partials).
+    probe (benchmarks only, wrong results): "nomath" replaces each block's dot by an XOR of its
+    words (what the loads alone cost), "noload" skips the weight loads (what the math alone costs)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
-                 math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift"):
+                 math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
+                 wload: str = "cp", probe: str = ""):
         assert mode in ("gate_up", "down"), mode
+        assert wload in ("cp", "ldg") and (wload == "cp" or mode == "gate_up"), (wload, mode)
+        assert probe in ("", "nomath", "noload"), probe
+        self.ldg, self.probe = wload == "ldg", probe
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
         assert math in ("f32", "f16x2"), math
@@ -230,7 +239,8 @@ class Mxfp4ExpertGemvSm90:
         self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.threads)
         self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
         # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
-        self.smem_bytes = (self.rpg * self.threads * 16 + _up(self.r * self.nv, 16)
+        self.wbuf_words = self.r * self.nv if self.ldg else self.rpg * self.threads * 4
+        self.smem_bytes = (self.wbuf_words * 4 + _up(self.r * self.nv, 16)
                            + 4 * (self.r * self.q + self.r) + 64 + 1024)
 
     @cute.jit
@@ -239,7 +249,8 @@ class Mxfp4ExpertGemvSm90:
         @cute.struct
         class Smem:
             # the staged weight vectors; after the math (and a barrier) the row partials [R, NV]
-            wbuf: cute.struct.Align[cute.struct.MemRange[Float32, self.rpg * self.threads * 4], 16]
+            # (wload "ldg": the partials only)
+            wbuf: cute.struct.Align[cute.struct.MemRange[Float32, self.wbuf_words], 16]
             sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.r * self.nv], 16]
             part2: cute.struct.MemRange[Float32, self.r * self.q]
             tot: cute.struct.MemRange[Float32, self.r]
@@ -249,6 +260,19 @@ class Mxfp4ExpertGemvSm90:
             # .minnctapersm 1: with .reqntid alone ptxas capped the f16x2 gate-up at 48 registers and
             # spilled; (> 1 would make the DSL query a device for its shared memory size)
             min_blocks_per_mp=1)
+
+    def _row(self, rb, g, r):
+        """Weight row of the thread's r-th row (gate-up: G == 1, local row r, gate then up)."""
+        if self.mode == "gate_up":
+            return Int64(rb * self.bi + (r if r < self.bi else r - self.bi + self.I))
+        return Int64(rb * self.r + g + r * self.g)
+
+    def _load_row(self, wbase, rb, g, r):
+        """wload "ldg": the thread's 16-byte vector of its r-th row, into registers (ordered: emitted
+        where the stage schedule puts it); probe "noload": constant words instead."""
+        if self.probe == "noload":
+            return [Int32(0x12345678 + i) for i in range(4)]
+        return ld_v4_ordered(wbase + self._row(rb, g, r) * self.kb)
 
     def _load_x_words(self, x, p, v):
         """This thread's 32 activations as raw 32-bit words (16 words of bf16 pairs: x[t] for gate-up,
@@ -301,14 +325,17 @@ class Mxfp4ExpertGemvSm90:
         xw = []
         if cutlass.const_expr(self.x_first):
             xw = self._load_x_words(x, p, v)                 # in flight with (and ahead of) the weights
-        for r in cutlass.range_constexpr(self.rpg):
-            if cutlass.const_expr(self.mode == "gate_up"):   # G == 1: local row r, gate then up
-                row = Int64(rb * self.bi + (r if r < self.bi else r - self.bi + self.I))
-            else:
-                row = Int64(rb * self.r + g + r * self.g)
-            cp_async16(wsm + r * self.threads * 16, wbase + row * self.kb)
-            if cutlass.const_expr(r % per == per - 1):
-                cp_async_commit()
+        regs = [None] * self.rpg                             # wload "ldg": the rows' words in registers
+        if cutlass.const_expr(self.ldg):
+            cp_async_commit()                                # the scales: group 0
+            for r in cutlass.range_constexpr(per):           # stage 0 in flight
+                regs[r] = self._load_row(wbase, rb, g, r)
+        else:
+            for r in cutlass.range_constexpr(self.rpg):
+                if cutlass.const_expr(self.probe != "noload"):
+                    cp_async16(wsm + r * self.threads * 16, wbase + self._row(rb, g, r) * self.kb)
+                if cutlass.const_expr(r % per == per - 1):
+                    cp_async_commit()
         if cutlass.const_expr(self.mode == "gate_up"):
             pdl_trigger()      # every byte is in flight: the down kernel may start its own weight loads
         else:
@@ -345,22 +372,37 @@ class Mxfp4ExpertGemvSm90:
                     xh.append(f32x2_to_f16x2(xs[8 * j + hi] * xup, xs[8 * j + lo] * xup))
         sums = []
         for r in cutlass.range_constexpr(self.rpg):
-            if cutlass.const_expr(r % per == 0):
+            if cutlass.const_expr(self.ldg):
+                if cutlass.const_expr(r == 0):
+                    cp_async_wait(0)
+                    cute.arch.sync_threads()                   # the scale bytes other threads loaded
+                if cutlass.const_expr(r % per == 0 and r + per < self.rpg):
+                    for r2 in cutlass.range_constexpr(r + per, r + 2 * per):   # the next stage in flight
+                        regs[r2] = self._load_row(wbase, rb, g, r2)
+            elif cutlass.const_expr(r % per == 0):
                 cp_async_wait(self.stages - 1 - r // per)
                 if cutlass.const_expr(r == 0):
                     cute.arch.sync_threads()                   # the scale bytes other threads loaded
             lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
             sc = lds_u8(ssm + lr * self.nv + v)
+            words = regs[r] if cutlass.const_expr(self.ldg) else lds_v4(wsm + r * self.threads * 16)
+            if cutlass.const_expr(self.probe == "nomath"):
+                blk = as_f32((words[0] ^ words[1] ^ words[2] ^ words[3]) & Int32(0x3FFFFFFF))
+            elif cutlass.const_expr(self.half):
+                blk = _block_dot_h2(words, xh, self.deq)
+            else:
+                blk = _block_dot(words, xs)
             if cutlass.const_expr(self.half):
-                blk = _block_dot_h2(lds_v4(wsm + r * self.threads * 16), xh, self.deq)
                 sums.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * inv)
             else:
-                blk = _block_dot(lds_v4(wsm + r * self.threads * 16), xs)
                 sums.append(blk * as_f32((sc + SCALE_BIAS) << 23))
-        cute.arch.sync_threads()                               # every thread is done with wbuf
-        for r in cutlass.range_constexpr(self.rpg):
-            lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
-            part[lr, v] = sums[r]
+            if cutlass.const_expr(self.ldg):
+                part[lr, v] = sums[r]                          # wbuf holds only the partials
+        if cutlass.const_expr(not self.ldg):
+            cute.arch.sync_threads()                           # every thread is done with wbuf
+            for r in cutlass.range_constexpr(self.rpg):
+                lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
+                part[lr, v] = sums[r]
         cute.arch.sync_threads()
 
         if tidx < self.r * self.q:
