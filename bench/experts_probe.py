@@ -126,6 +126,8 @@ def main():
                     cases["cute both pdl"] = lambda launch=launch: launch("gd", pdl=True)
                 else:
                     cases[f"cute gate-up@{t}"] = lambda launch=launch: launch("g")
+                    if "down" in build.MXFP4_TAGS[t]["modes"]:
+                        cases[f"cute down@{t}"] = lambda launch=launch: launch("d")
                     if not build.MXFP4_TAGS[t].get("probe"):
                         cases[f"cute both pdl@{t}"] = lambda launch=launch: launch("gd", pdl=True)
             for name, fn in cases.items():

@@ -110,6 +110,15 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # row in shared memory by cp.async; "s2" / "s8" / "s16": the cp.async rows in 2 / 8 / 16
               # commit groups (default 4); "b4": 4 gate + 4 up rows per CTA (twice the CTAs)
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
+              "ldg8": dict(wload="ldg", stages=8, x_first=True, modes=("gate_up",), alt=True),
+              # ldg in both kernels ("dn": down's own options: stages of 4 / 2 / 8 rows per thread)
+              "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True),
+              "ldgd1": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1), alt=True),
+              "ldgd4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=4), alt=True),
+              "ldgdp": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2, l2_pre=True),
+                            alt=True),
+              "ldgdl": dict(wload="ldg", trigger="late", x_first=True, modes=("gate_up", "down"),
+                            dn=dict(stages=2), alt=True),
               "s2": dict(stages=2, x_first=True, modes=("gate_up",), alt=True),
               "s8": dict(stages=8, x_first=True, modes=("gate_up",), alt=True),
               "s16": dict(stages=16, x_first=True, modes=("gate_up",), alt=True),
@@ -134,14 +143,14 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=o.get("stages", 4), math=math, tag=tag,
                           mid=o.get("mid", mid), deq=o.get("deq", MXFP4_DEQ[math]))
-            common.update({k: o[k] for k in ("wload", "probe") if k in o})
+            common.update({k: o[k] for k in ("wload", "probe", "trigger") if k in o})
             if "gate_up" in o["modes"]:
                 bi = o.get("bi", t["bi"])
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False)))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
-                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False))
+                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False, **o.get("dn", {})))
     return out
 
 
@@ -236,7 +245,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
-                            v.get("probe", ""))
+                            v.get("probe", ""), v.get("trigger", "early"), v.get("l2_pre", False))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

@@ -72,7 +72,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, prefetch_l2, st_bf16,
+                  st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -194,18 +195,23 @@ class Mxfp4ExpertGemvSm90:
     stages: the rows a thread reads are split into this many cp.async commit groups, consumed in
     order (the first also carries the CTA's scale bytes).
     wload: "cp" (the default: every row's vector staged in shared memory by cp.async, all in flight
-    before any math) or "ldg" (gate-up only: vectors loaded into registers, one stage of rows in
-    flight ahead of the stage being summed; shared memory holds only scales and partials).
+    before any math) or "ldg" (vectors loaded into registers, one stage of rows in flight ahead of
+    the stage being summed; shared memory holds only scales and partials; down issues its first
+    stage before griddepcontrol.wait). trigger (gate-up, PDL): "early" (once the first weight
+    bytes are in flight) or "late" (once the last stage's are: "ldg" only; with "cp" both are the same).
+    l2_pre (down with "ldg"): before griddepcontrol.wait, prefetch every row the thread will read
+    into L2 (ptxas sinks register loads below the wait, so they would not start before it).
     probe (benchmarks only, wrong results): "nomath" replaces each block's dot by an XOR of its
     words (what the loads alone cost), "noload" skips the weight loads (what the math alone costs)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
                  math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
-                 wload: str = "cp", probe: str = ""):
+                 wload: str = "cp", probe: str = "", trigger: str = "early", l2_pre: bool = False):
         assert mode in ("gate_up", "down"), mode
-        assert wload in ("cp", "ldg") and (wload == "cp" or mode == "gate_up"), (wload, mode)
+        assert wload in ("cp", "ldg") and trigger in ("early", "late"), (wload, trigger)
         assert probe in ("", "nomath", "noload"), probe
-        self.ldg, self.probe = wload == "ldg", probe
+        self.ldg, self.probe, self.late = wload == "ldg", probe, trigger == "late" and wload == "ldg"
+        self.l2_pre = l2_pre and self.ldg and mode == "down"
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
         assert math in ("f32", "f16x2"), math
@@ -328,6 +334,9 @@ class Mxfp4ExpertGemvSm90:
         regs = [None] * self.rpg                             # wload "ldg": the rows' words in registers
         if cutlass.const_expr(self.ldg):
             cp_async_commit()                                # the scales: group 0
+            if cutlass.const_expr(self.l2_pre):
+                for r in cutlass.range_constexpr(self.rpg):
+                    prefetch_l2(wbase + self._row(rb, g, r) * self.kb)
             for r in cutlass.range_constexpr(per):           # stage 0 in flight
                 regs[r] = self._load_row(wbase, rb, g, r)
         else:
@@ -337,7 +346,8 @@ class Mxfp4ExpertGemvSm90:
                 if cutlass.const_expr(r % per == per - 1):
                     cp_async_commit()
         if cutlass.const_expr(self.mode == "gate_up"):
-            pdl_trigger()      # every byte is in flight: the down kernel may start its own weight loads
+            if cutlass.const_expr(not self.late or per == self.rpg):
+                pdl_trigger()  # the weight bytes are in flight: the down kernel may start its own weight loads
         else:
             pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
 
@@ -379,6 +389,8 @@ class Mxfp4ExpertGemvSm90:
                 if cutlass.const_expr(r % per == 0 and r + per < self.rpg):
                     for r2 in cutlass.range_constexpr(r + per, r + 2 * per):   # the next stage in flight
                         regs[r2] = self._load_row(wbase, rb, g, r2)
+                    if cutlass.const_expr(self.late and self.mode == "gate_up" and r + 2 * per == self.rpg):
+                        pdl_trigger()                          # the last stage is in flight
             elif cutlass.const_expr(r % per == 0):
                 cp_async_wait(self.stages - 1 - r // per)
                 if cutlass.const_expr(r == 0):
