@@ -136,7 +136,7 @@ def _graphed_with_new_inputs(fn, x, ids, E, g):
     return out
 
 
-@pytest.mark.parametrize("math", ["f32", "f16x2", "f16x2_xf", "f16x2_m32", "f16x2_dn2x", "f16x2_sh"])
+@pytest.mark.parametrize("math", sorted(MXFP4_TOL))
 @pytest.mark.parametrize("I", [384, 1536])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
