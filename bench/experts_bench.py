@@ -132,7 +132,7 @@ def main():
                 os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
                 if tag:
                     os.environ["K3_CUTE_MXFP4_TAG"] = tag
-                else:                       # dispatch's own choice (choose.CUTE_XF_MAX_N)
+                else:                       # dispatch's own choice (choose.mxfp4_tag)
                     os.environ.pop("K3_CUTE_MXFP4_TAG", None)
                 v = v.removesuffix("_nopdl")
                 try:

@@ -98,8 +98,8 @@ def main():
                 cases[f"read2 b{blk}"] = (lambda blk=blk: read(blk, ((0, gu_bytes // 4),
                                                                      (gu_bytes // 4, dn_bytes // 4))))
                 cases[f"contig b{blk}"] = (lambda blk=blk: read(blk, src=contig, ids=contig_ids))
-            # the CuTe kernels (the artifacts dispatch picks for this batch: choose.CUTE_XF_MAX_N)
-            tag = "xf" if M <= choose.CUTE_XF_MAX_N else ""
+            # the CuTe kernels (the artifacts dispatch picks for this batch: choose.mxfp4_tag)
+            tag = choose.mxfp4_tag(I, M)
             for t in [None] + [t for t in a.tags.split(",") if t]:
                 arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag if t is None else t)
                 if arts is None:

@@ -42,7 +42,7 @@ def built(tmp_path_factory):
 
 def test_every_variant_compiles_with_wgmma_and_tma(built):
     out, mans = built
-    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 26
+    assert set(mans) == {v["name"] for v in build.variants()} and len(mans) == 30
     for name, man in mans.items():
         if not name.startswith("skinny_gemm"):
             continue
@@ -410,27 +410,43 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
     assert m32 is not None and [a.man["mid"] for a in m32] == ["f32", "f32"], why
 
 
-def test_mxfp4_small_batch_gate_up_tags(tmp_path, monkeypatch):
-    """The gate-up alternates for small batches: "ldg" loads its weight vectors with ordered
-    read-only loads into registers (no weight cp.async; shared memory only for scales and partials),
-    "s8" uses 8 commit groups, "b4" 4 gate + 4 up rows per CTA; the probes are marked as such and the
-    loader serves them only with K3_CUTE_PROBE=1."""
-    mans = build.build(tmp_path, alt=True, only="gate_up_i384", log=lambda *_: None)
-    vs = {v["tag"]: v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["mode"] == "gate_up"}
-    ptx = {t: (tmp_path / f"{vs[t]['name']}.ptx").read_text() for t in ("xf", "ldg", "s8", "b4", "nomath", "ldgnm")}
-    rpg = 2 * vs["xf"]["rows"]
-    assert ptx["ldg"].count("ld.global.nc.L1::no_allocate.v4.u32") == rpg and "cp.async.cg" not in ptx["ldg"]
-    assert ptx["ldg"].count("fma.rn.f16x2") == ptx["xf"].count("fma.rn.f16x2") == 16 * rpg
-    assert mans[vs["ldg"]["name"]]["smem"] < mans[vs["xf"]["name"]]["smem"] // 2
-    assert ptx["s8"].count("cp.async.commit_group") == 8 and ptx["xf"].count("cp.async.commit_group") == 4
-    assert vs["b4"]["rows"] == 4 and ptx["b4"].count("cp.async.cg.shared.global") == 8
-    assert "fma.rn.f16x2" not in ptx["nomath"] and "fma.rn.f16x2" not in ptx["ldgnm"]
-    assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload", "ldgnm")) for t, v in vs.items())
-    # only gate-ups were built here: the probe's gate-up is found only with K3_CUTE_PROBE=1
+def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
+    """"ldgd" (built by default; choose.mxfp4_tag takes it at small batches) loads both kernels'
+    weight vectors with ordered read-only loads into registers: no weight cp.async, shared memory
+    only for scales and partials, the same f16x2 FMAs as the cp.async kernels; down's mid loads
+    stay coherent and after griddepcontrol.wait. "ldg" is its gate-up alone. The probes are marked
+    and the loader serves them only with K3_CUTE_PROBE=1."""
+    from k3compile.kernels import choose
+    mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
+    vs = {(v["tag"], v["mode"]): v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"}
+    assert {t for t, _ in vs} == {"", "xf", "ldgd", "ldg", "m32", "sh", "nomath", "noload"}
+    assert ("ldgd", "down") in vs and ("ldg", "down") not in vs and not vs[("ldgd", "down")].get("probe")
+    assert {v["tag"] for v in build.mxfp4_variants()} == {"", "xf", "ldgd"}        # the default build
+    ptx = {k: (tmp_path / f"{v['name']}.ptx").read_text() for k, v in vs.items()}
+    for mode in ("gate_up", "down"):
+        v, plain = vs[("ldgd", mode)], vs[("", mode)]
+        rpg = (2 * v["rows"] if mode == "gate_up" else v["rows"]) // v["groups"]
+        p = ptx[("ldgd", mode)]
+        assert p.count("ld.global.nc.L1::no_allocate.v4.u32") == rpg and "cp.async.cg" not in p, mode
+        assert p.count("fma.rn.f16x2") == ptx[("", mode)].count("fma.rn.f16x2") == 16 * rpg, mode
+        assert mans[v["name"]]["smem"] < mans[plain["name"]]["smem"] // 2, mode
+    dn = vs[("ldgd", "down")]["name"]      # (its weight loads are LDG.E.NA.128.CONSTANT in the SASS)
+    _check_down_reads_mid_after_wait(dn, ptx[("ldgd", "down")], tmp_path / f"{dn}.cubin")
+    assert ptx[("ldg", "gate_up")] == ptx[("ldgd", "gate_up")].replace(vs[("ldgd", "gate_up")]["name"],
+                                                                        vs[("ldg", "gate_up")]["name"])
+    assert "fma.rn.f16x2" not in ptx[("nomath", "gate_up")]
+    assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload")) for (t, _), v in vs.items())
     monkeypatch.delenv("K3_CUTE_PROBE", raising=False)
-    assert "have []" in loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[1]
+    assert loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[0] is None
     monkeypatch.setenv("K3_CUTE_PROBE", "1")
-    assert "have ['mxfp4_gate_up']" in loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[1]
+    arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")
+    assert arts is not None and arts[0].man["probe"] == "nomath" and arts[1].man["tag"] == "", why
+    arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "ldgd")
+    assert arts is not None and [a.man["tag"] for a in arts] == ["ldgd", "ldgd"], why
+    # dispatch: ldgd up to CUTE_MXFP4_LDG[I] tokens, then xf up to CUTE_XF_MAX_N, then untagged
+    assert [choose.mxfp4_tag(384, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
+    assert [choose.mxfp4_tag(1536, n) for n in (1, 2, 3)] == ["ldgd", "xf", ""]
+    assert [choose.mxfp4_tag(512, n) for n in (1, 2, 3)] == ["xf", "xf", ""]
 
 
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):

@@ -174,8 +174,9 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
 
 
 def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
-    """launch.mxfp4_experts with each CuTe variant at 1 token (the default f16x2 dispatch takes the
-    "xf" gate-up there, choose.CUTE_XF_MAX_N) and at 3, against the reference, with no fallback."""
+    """launch.mxfp4_experts with each CuTe variant at 1 and 17 tokens (the default f16x2 dispatch takes
+    the register-staged "ldgd" kernels at TP=8 widths up to 16 tokens, choose.mxfp4_tag, the untagged
+    ones above), against the reference, with no fallback."""
     if not _mxfp4_pairs() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("no MXFP4 artifacts / not sm_90")
     from k3compile.kernels import choose, launch
@@ -184,7 +185,7 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     E, I, L = 16, 384, 3584
     w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
-    for M in (1, 3):
+    for M in (1, 17):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, 16), generator=g, device="cuda", dtype=torch.int32)
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
@@ -196,7 +197,7 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
             assert not choose.fallbacks(), choose.fallbacks()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             assert err <= MXFP4_TOL[math], (variant, M, err)
-    assert any(k[-1] == "xf" for k in choose._FOUND), list(choose._FOUND)   # M=1 went to the xf gate-up
+    assert {k[-1] for k in choose._FOUND if k[-2] == "f16x2"} >= {"ldgd", ""}, list(choose._FOUND)
 
 
 def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
@@ -226,8 +227,8 @@ def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
     w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     for variant, math in ((None, "f16x2"), ("cute", "f32")):
         for M in (1, 4):
-            # f16x2 at M=1 (<= choose.CUTE_XF_MAX_N): the "xf" gate-up with the untagged down
-            tag = "xf" if math == "f16x2" and M <= choose.CUTE_XF_MAX_N else ""
+            # f16x2 at M = 1, 4: the tagged kernels choose.mxfp4_tag picks ("ldgd" at I=384)
+            tag = choose.mxfp4_tag(I, M) if math == "f16x2" else ""
             want = sorted(v["name"] for v in build.jit_variants("mxfp4", I, L, K, math, tag))
             x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
             ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)

@@ -59,6 +59,19 @@ def wanted(op: str, m: int) -> bool:
 # many tokens: 1.0-1.8 us faster at 1 token, 0.1-0.6 us at 2, mixed at 4, slower at 8-16 (cold
 # routings, one H200, bab4aec: bench/results/experts_alt_cold8_h200_bab4aec.json)
 CUTE_XF_MAX_N = 2
+# the register-staged kernels ("ldgd", build.MXFP4_TAGS) up to this many tokens, by per-rank expert
+# width I: faster in both repeats of ff2f672's alternating run (cold routings, one H200,
+# bench/results/experts_alt_cold8_h200_ff2f672.json): TP=8 (I=384) M = 1/2/4/8/16 by 1.15 / 1.11 /
+# 1.11 / 1.04-1.06 / 1.02-1.05x, mixed at 32, slower at 64; TP=2 (I=1536) 1.05x at M=1, even at
+# 2-4, slower from 8
+CUTE_MXFP4_LDG = {384: 16, 1536: 1}
+
+
+def mxfp4_tag(I: int, N: int) -> str:
+    """The f16x2 MXFP4 kernels' tag (build.MXFP4_TAGS) dispatch takes for N tokens at width I."""
+    if N <= CUTE_MXFP4_LDG.get(I, 0):
+        return "ldgd"
+    return "xf" if N <= CUTE_XF_MAX_N else ""
 
 
 def cute_pdl() -> bool:
@@ -288,7 +301,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     L, I = x.shape[1], w13.shape[1] // 2
     tag = os.environ.get("K3_CUTE_MXFP4_TAG")   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
     if tag is None:
-        tag = "xf" if math == "f16x2" and N <= CUTE_XF_MAX_N else ""
+        tag = mxfp4_tag(I, N) if math == "f16x2" else ""
     tag = "" if tag == "none" else tag
     key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (f" {tag}" if tag else "")
     if not x.is_cuda:

@@ -89,12 +89,20 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
 # halved: 4-15% faster at every measured batch, 6db8633 and bab4aec), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
-# variants of the f16x2 kernels, by tag: "xf" (built by default: dispatch takes it at batches of
-# <= choose.CUTE_XF_MAX_N tokens) is a gate-up that issues its activation loads before the first
-# cp.async wait (1-10% faster at 1-2 tokens, slower at 8-16; bab4aec) and pairs with the default
-# down; "m32" (an alternate, built with --alt and picked only by benchmarks, env
-# K3_CUTE_MXFP4_TAG=tag) keeps mid in fp32, the default before 6db8633's measurement
+# variants of the f16x2 kernels, by tag (choose.mxfp4_tag picks one by shape and batch; benchmarks
+# force one with env K3_CUTE_MXFP4_TAG=tag; "alt" ones are built only with --alt). "xf" (built by
+# default: dispatch takes it at <= choose.CUTE_XF_MAX_N tokens where "ldgd" has no range) is a
+# gate-up that issues its activation loads before the first cp.async wait (1-10% faster at 1-2
+# tokens, slower at 8-16; bab4aec) and pairs with the default down; "m32" keeps mid in fp32, the
+# default before 6db8633's measurement
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
+              # both kernels load their weight vectors into registers, one stage of rows ahead of
+              # the math (mxfp4_experts wload="ldg"; down: stages of 4 rows), with xf's activation
+              # order. Built by default: choose.CUTE_MXFP4_LDG's batches (TP=8 M=1/2/4: 1.15 / 1.11 /
+              # 1.11x the cp.async kernels, ff2f672). Down with stages of 8 or 2 rows measured the same.
+              "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=False),
+              # ldgd's gate-up with the default down (what each kernel contributes)
+              "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -105,29 +113,11 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # the shift dequantisation (3.75 integer ops per code pair), the default until the
               # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
               "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
-              # gate-up at small batches (all with xf's activation order): "ldg" loads each row's
-              # vector into registers one stage of 4 rows ahead of the math instead of staging every
-              # row in shared memory by cp.async; "s2" / "s8" / "s16": the cp.async rows in 2 / 8 / 16
-              # commit groups (default 4); "b4": 4 gate + 4 up rows per CTA (twice the CTAs)
-              "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
-              "ldg8": dict(wload="ldg", stages=8, x_first=True, modes=("gate_up",), alt=True),
-              # ldg in both kernels ("dn": down's own options: stages of 4 / 2 / 8 rows per thread)
-              "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True),
-              "ldgd1": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1), alt=True),
-              "ldgd4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=4), alt=True),
-              "ldgdp": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2, l2_pre=True),
-                            alt=True),
-              "ldgdl": dict(wload="ldg", trigger="late", x_first=True, modes=("gate_up", "down"),
-                            dn=dict(stages=2), alt=True),
-              "s2": dict(stages=2, x_first=True, modes=("gate_up",), alt=True),
-              "s8": dict(stages=8, x_first=True, modes=("gate_up",), alt=True),
-              "s16": dict(stages=16, x_first=True, modes=("gate_up",), alt=True),
-              "b4": dict(bi=4, x_first=True, modes=("gate_up",), alt=True),
               # probes (wrong results; loader.find_mxfp4 serves them only with K3_CUTE_PROBE=1, for
-              # bench/experts_probe.py): the loads without the math, the math without the loads
+              # bench/experts_probe.py): xf's gate-up without the math (what its loads cost) and
+              # without the weight loads (what its math costs)
               "nomath": dict(probe="nomath", x_first=True, modes=("gate_up",), alt=True),
-              "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True),
-              "ldgnm": dict(wload="ldg", probe="nomath", x_first=True, modes=("gate_up",), alt=True)}
+              "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -143,11 +133,10 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=o.get("stages", 4), math=math, tag=tag,
                           mid=o.get("mid", mid), deq=o.get("deq", MXFP4_DEQ[math]))
-            common.update({k: o[k] for k in ("wload", "probe", "trigger") if k in o})
+            common.update({k: o[k] for k in ("wload", "probe") if k in o})
             if "gate_up" in o["modes"]:
-                bi = o.get("bi", t["bi"])
-                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
-                                mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False)))
+                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
+                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
             if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
                                 mode="down", rows=t["bl"], groups=t["groups"], x_first=False, **o.get("dn", {})))
@@ -245,7 +234,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
-                            v.get("probe", ""), v.get("trigger", "early"), v.get("l2_pre", False))
+                            v.get("probe", ""))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

@@ -72,8 +72,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, prefetch_l2, st_bf16,
-                  st_f32)
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -194,24 +193,24 @@ class Mxfp4ExpertGemvSm90:
     mode "down": rows G*RPG per CTA, K_in = I. NV = K_in / 32 vectors (scale blocks) per row.
     stages: the rows a thread reads are split into this many cp.async commit groups, consumed in
     order (the first also carries the CTA's scale bytes).
-    wload: "cp" (the default: every row's vector staged in shared memory by cp.async, all in flight
-    before any math) or "ldg" (vectors loaded into registers, one stage of rows in flight ahead of
-    the stage being summed; shared memory holds only scales and partials; down issues its first
-    stage before griddepcontrol.wait). trigger (gate-up, PDL): "early" (once the first weight
-    bytes are in flight) or "late" (once the last stage's are: "ldg" only; with "cp" both are the same).
-    l2_pre (down with "ldg"): before griddepcontrol.wait, prefetch every row the thread will read
-    into L2 (ptxas sinks register loads below the wait, so they would not start before it).
+    wload: "cp" (every row's vector staged in shared memory by cp.async, all in flight before any
+    math) or "ldg" (vectors loaded into registers, one stage of rows in flight ahead of the stage
+    being summed; shared memory holds only scales and partials). With "cp" a warp sums nothing
+    until its first stage is in, and at one CTA wave the sums of most rows come after most bytes
+    arrived; with "ldg" they overlap the loads (gate-up alone, TP=8 M=1: 8.9 instead of 11.1 us).
+    In down, ptxas moves the register loads below griddepcontrol.wait: with PDL its weights are
+    then fetched after gate-up ends, not before (an L2 prefetch issued before the wait measured
+    slower, d28bc20).
     probe (benchmarks only, wrong results): "nomath" replaces each block's dot by an XOR of its
     words (what the loads alone cost), "noload" skips the weight loads (what the math alone costs)."""
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
                  math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
-                 wload: str = "cp", probe: str = "", trigger: str = "early", l2_pre: bool = False):
+                 wload: str = "cp", probe: str = ""):
         assert mode in ("gate_up", "down"), mode
-        assert wload in ("cp", "ldg") and trigger in ("early", "late"), (wload, trigger)
+        assert wload in ("cp", "ldg"), wload
         assert probe in ("", "nomath", "noload"), probe
-        self.ldg, self.probe, self.late = wload == "ldg", probe, trigger == "late" and wload == "ldg"
-        self.l2_pre = l2_pre and self.ldg and mode == "down"
+        self.ldg, self.probe = wload == "ldg", probe
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
         assert math in ("f32", "f16x2"), math
@@ -334,9 +333,6 @@ class Mxfp4ExpertGemvSm90:
         regs = [None] * self.rpg                             # wload "ldg": the rows' words in registers
         if cutlass.const_expr(self.ldg):
             cp_async_commit()                                # the scales: group 0
-            if cutlass.const_expr(self.l2_pre):
-                for r in cutlass.range_constexpr(self.rpg):
-                    prefetch_l2(wbase + self._row(rb, g, r) * self.kb)
             for r in cutlass.range_constexpr(per):           # stage 0 in flight
                 regs[r] = self._load_row(wbase, rb, g, r)
         else:
@@ -346,8 +342,7 @@ class Mxfp4ExpertGemvSm90:
                 if cutlass.const_expr(r % per == per - 1):
                     cp_async_commit()
         if cutlass.const_expr(self.mode == "gate_up"):
-            if cutlass.const_expr(not self.late or per == self.rpg):
-                pdl_trigger()  # the weight bytes are in flight: the down kernel may start its own weight loads
+            pdl_trigger()      # weight bytes are in flight: the down kernel may start its own weight loads
         else:
             pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
 
@@ -389,8 +384,6 @@ class Mxfp4ExpertGemvSm90:
                 if cutlass.const_expr(r % per == 0 and r + per < self.rpg):
                     for r2 in cutlass.range_constexpr(r + per, r + 2 * per):   # the next stage in flight
                         regs[r2] = self._load_row(wbase, rb, g, r2)
-                    if cutlass.const_expr(self.late and self.mode == "gate_up" and r + 2 * per == self.rpg):
-                        pdl_trigger()                          # the last stage is in flight
             elif cutlass.const_expr(r % per == 0):
                 cp_async_wait(self.stages - 1 - r // per)
                 if cutlass.const_expr(r == 0):

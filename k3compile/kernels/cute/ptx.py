@@ -34,12 +34,6 @@ def ld_v4_ordered(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
-    """Bring the line of a global address into L2 (no register written, nothing to wait for)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l", side=True)
-
-
-@dsl_user_op
 def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
     """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs),
     through the non-coherent path: only for data no kernel still running writes (see ld_v4_dep).
