@@ -103,6 +103,13 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=False),
               # ldgd's gate-up with the default down (what each kernel contributes)
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
+              # ldgd with other tiles: down 32 rows of 8 groups (4 rows per thread), 128 of 16 (8 per
+              # thread, twice the threads), 64 of 16 (4 per thread); gate-up 4 or 16 + 16 rows per CTA
+              "ldgd_d32": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1, rows=32, groups=8), alt=True),
+              "ldgd_d128": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2, rows=128, groups=16), alt=True),
+              "ldgd_d64g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1, rows=64, groups=16), alt=True),
+              "ldgd_g4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=4, stages=2), dn=dict(stages=2), alt=True),
+              "ldgd_g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -117,7 +124,9 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # bench/experts_probe.py): xf's gate-up without the math (what its loads cost) and
               # without the weight loads (what its math costs)
               "nomath": dict(probe="nomath", x_first=True, modes=("gate_up",), alt=True),
-              "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True)}
+              "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True),
+              "ldgnm": dict(probe="nomath", wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True),
+              "ldgnl": dict(probe="noload", wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -134,12 +143,16 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=o.get("stages", 4), math=math, tag=tag,
                           mid=o.get("mid", mid), deq=o.get("deq", MXFP4_DEQ[math]))
             common.update({k: o[k] for k in ("wload", "probe") if k in o})
+            # "gu" / "dn": a tag's own options for one kernel (rows: BI / BL, groups, stages)
+            gu, dn = o.get("gu", {}), o.get("dn", {})
+            bi, bl, g = gu.get("rows", t["bi"]), dn.get("rows", t["bl"]), dn.get("groups", t["groups"])
             if "gate_up" in o["modes"]:
-                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{t['bi']}{sfx}", op="mxfp4_gate_up",
-                                mode="gate_up", rows=t["bi"], groups=1, x_first=o.get("x_first", False)))
-            if "down" in o["modes"] and t["bl"] <= t["groups"] * I // 32:    # a thread per row to reduce
-                out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{t['bl']}_g{t['groups']}{sfx}", op="mxfp4_down",
-                                mode="down", rows=t["bl"], groups=t["groups"], x_first=False, **o.get("dn", {})))
+                out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
+                                mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False),
+                                **{k: v for k, v in gu.items() if k != "rows"}))
+            if "down" in o["modes"] and bl <= g * I // 32:    # a thread per row to reduce
+                out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{bl}_g{g}{sfx}", op="mxfp4_down",
+                                mode="down", x_first=False, **dict(dn, rows=bl, groups=g)))
     return out
 
 
