@@ -110,6 +110,9 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "ldgd_d64g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1, rows=64, groups=16), alt=True),
               "ldgd_g4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=4, stages=2), dn=dict(stages=2), alt=True),
               "ldgd_g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
+              "ldgd_g16s4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=4), dn=dict(stages=2), alt=True),
+              "ldgd_g16d128": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
+                                   dn=dict(stages=2, rows=128, groups=16), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
