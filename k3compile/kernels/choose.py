@@ -60,11 +60,13 @@ def wanted(op: str, m: int) -> bool:
 # routings, one H200, bab4aec: bench/results/experts_alt_cold8_h200_bab4aec.json)
 CUTE_XF_MAX_N = 2
 # the register-staged kernels ("ldgd", build.MXFP4_TAGS) up to this many tokens, by per-rank expert
-# width I: faster in both repeats of ff2f672's alternating run (cold routings, one H200,
-# bench/results/experts_alt_cold8_h200_ff2f672.json): TP=8 (I=384) M = 1/2/4/8/16 by 1.15 / 1.11 /
-# 1.11 / 1.04-1.06 / 1.02-1.05x, mixed at 32, slower at 64; TP=2 (I=1536) 1.05x at M=1, even at
-# 2-4, slower from 8
-CUTE_MXFP4_LDG = {384: 16, 1536: 1}
+# width I. Cold routings, one H200, alternating repeats in one run (bench/results/experts_alt_cold8_h200_*):
+# with 8 + 8 gate-up rows per CTA (d225cce) against the kernels dispatch took before (xf up to 2
+# tokens, untagged above), TP=8 (I=384) M = 1/2/4/8/16: 1.16 / 1.12-1.13 / 1.11 / 1.04-1.07 /
+# 1.07-1.12x; the 16 + 16 rows now built against those 8 + 8 (3ee2541): TP=8 1.01-1.04x at M <= 16,
+# and against the old kernels at TP=2 (I=1536) M = 2/4/8/16: 1.03 / 1.05-1.08 / 1.05-1.11 /
+# 1.04-1.08x (M=1: 1.02-1.03x over the 8 + 8 rows, which were 1.03-1.05x over xf). Not run above 16.
+CUTE_MXFP4_LDG = {384: 16, 1536: 16}
 
 
 def mxfp4_tag(I: int, N: int) -> str:

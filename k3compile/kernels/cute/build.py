@@ -96,23 +96,17 @@ MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # tokens, slower at 8-16; bab4aec) and pairs with the default down; "m32" keeps mid in fp32, the
 # default before 6db8633's measurement
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
-              # both kernels load their weight vectors into registers, one stage of rows ahead of
-              # the math (mxfp4_experts wload="ldg"; down: stages of 4 rows), with xf's activation
-              # order. Built by default: choose.CUTE_MXFP4_LDG's batches (TP=8 M=1/2/4: 1.15 / 1.11 /
-              # 1.11x the cp.async kernels, ff2f672). Down with stages of 8 or 2 rows measured the same.
-              "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=False),
+              # both kernels load their weight vectors into registers, one stage of 4 rows ahead of
+              # the math (mxfp4_experts wload="ldg"), with xf's activation order; gate-up 16 gate + 16
+              # up rows per CTA (32 rows per thread, stages of 4), down its default tile. Built by
+              # default: choose.CUTE_MXFP4_LDG's batches. Tried and dropped (02b50b7 / 3ee2541 runs):
+              # 8 + 8 gate-up rows (2-9% slower at TP=2, 1-3% at TP=8), 4 + 4 (slower), down tiles of
+              # 32 x 8, 64 x 16 and 128 x 16 rows x groups (slower but 128 x 16 at TP=8 M=1), stages of
+              # 8 gate-up rows (slower).
+              "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
+                           dn=dict(stages=2), alt=False),
               # ldgd's gate-up with the default down (what each kernel contributes)
-              "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), alt=True),
-              # ldgd with other tiles: down 32 rows of 8 groups (4 rows per thread), 128 of 16 (8 per
-              # thread, twice the threads), 64 of 16 (4 per thread); gate-up 4 or 16 + 16 rows per CTA
-              "ldgd_d32": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1, rows=32, groups=8), alt=True),
-              "ldgd_d128": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2, rows=128, groups=16), alt=True),
-              "ldgd_d64g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=1, rows=64, groups=16), alt=True),
-              "ldgd_g4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=4, stages=2), dn=dict(stages=2), alt=True),
-              "ldgd_g16": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
-              "ldgd_g16s4": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=4), dn=dict(stages=2), alt=True),
-              "ldgd_g16d128": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
-                                   dn=dict(stages=2, rows=128, groups=16), alt=True),
+              "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), gu=dict(rows=16, stages=8), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -125,11 +119,13 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
               # probes (wrong results; loader.find_mxfp4 serves them only with K3_CUTE_PROBE=1, for
               # bench/experts_probe.py): xf's gate-up without the math (what its loads cost) and
-              # without the weight loads (what its math costs)
+              # without the weight loads (what its math costs); ldgnm / ldgnl the same of ldgd
               "nomath": dict(probe="nomath", x_first=True, modes=("gate_up",), alt=True),
               "noload": dict(probe="noload", x_first=True, modes=("gate_up",), alt=True),
-              "ldgnm": dict(probe="nomath", wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True),
-              "ldgnl": dict(probe="noload", wload="ldg", x_first=True, modes=("gate_up", "down"), dn=dict(stages=2), alt=True)}
+              "ldgnm": dict(probe="nomath", wload="ldg", x_first=True, modes=("gate_up", "down"),
+                            gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
+              "ldgnl": dict(probe="noload", wload="ldg", x_first=True, modes=("gate_up", "down"),
+                            gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 

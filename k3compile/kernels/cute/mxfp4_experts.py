@@ -13,9 +13,13 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   one row's bytes contiguously and consecutive groups consecutive rows (fully coalesced).
 - The thread's 32 activations (x[t, 32v:32v+32] as bf16, or mid's for down) are loaded once,
   converted to fp32 and pre-scaled by 2^100 (exact), and kept in registers for all its rows.
-- All RPG rows' 16-byte vectors and the CTA's scale bytes are issued before any math, as cp.async
-  into shared memory (`stages` commit groups): RPG * 16 bytes in flight per thread (gate-up TP=8:
-  16 rows -> 28 KB per CTA).
+- wload="cp": all RPG rows' 16-byte vectors and the CTA's scale bytes are issued before any math, as
+  cp.async into shared memory (`stages` commit groups): RPG * 16 bytes in flight per thread (gate-up
+  TP=8: 16 rows -> 28 KB per CTA). wload="ldg" (the "ldgd" kernels dispatch takes at up to 16
+  tokens, choose.mxfp4_tag): the vectors go into registers, one stage of rows ahead of the stage
+  being summed, so the sums overlap the loads instead of following most of them (Nsight Compute,
+  TP=8 M=1, cp.async gate-up: DRAM 37%, 0.39 issued warps per scheduler cycle; probes of d72f3fd:
+  that gate-up takes 11.2 us, its loads alone 8.3, its math alone 7.8; the ldg one 8.9).
 - Dequantisation two codes per 3 integer ops (v3's trick): for a word w (8 codes, code j in nibble
   j) and k in 0..3, n = (k < 2 ? w : w >> 8) & (k even ? 0x000F000F : 0x00F000F0);
   m = n * (k even ? 2^6 + 2^12 : 2^2 + 2^8) puts codes (k, k + 4) as two bf16 bit patterns
