@@ -10,11 +10,11 @@ boundary the CuTe pair has); "contig" reads as many bytes (every pair's, duplica
 consecutive rows of one buffer (no gather).
 Every case: K routings in turn call by call (--cold, as experts_bench), CUDA graph, events, median.
 
---tags T1,T2: also each gate-up variant of build.MXFP4_TAGS alone ("cute gate-up@T") and, unless it
-is a probe (wrong results: "nomath" / "noload" / "ldgnm"), the pair with it ("cute both pdl@T");
---no-read skips the read kernels.
+--tags T1,T2: also each variant of build.MXFP4_TAGS: its gate-up alone ("cute gate-up@T"), its down
+alone where the tag has one ("cute down@T") and, unless it is a probe (wrong results: "nomath",
+"noload", "ldgnm", "ldgnl"), the pair ("cute both pdl@T"); --no-read skips the read kernels.
 
-    python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--tags ldg,b4] [--no-read] [--out F]
+    python bench/experts_probe.py [--shapes tp8,tp2] [--ms 1,2,4] [--cold 8] [--tags ldg,ldgnm,ldgnl] [--no-read] [--out F]
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--ms", default="1,2,4")
     ap.add_argument("--cold", type=int, default=8)
     ap.add_argument("--blocks", default="2048,8192", help="int32 words per read program")
-    ap.add_argument("--tags", default="", help="gate-up variants (build.MXFP4_TAGS) timed beside the default")
+    ap.add_argument("--tags", default="", help="variants (build.MXFP4_TAGS) timed beside the default")
     ap.add_argument("--no-read", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -94,7 +94,7 @@ for st in "$@"; do
                  --tiles "${K3_TILES:-{\}}" --no-reference-time --cold 8 --pool $pool --shapes tp8,tp2 \
                  --ms ${K3_MS:-4,16,64,256} --out "$R/experts_grouped_pool$pool.json"
              done ;;
-    # K3_PROBE_TAGS: gate-up variants timed beside the default (--tags), K3_PROBE_EXTRA more flags (--no-read)
+    # K3_PROBE_TAGS: variants timed beside the default (--tags), K3_PROBE_EXTRA more flags (--no-read)
     probe) step experts_probe 240 python3 bench/experts_probe.py --ms ${K3_MS:-1,2,4} --tags "${K3_PROBE_TAGS:-}" \
              ${K3_PROBE_EXTRA:-} --out "$R/experts_probe.json" ;;
     # Nsight Compute on the CuTe expert kernels (gate-up and down of the 3rd call; hardware counters

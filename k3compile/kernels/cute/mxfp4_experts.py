@@ -195,8 +195,9 @@ def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift"):
 class Mxfp4ExpertGemvSm90:
     """mode "gate_up": rows 2*BI per CTA (BI gate rows, the same BI up rows), K_in = L;
     mode "down": rows G*RPG per CTA, K_in = I. NV = K_in / 32 vectors (scale blocks) per row.
-    stages: the rows a thread reads are split into this many cp.async commit groups, consumed in
-    order (the first also carries the CTA's scale bytes).
+    stages: the rows a thread reads are split into this many stages, consumed in order: cp.async
+    commit groups (wload "cp"; the first also carries the CTA's scale bytes) or register loads
+    issued one stage ahead (wload "ldg").
     wload: "cp" (every row's vector staged in shared memory by cp.async, all in flight before any
     math) or "ldg" (vectors loaded into registers, one stage of rows in flight ahead of the stage
     being summed; shared memory holds only scales and partials). With "cp" a warp sums nothing
