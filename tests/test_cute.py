@@ -475,6 +475,37 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
     assert "no CuTe artifact directory" in loader.find_mxfp4(tmp_path / "nope", 384, 3584, 16)[1]
 
 
+def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(built, tmp_path, monkeypatch):
+    """An artifact directory without the variant dispatch picks (built before "ldgd" existed): the
+    untagged CuTe kernels run, with the reason in fallbacks(); a tag forced by K3_CUTE_MXFP4_TAG
+    does not fall back (benchmarks must not time another kernel)."""
+    import shutil
+    out, _ = built
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in out.iterdir():
+        if "_h2" in f.name and "i384" in f.name and not any(t in f.name for t in ("_xf", "_ldgd")):
+            shutil.copy(f, old / f.name)
+    monkeypatch.setenv("K3_CUTE_DIR", str(old))
+    monkeypatch.setenv("K3_CUTE_JIT", "0")
+    monkeypatch.delenv("K3_CUTE_MXFP4_TAG", raising=False)
+    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(choose, "_WHY", {})
+    got = []
+    monkeypatch.setattr(loader, "mxfp4_experts", lambda gu, dn, *a, **k: got.append((gu.man["tag"], dn.man["tag"])) or "ran")
+    E, I, L = 2, 384, 3584
+    x = torch.zeros(1, L, dtype=torch.bfloat16).as_subclass(FakeCuda)
+    ids = torch.zeros(1, 16, dtype=torch.int32)
+    w13, s13 = torch.zeros(E, 2 * I, L // 2, dtype=torch.uint8), torch.zeros(E, 2 * I, L // 32, dtype=torch.uint8)
+    w2, s2 = torch.zeros(E, L, I // 2, dtype=torch.uint8), torch.zeros(E, L, I // 32, dtype=torch.uint8)
+    with pytest.warns(UserWarning, match="running the untagged CuTe kernels"):
+        assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") == "ran"
+    assert got == [("", "")]
+    assert list(choose.fallbacks()) == ["mxfp4_experts I=384 L=3584 K=16 f16x2 ldgd"]
+    monkeypatch.setenv("K3_CUTE_MXFP4_TAG", "ldgd")
+    assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") is None and got == [("", "")]
+
+
 def test_dispatch_memoises_artifacts(built, monkeypatch):
     """choose keeps one Artifact per (dir, shapes): a fresh one per call would load a new module
     every call (and call cuModuleLoadData inside CUDA-graph captures)."""

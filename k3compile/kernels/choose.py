@@ -38,11 +38,11 @@ CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 128)}   # from GPU be
 _WHY: dict[str, str] = {}
 
 
-def _note(key: str, why: str) -> None:
+def _note(key: str, why: str, then: str = "running the default path") -> None:
     """Record why a wanted CuTe kernel did not run; warn the first time for each op/shape."""
     if key not in _WHY:
         _WHY[key] = why
-        warnings.warn(f"k3: CuTe kernel not used for {key}: {why}; running the default path", stacklevel=3)
+        warnings.warn(f"k3: CuTe kernel not used for {key}: {why}; {then}", stacklevel=3)
 
 
 def wanted(op: str, m: int) -> bool:
@@ -301,9 +301,8 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     with the reason in fallbacks()."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    tag = os.environ.get("K3_CUTE_MXFP4_TAG")   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
-    if tag is None:
-        tag = mxfp4_tag(I, N) if math == "f16x2" else ""
+    forced = os.environ.get("K3_CUTE_MXFP4_TAG")   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
+    tag = forced if forced is not None else (mxfp4_tag(I, N) if math == "f16x2" else "")
     tag = "" if tag == "none" else tag
     key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (f" {tag}" if tag else "")
     if not x.is_cuda:
@@ -315,6 +314,12 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     try:
         from .cute import loader
         arts, why = _find("mxfp4", I, L, K, math, tag)
+        if arts is None and tag and forced is None:
+            # dispatch's variant is not there (an artifact directory built before it, no DSL to
+            # build it): the untagged kernels of the same math, with the reason recorded
+            arts = _find("mxfp4", I, L, K, math, "")[0]
+            if arts is not None:
+                _note(key, why, "running the untagged CuTe kernels")
         if arts is None:
             _note(key, why)
             return None
