@@ -135,7 +135,19 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "fzl": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
                           gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg"), alt=True),
               "fz112": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                            gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp"), alt=True)}
+                            gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp"), alt=True),
+              "fz112s": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
+                             gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp", sleep_ns=200),
+                             alt=True),
+              "fzls": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
+                           gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg", sleep_ns=200), alt=True),
+              "fzls1k": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
+                             gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg", sleep_ns=1000), alt=True),
+              # probe: fz112 whose down does not wait (wrong results): the fused kernel without its sync
+              "fznw": dict(fused=True, probe="nowait", wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
+                           gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp"), alt=True),
+              "fzlnw": dict(fused=True, probe="nowait", wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
+                            gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg"), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -281,7 +293,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     if v["mode"] == "fused":
         k = Mxfp4ExpertsFusedSm90(v["I"], v["L"], v["K"], v["gu"], v["dn"], v["math"], v.get("mid", "f32"),
-                                  v.get("deq", "shift"), v.get("x_first", False))
+                                  v.get("deq", "shift"), v.get("x_first", False), v.get("probe", ""))
         z = cutlass.Int64(0)
         return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                         lambda symbol, params: _mxfp4_fused_manifest(v, k, symbol, params))

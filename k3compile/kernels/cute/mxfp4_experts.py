@@ -214,10 +214,11 @@ class Mxfp4ExpertGemvSm90:
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
                  math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
                  wload: str = "cp", probe: str = "", sync: str = "pdl", block: int = 0, waits_for: int = 0,
-                 waiters: int = 0):
+                 waiters: int = 0, sleep_ns: int = 0):
         assert mode in ("gate_up", "down"), mode
         assert wload in ("cp", "ldg"), wload
-        assert probe in ("", "nomath", "noload"), probe
+        assert probe in ("", "nomath", "noload", "nowait"), probe
+        assert probe != "nowait" or sync == "flag", "nowait: a fused kernel's (neither signals nor waits)"
         self.ldg, self.probe = wload == "ldg", probe
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
@@ -238,7 +239,7 @@ class Mxfp4ExpertGemvSm90:
         # gate-up CTAs), its `waiters` CTAs per pair resetting it. The CTA has `block` >= threads
         # threads: the extra ones repeat a computing thread's loads and math and store nothing.
         assert sync in ("pdl", "flag"), sync
-        self.sync, self.waits_for, self.waiters = sync, waits_for, waiters
+        self.sync, self.waits_for, self.waiters, self.sleep_ns = sync, waits_for, waiters, sleep_ns
         self.block = block or self.threads
         assert self.threads <= self.block <= 2 * self.threads and self.block <= 1024, (self.threads, self.block)
         if mode == "gate_up":
@@ -374,10 +375,11 @@ class Mxfp4ExpertGemvSm90:
         elif cutlass.const_expr(self.sync == "pdl"):
             pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
         else:                  # the pair's gate-up CTAs have all stored their slices of mid
-            if tidx == 0:
-                wait_count_reset(ws + Int64(p) * 4, ws + Int64(self.FLAG_PMAX + p) * 4, Int32(self.waits_for),
-                                 Int32(self.waiters - 1))
-            cute.arch.sync_threads()
+            if cutlass.const_expr(self.probe != "nowait"):
+                if tidx == 0:
+                    wait_count_reset(ws + Int64(p) * 4, ws + Int64(self.FLAG_PMAX + p) * 4, Int32(self.waits_for),
+                                     Int32(self.waiters - 1), self.sleep_ns)
+                cute.arch.sync_threads()
 
         # activations: 32 values of this thread's block, fp32, pre-scaled by 2^100 (f32 math; f16x2
         # scales them below)
@@ -470,7 +472,7 @@ class Mxfp4ExpertGemvSm90:
                     st_bf16(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 2, gs * us)
                 else:
                     st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 4, gs * us)
-            if cutlass.const_expr(self.sync == "flag"):
+            if cutlass.const_expr(self.sync == "flag" and self.probe != "nowait"):
                 cute.arch.sync_threads()                       # the CTA's slice of mid is stored
                 if tidx == 0:
                     red_release_gpu_add(ws + Int64(p) * 4, Int32(1))
@@ -495,16 +497,18 @@ class Mxfp4ExpertsFusedSm90:
     gives); it is launched without PDL."""
 
     def __init__(self, I: int, L: int, K: int, gu: dict, dn: dict, math: str = "f16x2", mid: str = "bf16",
-                 deq: str = "prmt", x_first: bool = True):
+                 deq: str = "prmt", x_first: bool = True, probe: str = ""):
         t_gu, t_dn = L // 32, dn.get("groups", 1) * (I // 32)
         self.block = max(t_gu, t_dn)
         gu_rows = gu["rows"]
         self.gu_rb, self.dn_rb = I // gu_rows, L // dn["rows"]
         common = dict(math=math, mid=mid, deq=deq, sync="flag", block=self.block)
         self.gu = Mxfp4ExpertGemvSm90("gate_up", I, L, K, gu_rows, 1, gu.get("stages", 4), x_first=x_first,
-                                      wload=gu.get("wload", "cp"), **common)
+                                      wload=gu.get("wload", "cp"), probe="nowait" if probe == "nowait" else "",
+                                      **common)
         self.dn = Mxfp4ExpertGemvSm90("down", I, L, K, dn["rows"], dn.get("groups", 1), dn.get("stages", 4),
-                                      wload=dn.get("wload", "cp"), waits_for=self.gu_rb, waiters=self.dn_rb, **common)
+                                      wload=dn.get("wload", "cp"), waits_for=self.gu_rb, waiters=self.dn_rb,
+                                      sleep_ns=dn.get("sleep_ns", 0), probe=probe, **common)
         self.I, self.L, self.K = I, L, K
         ks = (self.gu, self.dn)
         self.wbuf_words = max(k.wbuf_words for k in ks)
