@@ -105,13 +105,6 @@ def main():
                 if arts is None:
                     print("no CuTe artifacts:", why)
                     continue
-                if len(arts) == 1:     # the fused kernel (one launch; its counters allocated eagerly first)
-                    def fused(art=arts[0]):
-                        loader.mxfp4_experts_fused(art, x, routings[next(turn) % a.cold], w13, s13, w2, s2,
-                                                   4.0, 25.0)
-                    fused()
-                    cases[f"cute both@{t}"] = fused
-                    continue
                 gu, dn = arts
                 mid = torch.randn(P, I, device="cuda").to(torch.bfloat16)
                 out = torch.empty(M, TOPK, L, dtype=torch.bfloat16, device="cuda")

@@ -108,8 +108,7 @@ def _mxfp4_pairs(math="f32"):
 # max |err| / max |ref|: f32 math only rounds the bf16 output; f16x2 sums each 32-code block in
 # fp16 and rounds mid to fp16 (CPU emulation: 6e-3 on small shapes), the bound v3 has in experts_bench
 MXFP4_TOL = {"f32": 1e-2, "f16x2": 2e-2, "f16x2_xf": 2e-2, "f16x2_m32": 2e-2, "f16x2_dn2x": 2e-2,
-             "f16x2_sh": 2e-2, "f16x2_ldg": 2e-2, "f16x2_ldgd": 2e-2, "f16x2_fz": 2e-2, "f16x2_fzl": 2e-2,
-             "f16x2_fz112": 2e-2, "f16x2_fz112s": 2e-2, "f16x2_fzls": 2e-2, "f16x2_fzls1k": 2e-2}   # "_TAG": build.MXFP4_TAGS (not the probes: wrong results by design)
+             "f16x2_sh": 2e-2, "f16x2_ldg": 2e-2, "f16x2_ldgd": 2e-2}   # "_TAG": build.MXFP4_TAGS (not the probes: wrong results by design)
 
 
 def test_mxfp4_artifacts_present():
@@ -149,14 +148,14 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
         pytest.skip("no artifact for this I (alternates: build --alt) / not sm_90")
     from k3compile.kernels.cute import loader
     from k3compile.model.moe_ops import mxfp4_experts_reference
-    arts = pairs[I]        # (gate_up, down), or (fused,): one kernel, per-pair counters
+    gu, dn = pairs[I]
     g = torch.Generator(device="cuda").manual_seed(0)
     E, L, K = (32 if I == 384 else 8), 3584, 16
     w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
-        out = loader.mxfp4_run(arts, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
+        out = loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0, pdl=pdl)
         torch.cuda.synchronize()
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -164,15 +163,12 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
         assert out.shape == (M, K, L) and out.dtype == torch.bfloat16
         assert err <= tol, (I, M, err)
         # CUDA graph: capture once, replay with new inputs copied into the captured buffers
-        gout = _graphed_with_new_inputs(lambda: loader.mxfp4_run(arts, x, ids, w13, s13, w2, s2, 4.0, 25.0,
-                                                                 pdl=pdl), x, ids, E, g)
+        gout = _graphed_with_new_inputs(lambda: loader.mxfp4_experts(gu, dn, x, ids, w13, s13, w2, s2, 4.0, 25.0,
+                                                                     pdl=pdl), x, ids, E, g)
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
         err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
         print(f"mxfp4 cute {math} pdl={pdl} I={I} M={M}: graphed err {err:.3e}")
         assert err <= tol, (I, M, "graphed", err)
-        if len(arts) == 1:     # every launch leaves the fused kernel's counters zero
-            flags = loader.mxfp4_flags(x.device, 1, create=False)
-            assert int(flags.count_nonzero()) == 0, flags.nonzero()
 
 
 def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):

@@ -323,18 +323,8 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         if arts is None:
             _note(key, why)
             return None
-        if (len(arts) == 1 and torch.cuda.is_current_stream_capturing()
-                and loader.mxfp4_flags(x.device, 2 * arts[0].man["flag_pmax"], create=False) is None):
-            # the fused kernel's counters come from an eager call; a capture cannot own them
-            alt = _find("mxfp4", I, L, K, math, "ldgd")[0]
-            if alt is None:
-                _note(key, "fused kernel's counters not allocated before this CUDA graph capture; no ldgd kernels")
-                return None
-            _note(key, "fused kernel's counters not allocated before this CUDA graph capture (an eager call "
-                  "allocates them)", "running the ldgd kernels")
-            arts = alt
-        return loader.mxfp4_run(arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
-                                float(beta), float(linear_beta), pdl=cute_pdl())
+        return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
+                                    float(beta), float(linear_beta), pdl=cute_pdl())
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason
         _note(key, f"loader error: {type(e).__name__}: {e}")
         return None

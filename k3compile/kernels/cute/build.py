@@ -125,29 +125,7 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "ldgnm": dict(probe="nomath", wload="ldg", x_first=True, modes=("gate_up", "down"),
                             gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
               "ldgnl": dict(probe="noload", wload="ldg", x_first=True, modes=("gate_up", "down"),
-                            gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True),
-              # gate-up and down in one kernel (mxfp4_experts.Mxfp4ExpertsFusedSm90; TP=8 widths):
-              # ldgd's gate-up; down CTAs wait on per-pair counters instead of a kernel boundary.
-              # fz: down's weights by cp.async, issued before the wait; fzl: ldgd's register down;
-              # fz112: fz with 112-row down tiles (896 CTAs at M=1: one wave at 8 CTAs per SM)
-              "fz": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                         gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="cp"), alt=True),
-              "fzl": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                          gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg"), alt=True),
-              "fz112": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                            gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp"), alt=True),
-              "fz112s": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                             gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp", sleep_ns=200),
-                             alt=True),
-              "fzls": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                           gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg", sleep_ns=200), alt=True),
-              "fzls1k": dict(fused=True, wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                             gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg", sleep_ns=1000), alt=True),
-              # probe: fz112 whose down does not wait (wrong results): the fused kernel without its sync
-              "fznw": dict(fused=True, probe="nowait", wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                           gu=dict(rows=16, stages=8), dn=dict(rows=112, stages=2, wload="cp"), alt=True),
-              "fzlnw": dict(fused=True, probe="nowait", wload="ldg", x_first=True, modes=("fused",), only_i=(384,),
-                            gu=dict(rows=16, stages=8), dn=dict(stages=2, wload="ldg"), alt=True)}
+                            gu=dict(rows=16, stages=8), dn=dict(stages=2), alt=True)}
 MXFP4_DEQ = {"f32": "shift", "f16x2": "prmt"}      # each math's default dequantisation
 
 
@@ -160,8 +138,6 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
         sfx, mid = MXFP4_MATH[math]
         sfx += f"_{tag}" if tag else ""
         for I, t in MXFP4_SHAPES["tiles"].items():
-            if I not in o.get("only_i", (I,)):
-                continue
             t = dict(t, bl=t["bl"] * (2 if o.get("bl2x") else 1))
             common = dict(kernel="mxfp4_experts", I=I, L=L, K=K, stages=o.get("stages", 4), math=math, tag=tag,
                           mid=o.get("mid", mid), deq=o.get("deq", MXFP4_DEQ[math]))
@@ -169,12 +145,6 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
             # "gu" / "dn": a tag's own options for one kernel (rows: BI / BL, groups, stages)
             gu, dn = o.get("gu", {}), o.get("dn", {})
             bi, bl, g = gu.get("rows", t["bi"]), dn.get("rows", t["bl"]), dn.get("groups", t["groups"])
-            if "fused" in o["modes"]:
-                common.pop("wload", None)
-                gcfg = dict(gu, rows=bi, wload=gu.get("wload", o.get("wload", "cp")))
-                dcfg = dict(dn, rows=bl, groups=g)
-                out.append(dict(common, name=f"mxfp4_fused_i{I}_l{L}_k{K}_bi{bi}_bl{bl}_g{g}{sfx}", op="mxfp4_fused",
-                                mode="fused", rows=bi, groups=g, x_first=o.get("x_first", False), gu=gcfg, dn=dcfg))
             if "gate_up" in o["modes"]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False),
@@ -270,33 +240,9 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
                 align=dict(x=16, w=16, s=4, out=4, ids=4))
 
 
-_FUSED_PARAMS = [dict(kind="ptr", tensor=t) for t in ("x", "ids", "w13", "s13", "w2", "s2", "mid", "out", "flags")]
-_FUSED_PARAMS += [dict(kind="i32", name="P"), dict(kind="f32", name="beta"), dict(kind="f32", name="linear_beta")]
-
-
-def _mxfp4_fused_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
-    """Manifest of a fused MXFP4 variant; `k` is its Mxfp4ExpertsFusedSm90 instance."""
-    if [(p["size"]) for p in params] != [8] * 9 + [4, 4, 4]:
-        raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"[ptr x9, i32, f32 x2]: the DSL changed the kernel ABI")
-    return dict(symbol=symbol, block=[k.block, 1, 1], grid=["C", 1, 1], smem=k.smem_bytes,
-                params=[dict(p, **kd) for p, kd in zip(params, _FUSED_PARAMS)],
-                shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"]),
-                ctas_per_pair=k.gu_rb + k.dn_rb, flag_pmax=k.gu.FLAG_PMAX,
-                math=v["math"], mid=v.get("mid", "f32"), tag=v.get("tag", ""), probe=v.get("probe", ""),
-                pdl="none", align=dict(x=16, w13=16, s13=4, w2=16, s2=4, out=4, ids=4, mid=16, flags=4))
-
-
 def _compile_mxfp4(v: dict, out: Path) -> dict:
     import cutlass
-    from .mxfp4_experts import Mxfp4ExpertGemvSm90, Mxfp4ExpertsFusedSm90
-
-    if v["mode"] == "fused":
-        k = Mxfp4ExpertsFusedSm90(v["I"], v["L"], v["K"], v["gu"], v["dn"], v["math"], v.get("mid", "f32"),
-                                  v.get("deq", "shift"), v.get("x_first", False), v.get("probe", ""))
-        z = cutlass.Int64(0)
-        return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
-                        lambda symbol, params: _mxfp4_fused_manifest(v, k, symbol, params))
+    from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
@@ -397,9 +343,6 @@ def jit_variants(kind: str, *key) -> list[dict]:
            if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
     if tag and not any(v["tag"] == tag for v in fit):
         return []
-    fused = [v for v in fit if v["mode"] == "fused" and v["tag"] == tag]
-    if fused:
-        return fused[:1]
     # a tag that changes one kernel pairs it with the other's untagged one
     gu, dn = ([v for v in fit if v["mode"] == m and v["tag"] == tag] or
               [v for v in fit if v["mode"] == m and v["tag"] == ""] for m in ("gate_up", "down"))

@@ -311,8 +311,7 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
     """Why these tensors cannot go to this MXFP4 artifact ("" when they can): dtypes, contiguity,
     base alignment the kernel's cp.async / vector loads need."""
     import torch
-    want = dict(x=torch.bfloat16, ids=torch.int32, w=torch.uint8, s=torch.uint8, w13=torch.uint8, s13=torch.uint8,
-                w2=torch.uint8, s2=torch.uint8, flags=torch.int32)
+    want = dict(x=torch.bfloat16, ids=torch.int32, w=torch.uint8, s=torch.uint8)
     for name, t in tensors.items():
         if name in want and t.dtype != want[name]:
             return f"{name} is {t.dtype}, the kernel takes {want[name]}"
@@ -322,14 +321,6 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
         if t.data_ptr() % a:
             return f"{name} at {t.data_ptr():#x} is not {a}-byte aligned"
     return ""
-
-
-def _mxfp4_shapes(I: int, L: int, w13, w13_scale, w2, w2_scale) -> None:
-    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
-              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
-    for name, (t, want) in shapes.items():
-        if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
 
 
 def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
@@ -345,7 +336,11 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     if (sg["I"], sg["L"], sg["K"]) != (I, L, K) or (sd["I"], sd["L"]) != (I, L):
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} are for I={sg['I']} L={sg['L']} "
                          f"K={sg['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
+    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
+              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
+    for name, (t, want) in shapes.items():
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
     mid_dt = gate_up.man.get("mid", "f32")
     if down.man.get("mid", "f32") != mid_dt:
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} disagree on mid's dtype")
@@ -368,73 +363,11 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     return out
 
 
-# the fused kernel's per-pair counters (Mxfp4ExpertsFusedSm90), one zeroed buffer per device,
-# allocated on the first eager call and reused (each launch leaves it zero)
-_FLAGS: dict[int, object] = {}
-
-
-def mxfp4_flags(device, n: int, create: bool = True):
-    """The fused MXFP4 kernel's counter buffer on `device` (int32 [n]), or None where there is none
-    and `create` is False. Never created inside a CUDA graph capture (choose runs the two kernels
-    then): the capture would own its memory."""
-    import torch
-    dev = device_index(device)
-    buf = _FLAGS.get(dev)
-    if buf is None or buf.numel() < n:
-        if not create or torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _FLAGS[dev] = torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", dev))
-    return buf
-
-
-def mxfp4_experts_fused(fused: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float,
-                        linear_beta: float, driver: Driver | None = None):
-    """The fused MXFP4 kernel (gate-up with SiTU and down in one launch; build.MXFP4_TAGS "fz"):
-    the same contract as mxfp4_experts."""
-    import torch
-    N, K = topk_ids.shape
-    L, I = x.shape[1], w13.shape[1] // 2
-    P = N * K
-    man = fused.man
-    sh = man["shapes"]
-    if (sh["I"], sh["L"], sh["K"]) != (I, L, K):
-        raise ValueError(f"artifact {fused.path.stem} is for I={sh['I']} L={sh['L']} K={sh['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
-    if P > man["flag_pmax"]:
-        raise ValueError(f"{fused.path.stem}: {P} (token, expert) pairs, its counters hold {man['flag_pmax']}")
-    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
-    if P == 0:
-        return out
-    flags = mxfp4_flags(x.device, 2 * man["flag_pmax"])
-    if flags is None:
-        raise RuntimeError("the fused MXFP4 kernel's counters are allocated on an eager call, not inside a "
-                           "CUDA graph capture")
-    ids = topk_ids.reshape(-1)
-    ids = (ids if ids.dtype == torch.int32 else ids.to(torch.int32)).contiguous()
-    mid = torch.empty(P, I, dtype=torch.bfloat16 if man.get("mid") == "bf16" else torch.float32, device=x.device)
-    ts = dict(x=x, ids=ids, w13=w13, s13=w13_scale, w2=w2, s2=w2_scale, mid=mid, out=out, flags=flags)
-    why = mxfp4_check(man, ts)
-    if why:
-        raise ValueError(f"{fused.path.stem}: {why}")
-    vals = {k: v.data_ptr() for k, v in ts.items()}
-    vals.update(P=P, beta=beta, linear_beta=linear_beta)
-    fused.launch_values(vals, dict(C=P * man["ctas_per_pair"]), x.device, driver)
-    return out
-
-
-def mxfp4_run(arts: tuple, x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
-              driver: Driver | None = None, pdl: bool = False):
-    """find_mxfp4's artifacts run: (gate_up, down) by mxfp4_experts, (fused,) by mxfp4_experts_fused."""
-    if len(arts) == 1:
-        return mxfp4_experts_fused(arts[0], x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, driver)
-    return mxfp4_experts(*arts, x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta, driver, pdl)
-
-
 def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
-               tag: str = "") -> tuple["tuple[Artifact, ...] | None", str]:
-    """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (fused,) for a
-    fused tag, or (None, why); tag: a variant's (build.MXFP4_TAGS; its down is the untagged one
-    where it has none), "" the default kernels."""
+               tag: str = "") -> tuple["tuple[Artifact, Artifact] | None", str]:
+    """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why);
+    tag: a variant's (build.MXFP4_TAGS; its down is the untagged one where it has none), "" the
+    default kernels."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -447,12 +380,10 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
         op, sh = man.get("variant", {}).get("op"), man.get("shapes", {})
         if man.get("probe") and os.environ.get("K3_CUTE_PROBE") != "1":
             continue        # a timing probe with wrong results (build.MXFP4_TAGS): benchmarks only
-        if (op in ("mxfp4_gate_up", "mxfp4_down", "mxfp4_fused") and man.get("math", "f32") == math
-                and sh.get("I") == I and sh.get("L") == L and man.get("tag", "") == tag
-                and (op == "mxfp4_down" or sh.get("K") == K) and mf.with_suffix(".cubin").exists()):
+        if (op in ("mxfp4_gate_up", "mxfp4_down") and man.get("math", "f32") == math and sh.get("I") == I and sh.get("L") == L
+                and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
+                and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
-    if "mxfp4_fused" in found:
-        return (Artifact(found["mxfp4_fused"]),), ""
     if tag and found and len(found) < 2:     # a tag that changes one kernel: the other's untagged one
         plain = find_mxfp4(art_dir, I, L, K, math)[0]
         if plain is not None:

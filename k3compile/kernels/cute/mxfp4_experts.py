@@ -76,8 +76,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, red_release_gpu_add, st_bf16,
-                  st_f32, wait_count_reset)
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -194,7 +193,6 @@ def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift"):
 
 
 class Mxfp4ExpertGemvSm90:
-    FLAG_PMAX = 1024      # sync "flag": counters for up to this many pairs (ws: 2 x FLAG_PMAX int32)
     """mode "gate_up": rows 2*BI per CTA (BI gate rows, the same BI up rows), K_in = L;
     mode "down": rows G*RPG per CTA, K_in = I. NV = K_in / 32 vectors (scale blocks) per row.
     stages: the rows a thread reads are split into this many stages, consumed in order: cp.async
@@ -213,12 +211,10 @@ class Mxfp4ExpertGemvSm90:
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
                  math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
-                 wload: str = "cp", probe: str = "", sync: str = "pdl", block: int = 0, waits_for: int = 0,
-                 waiters: int = 0, sleep_ns: int = 0):
+                 wload: str = "cp", probe: str = ""):
         assert mode in ("gate_up", "down"), mode
         assert wload in ("cp", "ldg"), wload
-        assert probe in ("", "nomath", "noload", "nowait"), probe
-        assert probe != "nowait" or sync == "flag", "nowait: a fused kernel's (neither signals nor waits)"
+        assert probe in ("", "nomath", "noload"), probe
         self.ldg, self.probe = wload == "ldg", probe
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
@@ -234,14 +230,7 @@ class Mxfp4ExpertGemvSm90:
         self.kb = k_in // 2                       # bytes per weight row
         self.g = groups
         self.threads = self.g * self.nv
-        # sync "flag" (a role of Mxfp4ExpertsFusedSm90): gate-up adds 1 to its pair's counter once
-        # its mid slice is stored; down waits until the counter reaches `waits_for` (the pair's
-        # gate-up CTAs), its `waiters` CTAs per pair resetting it. The CTA has `block` >= threads
-        # threads: the extra ones repeat a computing thread's loads and math and store nothing.
-        assert sync in ("pdl", "flag"), sync
-        self.sync, self.waits_for, self.waiters, self.sleep_ns = sync, waits_for, waiters, sleep_ns
-        self.block = block or self.threads
-        assert self.threads <= self.block <= 2 * self.threads and self.block <= 1024, (self.threads, self.block)
+        assert self.threads <= 1024, self.threads
         if mode == "gate_up":
             assert I % rows == 0 and groups == 1
             self.bi = rows
@@ -251,13 +240,13 @@ class Mxfp4ExpertGemvSm90:
             assert L % rows == 0
             self.r = rows
             self.runs = 1
-        assert self.r % self.g == 0 and self.r <= self.block, (self.r, self.g, self.block)
+        assert self.r % self.g == 0 and self.r <= self.threads, (self.r, self.g, self.threads)
         self.rpg = self.r // self.g
         assert self.rpg % stages == 0, (self.rpg, stages)
         self.stages = stages
         self.run_chunks = self.r // self.runs * self.nv // 4      # 4-byte chunks of scales per run
         # level-1 reduction: Q threads per row, each summing NV / Q partials
-        self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.block)
+        self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.threads)
         self.row_blocks = (I // rows) if mode == "gate_up" else (L // rows)
         # dynamic shared memory: the fields below with their alignment, + 1 KiB for the allocator
         self.wbuf_words = self.r * self.nv if self.ldg else self.rpg * self.threads * 4
@@ -321,26 +310,14 @@ class Mxfp4ExpertGemvSm90:
         p, rb, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_t)
-        self.tile(st.wbuf.data_ptr(), st.sbuf.data_ptr(), st.part2.data_ptr(), st.tot.data_ptr(), tidx, p, rb,
-                  x, ids, w, s, out, beta, lbeta, Int64(0))
+        part = st.wbuf.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
+        part2 = st.part2.get_tensor(cute.make_layout((self.r, self.q), stride=(self.q, 1)))
+        tot = st.tot.get_tensor(cute.make_layout(self.r))
+        wsm = st.wbuf.data_ptr().toint() + tidx * 16          # this thread's slot of row-stage 0
+        ssm = st.sbuf.data_ptr().toint()
 
-    @cute.jit
-    def tile(self, wbuf_p, sbuf_p, part2_p, tot_p, tidx: Int32, p: Int32, rb: Int32, x: Int64, ids: Int64,
-             w: Int64, s: Int64, out: Int64, beta: Float32, lbeta: Float32, ws: Int64):
-        """One CTA's work: pair p, row block rb. Shared memory: the fields of smem_t at wbuf_p ...
-        (a larger union in the fused kernel); ws: sync "flag"'s counters (see Mxfp4ExpertsFusedSm90)."""
-        part = cute.make_tensor(wbuf_p, cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
-        part2 = cute.make_tensor(part2_p, cute.make_layout((self.r, self.q), stride=(self.q, 1)))
-        tot = cute.make_tensor(tot_p, cute.make_layout(self.r))
-        # the computing thread this one is (block > threads: the extra threads repeat one)
-        tid = tidx
-        if cutlass.const_expr(self.block > self.threads):
-            tid = tidx % self.threads
-        wsm = wbuf_p.toint() + tid * 16                        # this thread's slot of row-stage 0
-        ssm = sbuf_p.toint()
-
-        v = tid % self.nv
-        g = tid // self.nv
+        v = tidx % self.nv
+        g = tidx // self.nv
         e = Int64(ld_s32(ids + Int64(p) * 4))
         n_rows = 2 * self.I if self.mode == "gate_up" else self.L
         wbase = w + e * (n_rows * self.kb) + Int64(v) * 16
@@ -351,7 +328,7 @@ class Mxfp4ExpertGemvSm90:
         for run in cutlass.range_constexpr(self.runs):
             row0 = rb * (self.bi if self.mode == "gate_up" else self.r) + (self.I if run == 1 else 0)
             for c in cutlass.range_constexpr((self.run_chunks + self.threads - 1) // self.threads):
-                idx = tid + c * self.threads
+                idx = tidx + c * self.threads
                 if idx < self.run_chunks:
                     cp_async4(ssm + run * self.run_chunks * 4 + idx * 4, sexp + Int64(row0) * self.nv + Int64(idx) * 4)
         per = self.rpg // self.stages
@@ -370,16 +347,9 @@ class Mxfp4ExpertGemvSm90:
                 if cutlass.const_expr(r % per == per - 1):
                     cp_async_commit()
         if cutlass.const_expr(self.mode == "gate_up"):
-            if cutlass.const_expr(self.sync == "pdl"):
-                pdl_trigger()  # weight bytes are in flight: the down kernel may start its own weight loads
-        elif cutlass.const_expr(self.sync == "pdl"):
+            pdl_trigger()      # weight bytes are in flight: the down kernel may start its own weight loads
+        else:
             pdl_wait()         # the weights are in flight; mid (the gate-up kernel's output) is read below
-        else:                  # the pair's gate-up CTAs have all stored their slices of mid
-            if cutlass.const_expr(self.probe != "nowait"):
-                if tidx == 0:
-                    wait_count_reset(ws + Int64(p) * 4, ws + Int64(self.FLAG_PMAX + p) * 4, Int32(self.waits_for),
-                                     Int32(self.waiters - 1), self.sleep_ns)
-                cute.arch.sync_threads()
 
         # activations: 32 values of this thread's block, fp32, pre-scaled by 2^100 (f32 math; f16x2
         # scales them below)
@@ -437,14 +407,12 @@ class Mxfp4ExpertGemvSm90:
             else:
                 sums.append(blk * as_f32((sc + SCALE_BIAS) << 23))
             if cutlass.const_expr(self.ldg):
-                if tidx < self.threads:
-                    part[lr, v] = sums[r]                      # wbuf holds only the partials
+                part[lr, v] = sums[r]                          # wbuf holds only the partials
         if cutlass.const_expr(not self.ldg):
             cute.arch.sync_threads()                           # every thread is done with wbuf
-            if tidx < self.threads:
-                for r in cutlass.range_constexpr(self.rpg):
-                    lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
-                    part[lr, v] = sums[r]
+            for r in cutlass.range_constexpr(self.rpg):
+                lr = r if cutlass.const_expr(self.mode == "gate_up") else g + r * self.g
+                part[lr, v] = sums[r]
         cute.arch.sync_threads()
 
         if tidx < self.r * self.q:
@@ -472,81 +440,9 @@ class Mxfp4ExpertGemvSm90:
                     st_bf16(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 2, gs * us)
                 else:
                     st_f32(out + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 4, gs * us)
-            if cutlass.const_expr(self.sync == "flag" and self.probe != "nowait"):
-                cute.arch.sync_threads()                       # the CTA's slice of mid is stored
-                if tidx == 0:
-                    red_release_gpu_add(ws + Int64(p) * 4, Int32(1))
         else:
             if tidx < self.r:
                 st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + tidx)) * 2, tot[tidx])
-
-
-class Mxfp4ExpertsFusedSm90:
-    """Gate-up and down in one kernel (tag "fz", build.MXFP4_TAGS): P * (GU + DN) CTAs of `block`
-    threads, a 1-D grid: CTAs below P * GU run gate-up tiles (pair b // GU), the others down tiles
-    (pair (b - P * GU) // DN). A gate-up CTA adds 1 to its pair's counter once its slice of mid is
-    stored (release); a down CTA issues its weight (and scale) loads, then one thread spins until
-    the counter reaches GU (acquire), so down's weights come in while gate-up runs and its math
-    starts as soon as its own pair's mid is complete, without a kernel boundary. Counters: ws,
-    int32 [2, FLAG_PMAX] (count, waiters passed), zero before the first launch; the last down CTA
-    of a pair zeroes both, so every launch leaves them zero.
-    Forward progress: down CTAs wait only on gate-up CTAs, which have lower block indices; the
-    hardware dispatches CTAs in block-index order (what CUB's decoupled look-back relies on too), so
-    every gate-up CTA is running or done before a down CTA can occupy its slot. The kernel must not
-    run concurrently with itself on one ws (one launch per stream at a time, which stream order
-    gives); it is launched without PDL."""
-
-    def __init__(self, I: int, L: int, K: int, gu: dict, dn: dict, math: str = "f16x2", mid: str = "bf16",
-                 deq: str = "prmt", x_first: bool = True, probe: str = ""):
-        t_gu, t_dn = L // 32, dn.get("groups", 1) * (I // 32)
-        self.block = max(t_gu, t_dn)
-        gu_rows = gu["rows"]
-        self.gu_rb, self.dn_rb = I // gu_rows, L // dn["rows"]
-        common = dict(math=math, mid=mid, deq=deq, sync="flag", block=self.block)
-        self.gu = Mxfp4ExpertGemvSm90("gate_up", I, L, K, gu_rows, 1, gu.get("stages", 4), x_first=x_first,
-                                      wload=gu.get("wload", "cp"), probe="nowait" if probe == "nowait" else "",
-                                      **common)
-        self.dn = Mxfp4ExpertGemvSm90("down", I, L, K, dn["rows"], dn.get("groups", 1), dn.get("stages", 4),
-                                      wload=dn.get("wload", "cp"), waits_for=self.gu_rb, waiters=self.dn_rb,
-                                      sleep_ns=dn.get("sleep_ns", 0), probe=probe, **common)
-        self.I, self.L, self.K = I, L, K
-        ks = (self.gu, self.dn)
-        self.wbuf_words = max(k.wbuf_words for k in ks)
-        self.sbuf_bytes = max(k.r * k.nv for k in ks)
-        self.part2_n = max(k.r * k.q for k in ks)
-        self.tot_n = max(k.r for k in ks)
-        self.smem_bytes = (self.wbuf_words * 4 + _up(self.sbuf_bytes, 16) + 4 * (self.part2_n + self.tot_n)
-                           + 64 + 1024)
-
-    @cute.jit
-    def __call__(self, x: Int64, ids: Int64, w13: Int64, s13: Int64, w2: Int64, s2: Int64, mid: Int64,
-                 out: Int64, ws: Int64, P: Int32, beta: Float32, lbeta: Float32, stream: cuda.CUstream):
-        @cute.struct
-        class Smem:
-            wbuf: cute.struct.Align[cute.struct.MemRange[Float32, self.wbuf_words], 16]
-            sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.sbuf_bytes], 16]
-            part2: cute.struct.MemRange[Float32, self.part2_n]
-            tot: cute.struct.MemRange[Float32, self.tot_n]
-        self.smem_t = Smem
-        self.kernel(x, ids, w13, s13, w2, s2, mid, out, ws, P, beta, lbeta).launch(
-            grid=(P * (self.gu_rb + self.dn_rb), 1, 1), block=(self.block, 1, 1), stream=stream,
-            min_blocks_per_mp=1)
-
-    @cute.kernel
-    def kernel(self, x: Int64, ids: Int64, w13: Int64, s13: Int64, w2: Int64, s2: Int64, mid: Int64, out: Int64,
-               ws: Int64, P: Int32, beta: Float32, lbeta: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        b, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.smem_t)
-        n_gu = P * self.gu_rb
-        if b < n_gu:
-            self.gu.tile(st.wbuf.data_ptr(), st.sbuf.data_ptr(), st.part2.data_ptr(), st.tot.data_ptr(), tidx,
-                         b // self.gu_rb, b % self.gu_rb, x, ids, w13, s13, mid, beta, lbeta, ws)
-        else:
-            b2 = b - n_gu
-            self.dn.tile(st.wbuf.data_ptr(), st.sbuf.data_ptr(), st.part2.data_ptr(), st.tot.data_ptr(), tidx,
-                         b2 // self.dn_rb, b2 % self.dn_rb, mid, ids, w2, s2, out, beta, lbeta, ws)
 
 
 def _up(n: int, a: int) -> int:

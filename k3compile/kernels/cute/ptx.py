@@ -187,35 +187,3 @@ def st_release_sys_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     before it (with a CTA barrier and fence before it)."""
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
          "st.release.sys.global.u32 [$0], $1;", "l,r", side=True)
-
-
-@dsl_user_op
-def red_release_gpu_add(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    """atomic add of v at a global address, release at GPU scope: a CTA that acquires the sum sees
-    what this CTA wrote before it (with a CTA barrier before it: release is cumulative)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-         "red.release.gpu.global.add.s32 [$0], $1;", "l,r", side=True)
-
-
-@dsl_user_op
-def wait_count_reset(cnt: Int64, done: Int64, target: Int32, last: Int32, sleep_ns: int = 0, *, loc=None,
-                     ip=None) -> None:
-    """Spin until the counter at `cnt` reaches `target` (acquire loads at GPU scope), then count
-    this CTA into `done`; the CTA that finds `last` there (the last waiter) sets both back to 0,
-    so the next launch finds them zeroed (every producer has added and every waiter has passed).
-    One thread per CTA; a CTA barrier after it orders the CTA's later loads. sleep_ns: a nanosleep
-    between polls (hundreds of CTAs polling a few counters without one load the L2 slices that
-    hold them)."""
-    nap = f"nanosleep.u32 {int(sleep_ns)};\n" if sleep_ns else ""
-    _asm(None, [Int64(cnt).ir_value(loc=loc, ip=ip), Int64(done).ir_value(loc=loc, ip=ip),
-                Int32(target).ir_value(loc=loc, ip=ip), Int32(last).ir_value(loc=loc, ip=ip)],
-         "{ .reg .s32 c; .reg .pred p;\n"
-         "K3_WAIT: ld.acquire.gpu.global.s32 c, [$0];\n"
-         "setp.ge.s32 p, c, $2;\n"
-         "@p bra K3_PASS;\n" + nap +
-         "bra K3_WAIT;\n"
-         "K3_PASS:\n"
-         "atom.relaxed.gpu.global.add.s32 c, [$1], 1;\n"
-         "setp.eq.s32 p, c, $3;\n"
-         "@p st.relaxed.gpu.global.s32 [$0], 0;\n"
-         "@p st.relaxed.gpu.global.s32 [$1], 0; }", "l,l,r,r", side=True)
