@@ -1,6 +1,10 @@
-"""Decode GEMV: the Triton GEMV (kernels/triton_gemv.py) over a config sweep vs cuBLAS (torch.mm),
+"""Decode GEMV: the Triton GEMVs (kernels/triton_gemv.py: the CUDA-core `gemv_kernel` and the
+tensor-core split-K `mma_gemm_kernel`) over a config sweep vs cuBLAS (torch.mm),
 one GPU, cold weights (each captured call reads the next of enough weight copies to exceed the
-L2), CUDA-graphed, per weight shape and M.
+L2), CUDA-graphed, per weight shape and M. The MMA configs are tiles (MMA_TILES) crossed with
+splits along K, kept where the grid has between MMA_MIN_PROGRAMS and MMA_MAX_PROGRAMS programs
+(`mma_configs`); the CUDA-core GEMV runs only its two best configs of the e2f234a sweep
+(`--all-gemv`: all of CONFIGS). cuBLAS is timed first and last (drift shows).
 
 Shapes (N, K) are the bf16 GEMMs of the per-layer benchmark's ranks (tp8 = TP=8 per-rank widths
 on 2 GPUs; tp2 = TP=2): the ones inside k3's ops (o-proj, router+latent shard, latent up-projection,
@@ -33,11 +37,31 @@ from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph  # noqa: E402
 SHAPES = {  # name: (N, K)
     "tp8 oproj": (7168, 1536), "tp8 router_shard": (2240, 7168), "tp8 latent_up": (3584, 3584),
     "tp8 shared_gate_up": (1536, 7168), "tp8 shared_down": (7168, 768), "tp8 in_proj_kda": (6284, 7168),
-    "tp8 in_proj_mla": (3648, 7168), "tp2 oproj": (7168, 6144), "tp2 shared_gate_up": (6144, 7168),
-    "tp2 shared_down": (7168, 3072),
+    "tp8 in_proj_mla": (3648, 7168), "tp8 q_b_mla": (2304, 1536), "tp2 oproj": (7168, 6144),
+    "tp2 shared_gate_up": (6144, 7168), "tp2 shared_down": (7168, 3072), "tp2 in_proj_kda": (24752, 7168),
+    "tp2 in_proj_mla": (8256, 7168), "tp2 q_b_mla": (9216, 1536),
 }
 CONFIGS = [(2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4),
            (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 8, 3)]
+GEMV_BEST = [(2, 1024, 4, 4), (4, 1024, 4, 3)]   # the only winners of the e2f234a sweep
+# MMA GEMM tiles (BN, BK, stages, swap), 4 warps, crossed with splits along K
+MMA_TILES = [(16, 256, 4, False), (32, 256, 4, False), (32, 128, 6, False), (64, 128, 4, False),
+             (64, 256, 3, False), (64, 128, 4, True), (64, 256, 3, True), (128, 128, 3, True)]
+MMA_SPLITS = (1, 2, 4, 8)
+MMA_MIN_PROGRAMS, MMA_MAX_PROGRAMS = 100, 2200
+
+
+def mma_configs(N: int, K: int):
+    """The MMA GEMM configs swept for a weight [N, K]: every tile and split whose grid has
+    MMA_MIN_PROGRAMS..MMA_MAX_PROGRAMS programs and whose splits get at least one BK step each."""
+    from k3compile.kernels.launch import MmaCfg
+    out = []
+    for bn, bk, st, sw in MMA_TILES:
+        for sp in MMA_SPLITS:
+            progs = -(-N // bn) * sp
+            if MMA_MIN_PROGRAMS <= progs <= MMA_MAX_PROGRAMS and K // sp >= bk:
+                out.append(MmaCfg(bn, bk, sp, 4, st, sw))
+    return out
 
 
 # a KDA decode step's GEMMs in order, TP=8 shapes (the attention input projection, o-proj, the
@@ -109,9 +133,40 @@ def chain(a, ms, bw):
     return rows
 
 
+def _compile_one(job):
+    """In a worker process: launch one MMA config once at the shape (N, K) so that Triton's disk
+    cache holds its kernel (same specialisation as the timed launches: M is not specialised)."""
+    import torch
+
+    from k3compile.kernels import launch
+    N, K, cfg = job
+    x = torch.randn(1, K, device="cuda").bfloat16()
+    w = torch.randn(N, K, device="cuda").bfloat16()
+    launch.gemv(x, w, cfg=cfg)
+    launch.gemv(x, w, out=torch.empty(1, N, device="cuda", dtype=torch.bfloat16), cfg=cfg)
+    torch.cuda.synchronize()
+    return cfg.name()
+
+
+def precompile(names, workers: int) -> float:
+    """Compile every swept MMA config in `workers` processes first (Triton compiles one kernel at a
+    time per process; a serial sweep spent most of its time compiling). Returns seconds."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    t = time.time()
+    jobs = [(*SHAPES[n], c) for n in names for c in mma_configs(*SHAPES[n])]
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for f in cf.as_completed([ex.submit(_compile_one, j) for j in jobs]):
+            f.result()
+    return time.time() - t
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,4,8")
+    ap.add_argument("--precompile", type=int, default=0, help="compile the MMA configs in this many processes first")
+    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--shapes", default="", help="comma-separated SHAPES names (default: all)")
+    ap.add_argument("--all-gemv", action="store_true", help="every CUDA-core GEMV config, not only GEMV_BEST")
     ap.add_argument("--chain", default=None, help="a gemv_bench sweep result: time the GEMM chain (docstring)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -125,37 +180,58 @@ def main():
         save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                          torch=torch.__version__, triton=__import__("triton").__version__), t0)
         return
+    names = [n for n in a.shapes.split(",") if n] or list(SHAPES)
+    if a.precompile:
+        print(f"precompiled {sum(len(mma_configs(*SHAPES[n])) for n in names)} MMA configs in "
+              f"{precompile(names, a.precompile):.0f} s", flush=True)
     g = torch.Generator("cuda").manual_seed(0)
     rows = []
-    for name, (N, K) in SHAPES.items():
+    for name in names:
+        N, K = SHAPES[name]
         w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
         ncopy = max(2, -(-(200 << 20) // (N * K * 2)))
-        nxt = itertools.cycle([w] + [w.clone() for _ in range(ncopy - 1)]).__next__
+        copies = [w] + [w.clone() for _ in range(ncopy - 1)]
+        nxt = itertools.cycle(copies).__next__
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
             ref = x.float() @ w.float().t()
             nbytes = (N * K + M * K + M * N) * 2
             row = dict(shape=name, N=N, K=K, M=M, bytes=nbytes, floor_us=nbytes / bw * 1e6, us={}, err={})
             variants = {"cublas": lambda: torch.mm(x, nxt().t())}
-            for c in CONFIGS:
-                variants["gemv %d/%d/%d/%d" % c] = (lambda c=c: launch.gemv(x, nxt(), cfg=c))
+            if M <= launch.GEMV_MAX_M:
+                for c in (CONFIGS if a.all_gemv else GEMV_BEST):
+                    variants["gemv %d/%d/%d/%d" % c] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+            if M <= launch.MMA_MAX_M:
+                for c in mma_configs(N, K):
+                    variants[c.name()] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+            variants["cublas last"] = variants["cublas"]
             for vn, fn in variants.items():
-                try:
-                    out = fn()
+                try:   # into a NaN-poisoned output: an element the kernel never writes fails the check
+                    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    out = torch.mm(x, w.t(), out=out) if vn.startswith("cublas") else fn(o=out)
+                    torch.cuda.synchronize()
                     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                     row["err"][vn] = f"{type(e).__name__}: {str(e)[:120]}"
                     continue
                 row["err"][vn] = err
-                if err < 1e-2:
+                if err < 1e-2:   # (NaN fails this too)
                     row["us"][vn] = time_graph(fn)
+            row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
             gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
-            best = min(gem, key=gem.get)
-            row["best"], row["speedup_vs_cublas"] = best, row["us"]["cublas"] / gem[best]
+            mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
+            for kind, d in (("gemv", gem), ("mma", mma)):
+                if d:
+                    row[f"best_{kind}"] = min(d, key=d.get)
+            ours = {**gem, **mma}
+            best = min(ours, key=ours.get)
+            row["best"], row["speedup_vs_cublas"] = best, row["us"]["cublas"] / ours[best]
             rows.append(row)
-            print(f"{name:20s} M={M} cublas {row['us']['cublas']:6.2f} us  best {best} {gem[best]:6.2f} us "
-                  f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / gem[best] / 1e6:.2f} TB/s; floor "
-                  f"{row['floor_us']:.2f})", flush=True)
+            print(f"{name:20s} M={M:2d} cublas {row['us']['cublas']:6.2f} us  best {best:20s} {ours[best]:6.2f} us "
+                  f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / ours[best] / 1e6:.2f} TB/s; floor "
+                  f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else ""), flush=True)
+        del copies, nxt
+        torch.cuda.empty_cache()
     save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                      torch=torch.__version__), t0)
 

@@ -58,6 +58,11 @@ for st in "$@"; do
     gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
                  --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
+    # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
+    # shape, compiled in 12 processes first) against cuBLAS and the CUDA-core GEMV's best two
+    mmagemm) step mma_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
+             step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
+               ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;

@@ -236,6 +236,69 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
             assert err <= 1e-2, (M, err)
 
 
+@pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (6284, 7168), (1536, 7168)])
+def test_mma_gemm_matches_matmul_bf16_graphed_on_two_streams(N, K):
+    """The tensor-core split-K decode GEMM at the layer's weight shapes, bf16, M = 1 / 5 / 16, in
+    both MMA orientations, with and without a split, into a NaN-poisoned output (every element
+    written); accumulating into a column slice (the latent tail's form); three split calls captured
+    in one CUDA graph and replayed twice with new inputs; the same split config on the main and a
+    side stream at once (their counters are separate); the counters zero after every launch."""
+    from k3compile.kernels import launch
+    from k3compile.kernels.launch import MmaCfg
+    g = torch.Generator("cuda").manual_seed(N + K)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    cfgs = [MmaCfg(32, 256, 1), MmaCfg(16, 256, 4), MmaCfg(64, 128, 8, stages=4, swap=True),
+            MmaCfg(128, 128, 2, stages=3, swap=True)]
+
+    def rel(out, ref):
+        return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    for M in (1, 5, 16):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        ref = x.float() @ w.float().t()
+        for cfg in cfgs:
+            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert rel(launch.gemv(x, w, out=out, cfg=cfg), ref) < 1e-2, (M, cfg)
+            wide = torch.randn(M, N + 64, device="cuda", generator=g).bfloat16()
+            want = wide.float().clone()
+            want[:, 32:32 + N] += ref
+            launch.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True, cfg=cfg)
+            assert rel(wide, want) < 1e-2, (M, cfg)
+    assert launch.split_counters(w.device).abs().max().item() == 0
+    cfg = cfgs[1]
+    xs = [torch.randn(4, K, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    outs = [torch.empty(4, N, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    for x, o in zip(xs, outs):
+        launch.gemv(x, w, out=o, cfg=cfg)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, o in zip(xs, outs):
+            launch.gemv(x, w, out=o, cfg=cfg)
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(4, K, device="cuda", generator=g).bfloat16())
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, o in zip(xs, outs):
+            assert rel(o, x.float() @ w.float().t()) < 1e-2
+    side = torch.cuda.Stream()
+    x2 = torch.randn(16, K, device="cuda", generator=g).bfloat16()
+    side.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        a = launch.gemv(xs[0], w, cfg=cfg)
+        with torch.cuda.stream(side):
+            b = launch.gemv(x2, w, cfg=cfg)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert rel(a, xs[0].float() @ w.float().t()) < 1e-2 and rel(b, x2.float() @ w.float().t()) < 1e-2
+    with torch.cuda.stream(side):
+        side_cnt = launch.split_counters(w.device)
+    assert side_cnt.data_ptr() != launch.split_counters(w.device).data_ptr()
+    assert launch._SPLIT[str(w.device)][0].abs().max().item() == 0   # every stream's counters
+
+
 @pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (3584, 3584), (7168, 768), (6284, 7168)])
 def test_gemv_matches_matmul_bf16_graphed(N, K):
     """The Triton decode GEMV at the layer's weight shapes, bf16 (the CPU interpreter cannot check

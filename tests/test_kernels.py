@@ -277,10 +277,19 @@ def test_router_latent_gather(world, rank):
 @pytest.mark.parametrize("M, N, K, cfg, dt", [(1, 40, 96, (8, 32, 4, 2), torch.float32),
                                              (3, 37, 100, (4, 64, 4, 2), torch.float16),
                                              (8, 64, 64, (16, 16, 4, 2), torch.bfloat16),
-                                             (5, 20, 128, None, torch.float16)])
+                                             (5, 20, 128, None, torch.float16),
+                                             # the tensor-core kernel: unsplit, split (ragged K, a split
+                                             # left empty), swapped, 16 tokens (fp16 / fp32: the
+                                             # interpreter's bf16 dot is wrong)
+                                             (1, 40, 96, launch.MmaCfg(16, 32, 1), torch.float32),
+                                             (3, 37, 100, launch.MmaCfg(16, 32, 3), torch.float16),
+                                             (2, 48, 64, launch.MmaCfg(16, 16, 8), torch.float32),
+                                             (16, 64, 256, launch.MmaCfg(32, 64, 2), torch.float16),
+                                             (5, 70, 130, launch.MmaCfg(64, 32, 4, swap=True), torch.float16)])
 def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K, cfg, dt):
-    """The decode GEMV: out = x @ W^T, out += x @ W^T, and into a column slice of a wider buffer
-    (the latent tail's up-projection), ragged N and K, M not a power of two."""
+    """The decode GEMVs: out = x @ W^T, out += x @ W^T, and into a column slice of a wider buffer
+    (the latent tail's up-projection), ragged N and K, M not a power of two. A split MMA config
+    leaves its arrival counters zero."""
     g = torch.Generator().manual_seed(M * 100 + N)
     x, w = torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)
     ref = x.float() @ w.float().t()
@@ -293,6 +302,29 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
     launch.gemv(x, w, out=wide[:, 5:5 + N], cfg=cfg)
     torch.testing.assert_close(wide[:, 5:5 + N].float(), ref, **tol)
     assert wide[:, :5].abs().max() == 0 and wide[:, 5 + N:].abs().max() == 0
+    if isinstance(cfg, launch.MmaCfg) and cfg.split > 1:
+        assert launch.split_counters(x.device).abs().max() == 0
+
+
+def test_mma_gemm_refuses_more_than_16_tokens_and_splits_only_with_counters(monkeypatch):
+    """More tokens than one MMA tile is an error, not a wrong answer; a split call that gets no
+    counters (first use inside a CUDA graph capture, too many streams) runs unsplit, still exact."""
+    x, w = torch.randn(17, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match="M <= 16"):
+        launch.mma_gemm(x, w, launch.MmaCfg(16, 32, 2))
+    monkeypatch.setattr(launch, "split_counters", lambda device: None)
+    torch.testing.assert_close(launch.mma_gemm(x[:4], w, launch.MmaCfg(16, 16, 4)), x[:4] @ w.t(),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_config_names_round_trip():
+    """gemv_bench's config names parse back into what dispatch launches."""
+    from k3compile.kernels import choose
+    for c in (launch.MmaCfg(64, 128, 8, 4, 4, True), launch.MmaCfg(16, 256, 1, 4, 4)):
+        assert choose.parse_cfg(c.name()) == c
+    assert choose.parse_cfg("gemv 8/512/4/3") == (8, 512, 4, 3)
+    with pytest.raises(ValueError):
+        launch.MmaCfg.parse("gemv 8/512/4/3")
 
 
 @pytest.mark.parametrize("M, N, K, cfg, dt", [(1, 40, 96, (8, 32, 4, 2), torch.float32),

@@ -83,6 +83,11 @@ def variants():
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
     out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
+    mg = dict(gv, part="*fp32", cnt="*i32")
+    for sw, bn in ((0, 32), (1, 64)):
+        for sp in (1, 4):
+            out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
+                        dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
@@ -118,10 +123,18 @@ EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2"
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
+          # the tensor cores (mma.sync with the tokens as M, wgmma with the weight rows as M), the
+          # weights through cp.async; a split counts in with a gpu-scope acq_rel atomic and the last
+          # program reads the partials from L2 (.cg: not a stale L1 line)
+          "mma_gemm split": ["mma.sync", "cp.async"], "mma_gemm swap": ["wgmma", "cp.async"],
+          "mma_gemm split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
+          "mma_gemm swap split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
           "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
-ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")]}
+ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
+         # the CTA barrier after the partial stores comes before the counting atomic
+         "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
@@ -132,7 +145,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
 QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
-         "gemv pdl")
+         "gemv pdl", "mma_gemm")
 
 
 def main(argv=None) -> int:
@@ -142,7 +155,7 @@ def main(argv=None) -> int:
     for name, fn, types, consts in variants():
         if quick and not name.startswith(QUICK):
             continue
-        ptx = compile_one(fn, types, consts, aligned=name.startswith("mxfp4")).asm["ptx"]
+        ptx = compile_one(fn, types, consts, aligned=name.startswith(("mxfp4", "mma_gemm"))).asm["ptx"]
         missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
         missing += [f"forbidden {i}" for key, ins in FORBID.items() if name.startswith(key) for i in ins if i in ptx]
         missing += [f"{a} before {b}" for key, pairs in ORDER.items() if name.startswith(key) for a, b in pairs

@@ -152,6 +152,15 @@ GEMV_TABLE: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {}
 _TABLES: dict[str, dict] = {}
 
 
+def parse_cfg(text: str):
+    """A gemv_bench config name: "gemv BN/BK/warps/stages" (the CUDA-core GEMV, a tuple) or
+    "mma[s] BN/BK/SPLIT/warps/stages" (the tensor-core split-K kernel, a launch.MmaCfg)."""
+    if text.startswith("mma"):
+        from .launch import MmaCfg
+        return MmaCfg.parse(text)
+    return tuple(int(v) for v in text.split()[1].split("/"))
+
+
 def gemv_table_from(path: str) -> dict:
     """The GEMV table of a bench/gemv_bench.py result: per shape and M, the best config where it beat
     cuBLAS."""
@@ -160,17 +169,17 @@ def gemv_table_from(path: str) -> dict:
         t: dict = {}
         for r in json.load(open(path))["rows"]:
             if r.get("speedup_vs_cublas", 0) > 1.0:
-                t.setdefault((r["N"], r["K"]), {})[r["M"]] = tuple(int(v) for v in r["best"].split()[1].split("/"))
+                t.setdefault((r["N"], r["K"]), {})[r["M"]] = parse_cfg(r["best"])
         _TABLES[path] = t
     return _TABLES[path]
 
 
 def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None):
     """The GEMV config for x @ w.t() (into out), or None where cuBLAS runs it."""
-    from .launch import GEMV_DEFAULT, GEMV_MAX_M
+    from .launch import GEMV_DEFAULT, GEMV_MAX_M, MMA_MAX_M
     m = x.shape[0]
     flag = os.environ.get("K3_GEMV", "")
-    if flag == "0" or not (x.is_cuda and 1 <= m <= GEMV_MAX_M and x.dim() == 2 and w.dim() == 2):
+    if flag == "0" or not (x.is_cuda and x.dim() == 2 and w.dim() == 2 and 1 <= m <= max(GEMV_MAX_M, MMA_MAX_M)):
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1:
         return None
@@ -181,7 +190,7 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     fit = [mm for mm in sorted(by_m) if mm >= m]
     if fit:
         return by_m[fit[0]]
-    return GEMV_DEFAULT if flag not in ("", "0") else None
+    return GEMV_DEFAULT if flag not in ("", "0") and m <= GEMV_MAX_M else None
 
 
 def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -253,12 +253,93 @@ GEMV_MAX_M = 8
 GEMV_DEFAULT = (8, 512, 4, 3)
 
 
+@dataclass(frozen=True)
+class MmaCfg:
+    """A config of triton_gemv.mma_gemm_kernel: BN weight rows per program, BK per pipeline stage,
+    SPLIT programs along K, warps, pipeline stages, swap (weight rows on the MMA's M side)."""
+    bn: int
+    bk: int
+    split: int
+    warps: int = 4
+    stages: int = 4
+    swap: bool = False
+
+    def name(self) -> str:
+        return f"mma{'s' if self.swap else ''} {self.bn}/{self.bk}/{self.split}/{self.warps}/{self.stages}"
+
+    @classmethod
+    def parse(cls, text: str) -> "MmaCfg":
+        """The inverse of name(): "mma 64/256/2/4/3" or "mmas ..." (swapped)."""
+        kind, nums = text.split()
+        if kind not in ("mma", "mmas"):
+            raise ValueError(f"not an MMA GEMM config: {text!r}")
+        return cls(*(int(v) for v in nums.split("/")), swap=kind == "mmas")
+
+
+MMA_MAX_M = 16          # one MMA tile of tokens
+SPLIT_SLOTS, SPLIT_STREAMS = 8192, 8   # split-K counters per stream (tiles of one GEMM), streams per device
+_SPLIT: dict[str, tuple[torch.Tensor, dict]] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor | None:
+    """The split-K arrival counters of the MMA GEMM for the current stream of `device`: SPLIT_SLOTS
+    int32 zeros, each launch leaving them zero (triton_gemv's docstring). One tensor per device,
+    made at the first call (on a helper thread: not in a CUDA-graph-trees pool), and a slice of it
+    per stream, so that a GEMM on the side stream never shares a counter with one on the main
+    stream. None where there are none to be had: the first call inside a CUDA graph capture (no
+    allocation there), or more than SPLIT_STREAMS streams; the caller then does not split."""
+    key = str(device)
+    if key not in _SPLIT:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _SPLIT[key] = (_off_thread(lambda: torch.zeros(SPLIT_SLOTS * SPLIT_STREAMS, dtype=torch.int32,
+                                                       device=device), device), {})
+    cnt, slots = _SPLIT[key]
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if stream not in slots:
+        if len(slots) == SPLIT_STREAMS:
+            return None
+        slots[stream] = len(slots)
+    return cnt[slots[stream] * SPLIT_SLOTS:(slots[stream] + 1) * SPLIT_SLOTS]
+
+
+def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,
+             accumulate: bool = False) -> torch.Tensor:
+    """x @ w.t() (into `out`, or added to it) by triton_gemv.mma_gemm_kernel, M <= MMA_MAX_M; x [M, K]
+    and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
+    from . import triton_gemv as KG
+    M, K = x.shape
+    N = w.shape[0]
+    if M > MMA_MAX_M:
+        raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M:
+        return out
+    tiles = triton.cdiv(N, cfg.bn)
+    split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
+    cnt = split_counters(x.device) if split > 1 and tiles <= SPLIT_SLOTS else None
+    if cnt is None:   # no counters for this call (split_counters): the same product unsplit
+        split, cnt = 1, out
+    part = torch.empty(tiles * split * MMA_MAX_M * cfg.bn, dtype=torch.float32, device=x.device) if split > 1 else out
+    KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                       BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
+                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, num_warps=cfg.warps,
+                                       num_stages=cfg.stages)
+    return out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
-         cfg: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
-    """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8;
+         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False) -> torch.Tensor:
+    """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8, or,
+    for an MmaCfg, by the tensor-core split-K kernel (mma_gemm, M <= 16);
     x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
     with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
     kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K)."""
+    if isinstance(cfg, MmaCfg):
+        if pdl:
+            raise ValueError("the MMA GEMM has no PDL form")
+        return mma_gemm(x, w, cfg, out, accumulate)
     from . import triton_gemv as KG
     M, K = x.shape
     N = w.shape[0]

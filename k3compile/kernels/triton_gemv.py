@@ -16,6 +16,20 @@ previous kernel (`gdc_wait`) before it reads x, and lets the next kernel launch 
 wrote). A chain of such GEMVs streams weights across kernel boundaries instead of ramping up and
 draining each time, which a cuBLAS call cannot do. An experiment (`bench/gemv_bench.py --chain`),
 not used by any op yet: it has not run on a GPU.
+
+`mma_gemm_kernel`: the same product on the tensor cores, for M <= 16 (one MMA tile of tokens,
+rows past M masked to zero), split along K. The grid is (N / BN, SPLIT): each program streams a
+[BN, K / SPLIT] slice of W through Triton's software pipeline (`num_stages` tiles of [BN, BK] in
+flight, cp.async into shared memory) into one tl.dot accumulator, so a weight of few rows
+(N = 1536, 2240) still spreads over every SM instead of leaving a part of them idle or running a
+second, half-empty wave. SWAP puts the weight rows on the MMA's M side (W @ x^T: wgmma's 64-row
+tiles on Hopper) instead of the tokens (x @ W^T: mma.sync 16 x 8 tiles). With SPLIT > 1 each
+program stores its fp32 partial tile into `part` ([N / BN, SPLIT, BM, BN]) and counts itself in
+with one acq_rel atomic on `cnt[tile]`; the program that arrives last sums the SPLIT partials in
+split order (so the result does not depend on which one came last), writes out and sets the
+counter back to 0, so every launch leaves the counters as it found them (zero) and nothing
+separate clears them (CUDA-graph replays included). One launch; no fp32 output buffer, no atomics
+on the data.
 """
 from __future__ import annotations
 
@@ -61,3 +75,62 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, MP: tl.constexpr, BLOCK_N: tl
     if ACC:
         acc += tl.load(op, mask=om, other=0.0).to(tl.float32)
     tl.store(op, acc.to(out.dtype.element_ty), mask=om)
+
+
+@triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
+def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
+                    ACC: tl.constexpr):
+    """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
+    docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
+    `cnt` are unused when SPLIT == 1."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    nmask = rn < N
+    mmask = rm < M
+    ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # K per split, a multiple of BK
+    k_lo = sid * ks
+    k_hi = tl.minimum(k_lo + ks, K)
+    wp = w + rn.to(tl.int64)[:, None] * swn
+    xp = x + rm[:, None] * sxm
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        rk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            wt = tl.load(wp + rk[None, :], mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(xp + rk[None, :], mask=mmask[:, None], other=0.0)
+        else:
+            wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & (rk[None, :] < K), other=0.0,
+                         eviction_policy="evict_first")
+            xt = tl.load(xp + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K), other=0.0)
+        if SWAP:
+            acc = tl.dot(wt, tl.trans(xt), acc)
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    op = out + rm[:, None] * som + rn[None, :]
+    om = mmask[:, None] & nmask[None, :]
+    if SPLIT == 1:
+        if ACC:
+            acc += tl.load(op, mask=om, other=0.0).to(tl.float32)
+        tl.store(op, acc.to(out.dtype.element_ty), mask=om)
+    else:
+        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        base = part + pid.to(tl.int64) * (SPLIT * BM * BN)
+        tl.store(base + sid * (BM * BN) + offs, acc)
+        tl.debug_barrier()                                   # every thread's partial is stored ...
+        done = tl.atomic_add(cnt + pid, 1, sem="acq_rel", scope="gpu")   # ... before the count
+        if done == SPLIT - 1:                                # the last of the tile's programs
+            tot = tl.zeros([BM, BN], tl.float32)
+            for s in tl.static_range(SPLIT):
+                tot += tl.load(base + s * (BM * BN) + offs, cache_modifier=".cg")
+            if ACC:
+                tot += tl.load(op, mask=om, other=0.0).to(tl.float32)
+            tl.store(op, tot.to(out.dtype.element_ty), mask=om)
+            tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
