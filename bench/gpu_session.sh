@@ -60,7 +60,7 @@ for st in "$@"; do
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
     # shape, compiled in 12 processes first) against cuBLAS and the CUDA-core GEMV's best two
-    mmagemm) step mma_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
+    mmagemm) step mma_tests 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
