@@ -161,8 +161,50 @@ def precompile(names, workers: int) -> float:
     return time.time() - t
 
 
+def dispatch_check(a, bw):
+    """--dispatch: what choose.gemm runs (kernels/choose.GEMV_TABLE: the tuned config, or cuBLAS)
+    against torch.mm, per swept shape and M, each timed `--repeats` times in alternating order
+    (cold weights, graphed): an independent check of the table's entries, which came from one
+    sweep's best of many configs."""
+    import torch
+
+    from k3compile.kernels import choose
+    g = torch.Generator("cuda").manual_seed(1)
+    rows = []
+    names = [n for n in a.shapes.split(",") if n] or list(SHAPES)
+    for name in names:
+        N, K = SHAPES[name]
+        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+        ncopy = max(2, -(-(200 << 20) // (N * K * 2)))
+        copies = [w] + [w.clone() for _ in range(ncopy - 1)]
+        nxt = itertools.cycle(copies).__next__
+        for M in [int(m) for m in a.ms.split(",")]:
+            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+            ref = x.float() @ w.float().t()
+            cfg = choose.gemv_plan(x, w)
+            err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
+            nbytes = (N * K + M * K + M * N) * 2
+            row = dict(shape=name, N=N, K=K, M=M, bytes=nbytes, floor_us=nbytes / bw * 1e6,
+                       dispatch=cfg.name() if hasattr(cfg, "name") else ("gemv %d/%d/%d/%d" % cfg if cfg else "cublas"),
+                       err=err, us={"cublas": [], "k3": []})
+            fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
+            for _ in range(a.repeats):
+                for k in ("cublas", "k3"):
+                    row["us"][k].append(time_graph(fns[k]))
+            med = {k: sorted(v)[len(v) // 2] for k, v in row["us"].items()}
+            row["speedup_vs_cublas"] = med["cublas"] / med["k3"]
+            rows.append(row)
+            print(f"{name:20s} M={M:2d} {row['dispatch']:20s} cublas {med['cublas']:6.2f}  k3 {med['k3']:6.2f} us "
+                  f"(x{row['speedup_vs_cublas']:.2f}; floor {row['floor_us']:.2f}; err {err:.1e})", flush=True)
+        del copies, nxt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--dispatch", action="store_true", help="time choose.gemm's pick against cuBLAS (dispatch_check)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precompile", type=int, default=0, help="compile the MMA configs in this many processes first")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--shapes", default="", help="comma-separated SHAPES names (default: all)")
@@ -175,6 +217,11 @@ def main():
     from k3compile.kernels import launch
     t0 = time.time()
     bw = hbm_bandwidth()
+    if a.dispatch:
+        rows = dispatch_check(a, bw)
+        save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
+                         torch=torch.__version__), t0)
+        return
     if a.chain:
         rows = chain(a, [int(m) for m in a.ms.split(",")], bw)
         save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),

@@ -58,6 +58,10 @@ for st in "$@"; do
     gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
                  --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
+    # choose.GEMV_TABLE's picks (tuned decode GEMM or cuBLAS) against cuBLAS, alternating, 3 repeats
+    dispatch) step gemv_dispatch 240 python3 bench/gemv_bench.py --dispatch --ms ${K3_MS:-1,2,4,8,16} \
+                --out "$R/gemv_dispatch.json" ;;
+    gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
     # shape, compiled in 12 processes first) against cuBLAS and the CUDA-core GEMV's best two
     mmagemm) step mma_tests 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
@@ -135,6 +139,10 @@ for st in "$@"; do
     cute) step cute 60 python3 bench/cute_bench.py --out "$R/cute.json"
           step cute_rot 60 python3 bench/cute_bench.py --rotate 8 --out "$R/cute_rot8.json" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
+    # one GPU: the layers at TP=8 per-rank widths with no communication (world 1): the compute-side
+    # passes and kernels (K3_LB_EXTRA="--ablate-passes lower_decode_gemm" for their rows only)
+    kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
+    mla1) step layer_mla_tp8_w1 300 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
     mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;
     kda2) step layer_kda_tp2 120 $LB --layer kda --shapes tp2 --out "$R/layer_kda_tp2.json" ;;
     mla2) step layer_mla_tp2 120 $LB --layer mla --shapes tp2 --out "$R/layer_mla_tp2.json" ;;

@@ -15,9 +15,12 @@ step of that layer, CUDA-graphed, for:
               k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`
               rows compare with), k3-topk (every pass, shard_router_latent without the fused top-k
               selection), k3-cute (every pass, the experts on Triton v3 rather than the CuTe
-              GEMVs) and k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
-              between gate-up and down, K3_CUTE_PDL=0); all of them without the L2 prefetch, which the gate applies nowhere (until
-              commit d4e7aeb they had it, which mixed its cost into every pass's row)
+              GEMVs), k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
+              between gate-up and down, K3_CUTE_PDL=0) and k3-gemv (every GEMM on cuBLAS: no tuned
+              decode GEMM in the ops or in lower_decode_gemm's op, K3_GEMV=0); all of them without
+              the L2 prefetch, which the gate applies nowhere (until
+              commit d4e7aeb they had it, which mixed its cost into every pass's row);
+              --ablate-passes P,Q keeps only those passes' rows (with k3none, k3-prefetch, k3-gemv)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
   k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_CUTE_PUSH=1:
               partials stored into every rank's buffer, flags instead of a barrier)
@@ -50,11 +53,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "fold_kda_gate", "overlap_shared_expert")
+PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "fold_kda_gate", "overlap_shared_expert",
+          "lower_decode_gemm")
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
 # on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
 # other variants take the default)
-ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_push": {"K3_CUTE_PUSH": "1"}}
+ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_push": {"K3_CUTE_PUSH": "1"},
+       "k3-gemv": {"K3_GEMV": "0"}}
 # Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
@@ -113,7 +118,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
 
 
 def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3,
-        push=False):
+        push=False, ablate_passes=()):
     import torch
 
     import k3compile
@@ -179,10 +184,12 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
-            variants["k3-topk"] = k3c(prefetch=False, fuse_topk=False)  # the router's top-k not fused
-            variants["k3-cute"] = k3c(prefetch=False)      # the experts on Triton v3 (ENV below)
-            variants["k3-cute_pdl"] = k3c(prefetch=False)  # the CuTe experts without PDL (ENV below)
-            for p in PASSES:
+            variants["k3-gemv"] = k3c(prefetch=False)      # every pass, every decode GEMM on cuBLAS (ENV below)
+            if not ablate_passes:
+                variants["k3-topk"] = k3c(prefetch=False, fuse_topk=False)  # the router's top-k not fused
+                variants["k3-cute"] = k3c(prefetch=False)      # the experts on Triton v3 (ENV below)
+                variants["k3-cute_pdl"] = k3c(prefetch=False)  # the CuTe experts without PDL (ENV below)
+            for p in ablate_passes or PASSES:
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
         res, peak, kernels, errs, reports, top_kernels, attribution = {}, {}, {}, {}, {}, {}, {}
@@ -338,6 +345,8 @@ def main():
     ap.add_argument("--ms", default="1,4,16,64,256")
     ap.add_argument("--ctx", type=int, default=1024, help="MLA: cached tokens attended to")
     ap.add_argument("--ablate", default="", help="the M values that get the per-pass ablation rows, e.g. 1,16")
+    ap.add_argument("--ablate-passes", default="",
+                    help="only these passes' ablation rows (and k3none, k3-prefetch, k3-gemv), e.g. lower_decode_gemm")
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU, TP=1, no timing")
     ap.add_argument("--attribute", action="store_true",
                     help="per-op device time of one un-graphed Inductor and k3 step (which GEMM is which)")
@@ -356,7 +365,7 @@ def main():
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
                     os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds), a.push,
-                    **({} if a.smoke else {"backend": "nccl"}))
+                    tuple(p for p in a.ablate_passes.split(",") if p), **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ PASS_ORDER = (
     "fold_moe_finalize",
     "fuse_oproj_allreduce",
     "fold_kda_gate",
-    "overlap_shared_expert",  # last: it also fills the prefetch lists of the fused ops
+    "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
+    "lower_decode_gemm",      # last: the GEMMs every other pass left (overlap_shared_expert matches mm)
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -24,7 +25,7 @@ PASS_ORDER = (
 # skipped when M is static; in a dynamic-M graph the ops switch by M at run time
 # (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
-DEFAULT_M_RANGES.update(shard_router_latent=(1, 16))
+DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16))  # the latter: one MMA tile
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -52,7 +53,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # 219.0); no ablation ran at M > 1 yet
     "fold_kda_gate": (1, 1),
 }
-CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = {"lower_decode_gemm"}  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)

@@ -82,12 +82,16 @@ def test_fold_kda_gate_matches_the_prologue_or_says_why(variant, why):
 
 
 def test_reference_is_the_unfolded_math():
-    """k3::kda_decode_gated's reference = the model's prologue then k3model::kda_decode, bit for bit."""
+    """k3::kda_decode_gated's reference = the model's prologue then k3model::kda_decode, to fp32
+    rounding: the reference takes the norm as sqrt(sum(x^2)) (the form of the post-grad graph the
+    pass matches), F.normalize through torch's norm kernel, whose summation order differs on some
+    CPUs (1.5e-8 apart on one)."""
     xq, xk, v, f, b, a_log, dt_bias, state = _inputs(M=3, dtype=torch.float32, seed=3)
     st1, st2 = state.clone(), state.clone()
     want = _step("model")(xq, xk, v, f, b, a_log, dt_bias, st1)
     got = torch.ops.k3.kda_decode_gated(xq, xk, v, f, b, a_log, dt_bias, st2, -5.0, K ** -0.5, 1e-12, torch.float32)
-    assert torch.equal(got, want) and torch.equal(st1, st2)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(st1, st2, rtol=1e-6, atol=1e-7)
 
 
 _FLA_CPU = """

@@ -23,6 +23,7 @@ experts, cuBLAS for the GEMM), warns once per reason, and `fallbacks()` lists th
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -141,20 +142,43 @@ def _find(kind: str, *key, jit: bool = True):
 
 CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = hidden)
 
-# Triton GEMV (kernels/triton_gemv.py) instead of cuBLAS, by weight shape (N, K): {M: config} for
-# the M values where it measured faster (bench/gemv_bench.py, cold weights, one H200); a call with M
-# takes the config of the smallest measured M >= M. Empty: the sweep at e2f234a (BENCHMARKS.md
-# "Decode GEMV sweep") found it 0.86-1.01x of cuBLAS at M=1 on the shapes of k3's ops and
-# 0.29-0.76x at M = 4 / 8. K3_GEMV_TABLE=<gemv_bench JSON> uses a sweep's
-# result instead; K3_GEMV=1 forces the GEMV for every shape at M <= launch.GEMV_MAX_M (tuned config
-# or launch.GEMV_DEFAULT), K3_GEMV=0 turns it off.
-GEMV_TABLE: dict[tuple[int, int], dict[int, tuple[int, int, int, int]]] = {}
+# The Triton decode GEMMs (kernels/triton_gemv.py) instead of cuBLAS, by weight shape (N, K):
+# {M: config name, or None where cuBLAS measured at least as fast}; a call with M takes the entry of
+# the smallest measured M >= M (none: cuBLAS). Config names as bench/gemv_bench.py writes them
+# ("mma[s] BN/BK/SPLIT/warps/stages": the tensor-core split-K kernel; "gemv BN/BK/warps/stages":
+# the CUDA-core GEMV). From the sweep at 3aa472c (bench/results/gemv_mma_h200_3aa472c.json, one
+# H200, cold weights, graphed; BENCHMARKS.md "Decode GEMM on the tensor cores"): an entry where the
+# best config was >= 1.03x cuBLAS, None below. These are the per-rank shapes of the layer bench
+# (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_GEMV_TABLE=<gemv_bench
+# JSON> uses a sweep's result instead; K3_GEMV=1 forces the CUDA-core GEMV (tuned config or
+# launch.GEMV_DEFAULT) for every shape without an entry at M <= launch.GEMV_MAX_M, K3_GEMV=0
+# turns every decode GEMM off (cuBLAS everywhere).
+GEMV_TABLE: dict[tuple[int, int], dict] = {
+    (7168, 1536): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # o-proj, TP=8
+    (2240, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},  # router + latent shard
+    (3584, 3584): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},  # latent up shard
+    (1536, 7168): {1: None, 4: None, 16: "mma 32/128/4/4/6"},                                 # shared gate-up, TP=8
+    (7168, 768): {1: "mmas 64/128/1/4/4", 4: "mmas 64/128/1/4/4", 16: "mmas 64/128/1/4/4"},   # shared down, TP=8
+    (6284, 7168): {1: "mma 32/256/1/4/4", 4: "mma 32/128/1/4/6", 16: "mma 32/256/1/4/4"},     # KDA in_proj, TP=8
+    (3648, 7168): {1: "mma 32/128/2/4/6", 4: "mmas 64/256/2/4/3", 16: "mmas 64/256/2/4/3"},   # MLA qkv_a, TP=8
+    (2304, 1536): {1: "gemv 2/1024/4/4", 4: None, 16: None},                                  # MLA q_b, TP=8
+    (7168, 6144): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # o-proj, TP=2
+    (6144, 7168): {1: None, 4: "mma 32/256/1/4/4", 16: None},                                 # shared gate-up, TP=2
+    (7168, 3072): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: None},                 # shared down, TP=2
+    (24752, 7168): {1: "mma 64/128/1/4/4", 4: "mma 64/128/1/4/4", 16: "mma 64/128/1/4/4"},    # KDA in_proj, TP=2
+    (8256, 7168): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/128/1/4/4"},  # MLA qkv_a, TP=2
+    (9216, 1536): {1: None, 4: None, 16: None},                                               # MLA q_b, TP=2
+}
 _TABLES: dict[str, dict] = {}
 
 
-def parse_cfg(text: str):
+@functools.lru_cache(maxsize=None)
+def parse_cfg(text):
     """A gemv_bench config name: "gemv BN/BK/warps/stages" (the CUDA-core GEMV, a tuple) or
-    "mma[s] BN/BK/SPLIT/warps/stages" (the tensor-core split-K kernel, a launch.MmaCfg)."""
+    "mma[s] BN/BK/SPLIT/warps/stages" (the tensor-core split-K kernel, a launch.MmaCfg); None and
+    configs already parsed pass through."""
+    if text is None or not isinstance(text, str):
+        return text
     if text.startswith("mma"):
         from .launch import MmaCfg
         return MmaCfg.parse(text)
@@ -168,8 +192,7 @@ def gemv_table_from(path: str) -> dict:
         import json
         t: dict = {}
         for r in json.load(open(path))["rows"]:
-            if r.get("speedup_vs_cublas", 0) > 1.0:
-                t.setdefault((r["N"], r["K"]), {})[r["M"]] = parse_cfg(r["best"])
+            t.setdefault((r["N"], r["K"]), {})[r["M"]] = r["best"] if r.get("speedup_vs_cublas", 0) > 1.0 else None
         _TABLES[path] = t
     return _TABLES[path]
 
@@ -189,7 +212,7 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     by_m = (gemv_table_from(path) if path else GEMV_TABLE).get((w.shape[0], w.shape[1]), {})
     fit = [mm for mm in sorted(by_m) if mm >= m]
     if fit:
-        return by_m[fit[0]]
+        return parse_cfg(by_m[fit[0]])
     return GEMV_DEFAULT if flag not in ("", "0") and m <= GEMV_MAX_M else None
 
 

@@ -17,6 +17,9 @@
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
 - mxfp4_experts: two Triton kernels (gate-up + SiTU, down), dequantising MXFP4 in registers.
 - shared_expert_async / stream_join: the side-stream shared expert (GEMM, one SiTU kernel, GEMM).
+- decode_gemm: the Triton tensor-core split-K GEMM (or the CUDA-core GEMV) with the config of the
+  tuned table (choose.GEMV_TABLE) where it has this weight shape and M, else torch.mm (cuBLAS). The
+  GEMMs inside the ops above go through the same table (choose.gemm).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 
@@ -180,6 +183,15 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
 @register("kda_decode_gated", "cuda", "fla_fused_recurrent_kda", _ok_kda_gated)
 def _kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return launch.kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower, scale)
+
+
+def _ok_gemm(x, w):
+    return x.dim() == 2 and w.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype
+
+
+@register("decode_gemm", "cuda", "triton_mma_gemm_or_cublas", _ok_gemm)
+def _decode_gemm(x, w):
+    return choose.gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
 
 
 @register("shared_expert_async", "cuda", "side_stream")

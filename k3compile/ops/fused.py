@@ -148,6 +148,20 @@ def _(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return v.new_empty(v.shape)
 
 
+# ----------------------------------------------------------------- decode GEMMs (lower_decode_gemm)
+@torch.library.custom_op("k3::decode_gemm", mutates_args=())
+def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for a weight w [N, K] (F.linear without bias); on CUDA the tensor-core split-K
+    decode GEMM where the tuned table has this weight shape and M (kernels/choose.GEMV_TABLE),
+    else cuBLAS."""
+    return _run("decode_gemm", lambda a, b: torch.mm(a, b.t()), x, w)
+
+
+@decode_gemm.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
 OPS = {
     "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
     "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
@@ -158,4 +172,5 @@ OPS = {
     "stream_join": torch.ops.k3.stream_join.default,
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
+    "decode_gemm": torch.ops.k3.decode_gemm.default,
 }

@@ -25,7 +25,8 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, overlap_shared_expert, shard_router_latent
+from . import (fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, lower_decode_gemm, overlap_shared_expert,
+               shard_router_latent)
 
 log = logging.getLogger("k3compile")
 
@@ -36,6 +37,7 @@ PASSES = {
         fuse_oproj_allreduce.FuseOprojAllreduce(),
         fold_kda_gate.FoldKdaGate(),
         overlap_shared_expert.OverlapSharedExpert(),
+        lower_decode_gemm.LowerDecodeGemm(),
     )
 }
 
