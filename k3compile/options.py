@@ -52,8 +52,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # (k3-prefetch 187.7 vs k3-fold_kda_gate 189.3), -1.3 us alone (k3+fold_kda_gate 217.7 vs k3none
     # 219.0); no ablation ran at M > 1 yet
     "fold_kda_gate": (1, 1),
+    # KDA layer, TP=8 per-rank widths on ONE H200 (world 1: no communication; the pass only changes
+    # GEMMs), 3dba9ee, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
+    # k3-lower_decode_gemm) -6.2 / -14.3 / -19.1 us at M = 1 / 4 / 16; alone vs no pass -4.6 / -10.3 /
+    # -10.8 us (bench/results/layer_kda_tp8_w1_h200_3dba9ee.json)
+    "lower_decode_gemm": (1, 16),
 }
-CUDA_UNMEASURED: set[str] = {"lower_decode_gemm"}  # passes with no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)
