@@ -289,10 +289,16 @@ def test_prefill_sized_graph_stays_correct():
     torch._dynamo.reset()  # a pass skipped by its M range leaves the graph as it was
     f = torch.compile(m, backend=k3compile.backend(mode="eager", m_ranges={"fuse_oproj_allreduce": (1, 256)}),
                       fullgraph=True)
-    assert torch.equal(f(ids, m.new_cache(2)), ref)
+    got = f(ids, m.new_cache(2))
     rep = k3compile.last_report()
     assert "M=1024 is outside this pass's batch range [1, 256]" in rep.get("fuse_oproj_allreduce").skipped
     assert rep.get("fold_moe_finalize").matched == 3
+    # ... as if it were not there: bit for bit the compile without it. (Not bit for bit eager: for some
+    # inputs the traced graph itself, with no K3 pass, rounds one bf16 logit differently, 0.0156 here.)
+    torch._dynamo.reset()
+    g = torch.compile(m, backend=k3compile.backend(mode="eager", skip=["fuse_oproj_allreduce"]), fullgraph=True)
+    assert torch.equal(got, g(ids, m.new_cache(2)))
+    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
 
 
 def test_bad_options_are_rejected():
