@@ -161,6 +161,15 @@ def precompile(names, workers: int) -> float:
     return time.time() - t
 
 
+def cold_weights(N: int, K: int, g):
+    """(w, next): a random bf16 weight [N, K] and a function cycling over it and enough copies
+    (>= 200 MB) that each captured call reads its weight from HBM, not from the L2."""
+    import torch
+    w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
+    ncopy = max(2, -(-(200 << 20) // (N * K * 2)))
+    return w, itertools.cycle([w] + [w.clone() for _ in range(ncopy - 1)]).__next__
+
+
 def dispatch_check(a, bw):
     """--dispatch: what choose.gemm runs (kernels/choose.GEMV_TABLE: the tuned config, or cuBLAS)
     against torch.mm, per swept shape and M, each timed `--repeats` times in alternating order
@@ -174,10 +183,7 @@ def dispatch_check(a, bw):
     names = [n for n in a.shapes.split(",") if n] or list(SHAPES)
     for name in names:
         N, K = SHAPES[name]
-        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-        ncopy = max(2, -(-(200 << 20) // (N * K * 2)))
-        copies = [w] + [w.clone() for _ in range(ncopy - 1)]
-        nxt = itertools.cycle(copies).__next__
+        w, nxt = cold_weights(N, K, g)
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
             ref = x.float() @ w.float().t()
@@ -196,7 +202,7 @@ def dispatch_check(a, bw):
             rows.append(row)
             print(f"{name:20s} M={M:2d} {row['dispatch']:20s} cublas {med['cublas']:6.2f}  k3 {med['k3']:6.2f} us "
                   f"(x{row['speedup_vs_cublas']:.2f}; floor {row['floor_us']:.2f}; err {err:.1e})", flush=True)
-        del copies, nxt
+        del w, nxt
         torch.cuda.empty_cache()
     return rows
 
@@ -235,10 +241,7 @@ def main():
     rows = []
     for name in names:
         N, K = SHAPES[name]
-        w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
-        ncopy = max(2, -(-(200 << 20) // (N * K * 2)))
-        copies = [w] + [w.clone() for _ in range(ncopy - 1)]
-        nxt = itertools.cycle(copies).__next__
+        w, nxt = cold_weights(N, K, g)
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
             ref = x.float() @ w.float().t()
@@ -277,7 +280,7 @@ def main():
             print(f"{name:20s} M={M:2d} cublas {row['us']['cublas']:6.2f} us  best {best:20s} {ours[best]:6.2f} us "
                   f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / ours[best] / 1e6:.2f} TB/s; floor "
                   f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else ""), flush=True)
-        del copies, nxt
+        del w, nxt
         torch.cuda.empty_cache()
     save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                      torch=torch.__version__), t0)
