@@ -147,8 +147,9 @@ CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = 
 # the smallest measured M >= M (none: cuBLAS). Config names as bench/gemv_bench.py writes them
 # ("mma[s] BN/BK/SPLIT/warps/stages": the tensor-core split-K kernel; "gemv BN/BK/warps/stages":
 # the CUDA-core GEMV). From the sweep at 3aa472c (bench/results/gemv_mma_h200_3aa472c.json, one
-# H200, cold weights, graphed; BENCHMARKS.md "Decode GEMM on the tensor cores"): an entry where the
-# best config was >= 1.03x cuBLAS, None below. These are the per-rank shapes of the layer bench
+# H200, cold weights, graphed; BENCHMARKS.md, thirteenth session): an entry where the best config
+# was >= 1.03x cuBLAS, None below; checked again against cuBLAS at 3dba9ee (other weights, 3
+# alternating repeats, M = 1 / 2 / 4 / 8 / 16): every entry 1.04-1.53x but (6144, 7168) at M=2, 0.99x. These are the per-rank shapes of the layer bench
 # (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_GEMV_TABLE=<gemv_bench
 # JSON> uses a sweep's result instead; K3_GEMV=1 forces the CUDA-core GEMV (tuned config or
 # launch.GEMV_DEFAULT) for every shape without an entry at M <= launch.GEMV_MAX_M, K3_GEMV=0

@@ -287,7 +287,9 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
     made at the first call (on a helper thread: not in a CUDA-graph-trees pool), and a slice of it
     per stream, so that a GEMM on the side stream never shares a counter with one on the main
     stream. None where there are none to be had: the first call inside a CUDA graph capture (no
-    allocation there), or more than SPLIT_STREAMS streams; the caller then does not split."""
+    allocation there), or more than SPLIT_STREAMS streams; the caller then does not split. A CUDA
+    graph keeps the slice of the stream it was captured on: two replays of graphs captured on one
+    stream must not run at the same time (on two streams), as two launches on one stream cannot."""
     key = str(device)
     if key not in _SPLIT:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
