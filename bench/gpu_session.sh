@@ -113,7 +113,7 @@ for st in "$@"; do
            step "ncu_${v//@/_}_${sh}_m$m" 120 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 \
              --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
              --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-             python3 bench/ncu_experts.py --variant "$v" --shape "$sh" --m "$m"
+             python3 bench/ncu_experts.py --variant "$v" --shape "$sh" --m "$m" --calls 8
          done ;;
     pdl) step experts_pdl 150 python3 bench/experts_bench.py --variants cute_h2_nopdl,cute_h2,cute_h2,cute_h2_nopdl \
            --no-reference-time --shapes tp8,tp2 --ms 1,2,4,8,16 --out "$R/experts_pdl.json" ;;

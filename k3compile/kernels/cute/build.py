@@ -111,6 +111,10 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # (mxfp4_experts.Mxfp4ExpertsSplitSm90: 32 units per CTA, 2 row groups); dispatch takes
               # it at choose.CUTE_MXFP4_SPLIT's batches
               "sk": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8), alt=False),
+              "skr": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
+              "sknr": dict(modes=("fused",), probe="nored", fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
+              "sknd": dict(modes=("fused",), probe="nodown", fu=dict(rows=32, groups=2, stages=8, order="rb"),
+                           alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -257,10 +261,11 @@ def _mxfp4_fused_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
     if [p["size"] for p in params] != [8] * 9 + [4, 4]:
         raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
                          f"[ptr x9, f32 x2]: the DSL changed the kernel ABI")
-    return dict(symbol=symbol, block=[k.threads, 1, 1], grid=["P", k.row_blocks, 1], smem=k.smem_bytes,
+    grid = ["P", k.row_blocks, 1] if k.order == "p" else [k.row_blocks, "P", 1]
+    return dict(symbol=symbol, block=[k.threads, 1, 1], grid=grid, smem=k.smem_bytes,
                 params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_FUSED_PARAMS)],
                 shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
-                math=v["math"], mid="f32", tag=v.get("tag", ""), probe="", pdl="none",
+                math=v["math"], mid="f32", tag=v.get("tag", ""), probe=v.get("probe", ""), pdl="none",
                 align=dict(x=16, w=16, s=4, w2=16, s2=1, acc=16, cnt=4, out=8, ids=4))
 
 
@@ -270,7 +275,8 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     z = cutlass.Int64(0)
     if v["mode"] == "fused":
-        k = Mxfp4ExpertsSplitSm90(v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"])
+        k = Mxfp4ExpertsSplitSm90(v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v.get("order", "p"),
+                                  v.get("probe", ""))
         return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                         lambda symbol, params: _mxfp4_fused_manifest(v, k, symbol, params))
 

@@ -474,8 +474,14 @@ class Mxfp4ExpertsSplitSm90:
     Parameters: x, ids, w (W13), s, w2, s2, acc (fp32 [P, L], zero), cnt (int32 [P], zero), out
     (bf16 [P, L]), beta, linear_beta. Grid (P, I / BI)."""
 
-    def __init__(self, I: int, L: int, K: int, rows: int = 32, groups: int = 2, stages: int = 8):
+    def __init__(self, I: int, L: int, K: int, rows: int = 32, groups: int = 2, stages: int = 8, order: str = "p",
+                 probe: str = ""):
         assert rows == 32, "down reads one 16-byte vector (one scale block) per row: 32 units per CTA"
+        assert order in ("p", "rb") and probe in ("", "nored", "nodown"), (order, probe)
+        # order "p": grid (P, I / BI), consecutive CTAs are pairs; "rb": grid (I / BI, P), a pair's
+        # CTAs are consecutive (launched together at any batch)
+        # probes (benchmarks only, wrong results): "nored" skips the atomics, "nodown" down's loads
+        self.order, self.probe = order, probe
         assert I % rows == 0 and L % 32 == 0 and (I // 32) % 4 == 0 and L // 32 % 4 == 0
         self.I, self.L, self.K = I, L, K
         self.bi, self.g = rows, groups
@@ -507,8 +513,9 @@ class Mxfp4ExpertsSplitSm90:
             midv: cute.struct.MemRange[Float32, self.bi]
             flag: cute.struct.MemRange[Float32, 4]
         self.smem_t = Smem
+        grid = (P, self.row_blocks, 1) if self.order == "p" else (self.row_blocks, P, 1)
         self.kernel(x, ids, w, s, w2, s2, acc, cnt, out, beta, lbeta).launch(
-            grid=(P, self.row_blocks, 1), block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     def _gu_row(self, rb, g, r):
         """W13 row of the thread's r-th row, local row g + r G (0..BI-1 gate, BI..2BI-1 up; BI % G == 0,
@@ -520,6 +527,8 @@ class Mxfp4ExpertsSplitSm90:
         """Down group j of this thread: rows 4 (tidx + j T) + 0..3, their 16-byte vectors (ordered
         register loads) and scale bytes."""
         row0 = 4 * (tidx + j * self.threads)
+        if self.probe == "nodown":
+            return ([[Int32(0x12345678 + i + k) for i in range(4)] for k in range(4)], [Int32(120)] * 4)
         return ([ld_v4_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
                 [ld_u8(dsb + Int64(row0 + k) * self.nvd) for k in range(4)])
 
@@ -527,7 +536,8 @@ class Mxfp4ExpertsSplitSm90:
     def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, w2: Int64, s2: Int64, acc: Int64, cnt: Int64,
                out: Int64, beta: Float32, lbeta: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        p, rb, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
+        p, rb = (bx, by) if cutlass.const_expr(self.order == "p") else (by, bx)
         smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.smem_t)
         part = st.part.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
@@ -619,7 +629,11 @@ class Mxfp4ExpertsSplitSm90:
                 blk = _block_dot_h2(dregs[j][0][k], mh, "prmt")
                 vals.append(blk * as_f32((dregs[j][1][k] + H_SCALE_BIAS) << 23) * minv)
             row0 = 4 * (tidx + j * self.threads)
-            red_add_v4_f32(acc + (Int64(p) * self.L + Int64(row0)) * 4, vals[0], vals[1], vals[2], vals[3])
+            if cutlass.const_expr(self.probe == "nored"):
+                if vals[0] == Float32(1.2345e30):          # never: keeps the sums, skips the atomics
+                    red_add_v4_f32(acc + (Int64(p) * self.L + Int64(row0)) * 4, vals[0], vals[1], vals[2], vals[3])
+            else:
+                red_add_v4_f32(acc + (Int64(p) * self.L + Int64(row0)) * 4, vals[0], vals[1], vals[2], vals[3])
         fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if tidx == 0:
