@@ -113,6 +113,8 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "sk": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8), alt=False),
               "skr": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
               "sknr": dict(modes=("fused",), probe="nored", fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
+              "skc": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8, order="rb", dload="cp"), alt=True),
+              "skc4": dict(modes=("fused",), fu=dict(rows=32, groups=4, stages=4, order="rb", dload="cp"), alt=True),
               "sknd": dict(modes=("fused",), probe="nodown", fu=dict(rows=32, groups=2, stages=8, order="rb"),
                            alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
@@ -276,7 +278,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
     z = cutlass.Int64(0)
     if v["mode"] == "fused":
         k = Mxfp4ExpertsSplitSm90(v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v.get("order", "p"),
-                                  v.get("probe", ""))
+                                  v.get("probe", ""), v.get("dload", "ldg"))
         return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                         lambda symbol, params: _mxfp4_fused_manifest(v, k, symbol, params))
 

@@ -475,13 +475,18 @@ class Mxfp4ExpertsSplitSm90:
     (bf16 [P, L]), beta, linear_beta. Grid (P, I / BI)."""
 
     def __init__(self, I: int, L: int, K: int, rows: int = 32, groups: int = 2, stages: int = 8, order: str = "p",
-                 probe: str = ""):
+                 probe: str = "", dload: str = "ldg"):
         assert rows == 32, "down reads one 16-byte vector (one scale block) per row: 32 units per CTA"
         assert order in ("p", "rb") and probe in ("", "nored", "nodown"), (order, probe)
         # order "p": grid (P, I / BI), consecutive CTAs are pairs; "rb": grid (I / BI, P), a pair's
         # CTAs are consecutive (launched together at any batch)
         # probes (benchmarks only, wrong results): "nored" skips the atomics, "nodown" down's loads
         self.order, self.probe = order, probe
+        # dload "ldg": down's vectors into registers, a group of 4 rows ahead (the first group during
+        # gate-up's last stage); "cp": the CTA's whole down slice (L rows x 16 bytes) by cp.async into
+        # shared memory at the start, in flight during gate-up, and its scale bytes into registers
+        assert dload in ("ldg", "cp"), dload
+        self.dcp = dload == "cp"
         assert I % rows == 0 and L % 32 == 0 and (I // 32) % 4 == 0 and L // 32 % 4 == 0
         self.I, self.L, self.K = I, L, K
         self.bi, self.g = rows, groups
@@ -498,7 +503,8 @@ class Mxfp4ExpertsSplitSm90:
         self.row_blocks = I // rows
         assert L % (4 * self.threads) == 0, "down: groups of 4 consecutive rows per thread"
         self.dgroups = L // (4 * self.threads)
-        self.smem_bytes = (self.r * self.nv * 4 + _up(self.r * self.nv, 16)
+        self.dwords = self.L * 4 if self.dcp else 4       # down's staged slice (u32 words)
+        self.smem_bytes = (self.r * self.nv * 4 + _up(self.r * self.nv, 16) + self.dwords * 4
                            + 4 * (self.r * self.q + self.r + self.bi + 4) + 64 + 1024)
 
     @cute.jit
@@ -512,6 +518,7 @@ class Mxfp4ExpertsSplitSm90:
             tot: cute.struct.MemRange[Float32, self.r]
             midv: cute.struct.MemRange[Float32, self.bi]
             flag: cute.struct.MemRange[Float32, 4]
+            dbuf: cute.struct.Align[cute.struct.MemRange[Int32, self.dwords], 16]
         self.smem_t = Smem
         grid = (P, self.row_blocks, 1) if self.order == "p" else (self.row_blocks, P, 1)
         self.kernel(x, ids, w, s, w2, s2, acc, cnt, out, beta, lbeta).launch(
@@ -523,10 +530,17 @@ class Mxfp4ExpertsSplitSm90:
         rl = r * self.g
         return Int64(rb * self.bi + g + (rl if rl < self.bi else rl - self.bi + self.I))
 
-    def _load_down(self, dwb, dsb, tidx, j):
+    def _dslot(self, dsm, tidx, j, k):
+        """Shared-memory address of row 4 (tidx + j T) + k's vector (dload "cp"): k-major, so a warp's
+        lanes read consecutive 16-byte slots."""
+        return dsm + (k * (self.L // 4) + tidx + j * self.threads) * 16
+
+    def _load_down(self, dwb, dsb, tidx, j, dsm=None):
         """Down group j of this thread: rows 4 (tidx + j T) + 0..3, their 16-byte vectors (ordered
-        register loads) and scale bytes."""
+        register loads; dload "cp": from shared memory, dsm) and scale bytes."""
         row0 = 4 * (tidx + j * self.threads)
+        if self.dcp:
+            return [lds_v4(self._dslot(dsm, tidx, j, k)) for k in range(4)], None
         if self.probe == "nodown":
             return ([[Int32(0x12345678 + i + k) for i in range(4)] for k in range(4)], [Int32(120)] * 4)
         return ([ld_v4_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
@@ -563,6 +577,18 @@ class Mxfp4ExpertsSplitSm90:
                 if idx < self.run_chunks:
                     cp_async4(ssm + run * self.run_chunks * 4 + idx * 4, sexp + Int64(row0) * self.nv + Int64(idx) * 4)
         cp_async_commit()
+        dsm = st.dbuf.data_ptr().toint()
+        dscs = []
+        if cutlass.const_expr(self.dcp):              # down's slice: in flight from here on
+            for j in cutlass.range_constexpr(self.dgroups):
+                row0 = 4 * (tidx + j * self.threads)
+                for k in cutlass.range_constexpr(4):
+                    cp_async16(self._dslot(dsm, tidx, j, k), dwb + Int64(row0 + k) * self.kbd)
+            cp_async_commit()
+            for j in cutlass.range_constexpr(self.dgroups):
+                row0 = 4 * (tidx + j * self.threads)
+                for k in cutlass.range_constexpr(4):
+                    dscs.append(ld_u8(dsb + Int64(row0 + k) * self.nvd))
         xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
         xw = []
         for i in cutlass.range_constexpr(4):
@@ -581,12 +607,12 @@ class Mxfp4ExpertsSplitSm90:
 
         for r in cutlass.range_constexpr(self.rpg):
             if cutlass.const_expr(r == 0):
-                cp_async_wait(0)
+                cp_async_wait(1 if self.dcp else 0)        # the scales (not down's slice)
                 cute.arch.sync_threads()                   # the scale bytes other threads loaded
             if cutlass.const_expr(r % per == 0 and r + per < self.rpg):
                 for r2 in cutlass.range_constexpr(r + per, r + 2 * per):   # the next stage in flight
                     regs[r2] = ld_v4_ordered(wbase + self._gu_row(rb, g, r2) * self.kb)
-            if cutlass.const_expr(r % per == 0 and r + per >= self.rpg):
+            if cutlass.const_expr(r % per == 0 and r + per >= self.rpg and not self.dcp):
                 dregs[0] = self._load_down(dwb, dsb, tidx, 0)   # last stage: down's first group in flight
             lr = g + r * self.g
             sc = lds_u8(ssm + lr * self.nv + v)
@@ -621,13 +647,17 @@ class Mxfp4ExpertsSplitSm90:
         for i in cutlass.range_constexpr(self.bi):
             ms.append(midv[i])
         mh, minv = _h2_operands(ms, "prmt")
+        if cutlass.const_expr(self.dcp):
+            cp_async_wait(0)                               # this thread's own slots of down's slice
+            dregs[0] = self._load_down(dwb, dsb, tidx, 0, dsm)
         for j in cutlass.range_constexpr(self.dgroups):
             if cutlass.const_expr(j + 1 < self.dgroups):
-                dregs[j + 1] = self._load_down(dwb, dsb, tidx, j + 1)
+                dregs[j + 1] = self._load_down(dwb, dsb, tidx, j + 1, dsm)
             vals = []
             for k in cutlass.range_constexpr(4):
                 blk = _block_dot_h2(dregs[j][0][k], mh, "prmt")
-                vals.append(blk * as_f32((dregs[j][1][k] + H_SCALE_BIAS) << 23) * minv)
+                sc = dscs[4 * j + k] if cutlass.const_expr(self.dcp) else dregs[j][1][k]
+                vals.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * minv)
             row0 = 4 * (tidx + j * self.threads)
             if cutlass.const_expr(self.probe == "nored"):
                 if vals[0] == Float32(1.2345e30):          # never: keeps the sums, skips the atomics
