@@ -77,7 +77,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, atom_add_acq_rel_gpu_s32, cp_async4, cp_async16, cp_async_commit,
                   cp_async_wait, fence_acq_rel_gpu, fma, ld_relaxed_v4_f32, ld_s32, ld_u8, ld_v4_dep, ld_v4_keep,
-                  ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, red_add_v4_f32, st_bf16, st_bf16x4, st_f32,
+                  ld_v2_ordered, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, red_add_v4_f32, st_bf16, st_bf16x4, st_f32,
                   st_relaxed_s32, st_v4)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
@@ -175,12 +175,13 @@ def prmt_hi(a: Int32, sel: int, *, loc=None, ip=None) -> Int32:
 
 
 @cute.jit
-def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift"):
+def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift", nw: cutlass.Constexpr = 4):
     """f16x2 sum over the 32 codes of 4 words, returns lo + hi in fp32 (value * 2^-14 * x * 2^kx).
     deq "shift": acc = fma(pair(j, k), xh[4j+k], acc), j, k = 0..3 (codes 8j+k, 8j+k+4);
-    deq "prmt": the pairs PB_PAIRS of word j, in order, with xh[4j+i] built to match."""
+    deq "prmt": the pairs PB_PAIRS of word j, in order, with xh[4j+i] built to match.
+    nw: the first nw words only (half a block: 2)."""
     acc = Int32(0)
-    for j in cutlass.range_constexpr(4):
+    for j in cutlass.range_constexpr(nw):
         if cutlass.const_expr(deq == "prmt"):
             w = words[j]
             ev = ((w << 1) & Int32(0x0E0E0E0E)) | ((w << 4) & Int32(-2139062144))        # 0x80808080
@@ -476,7 +477,9 @@ class Mxfp4ExpertsSplitSm90:
 
     def __init__(self, I: int, L: int, K: int, rows: int = 32, groups: int = 2, stages: int = 8, order: str = "p",
                  probe: str = "", dload: str = "ldg"):
-        assert rows == 32, "down reads one 16-byte vector (one scale block) per row: 32 units per CTA"
+        assert rows in (16, 32), "down reads 8 or 16 bytes (half a scale block or one) per row"
+        assert rows == 32 or dload == "ldg", "rows=16: register loads only"
+        self.dw = rows // 8                           # u32 words of a down row's slice
         assert order in ("p", "rb") and probe in ("", "nored", "nodown"), (order, probe)
         # order "p": grid (P, I / BI), consecutive CTAs are pairs; "rb": grid (I / BI, P), a pair's
         # CTAs are consecutive (launched together at any batch)
@@ -487,7 +490,7 @@ class Mxfp4ExpertsSplitSm90:
         # shared memory at the start, in flight during gate-up, and its scale bytes into registers
         assert dload in ("ldg", "cp"), dload
         self.dcp = dload == "cp"
-        assert I % rows == 0 and L % 32 == 0 and (I // 32) % 4 == 0 and L // 32 % 4 == 0
+        assert I % rows == 0 and L % 32 == 0 and L // 32 % 4 == 0
         self.I, self.L, self.K = I, L, K
         self.bi, self.g = rows, groups
         self.r = 2 * rows
@@ -542,7 +545,10 @@ class Mxfp4ExpertsSplitSm90:
         if self.dcp:
             return [lds_v4(self._dslot(dsm, tidx, j, k)) for k in range(4)], None
         if self.probe == "nodown":
-            return ([[Int32(0x12345678 + i + k) for i in range(4)] for k in range(4)], [Int32(120)] * 4)
+            return ([[Int32(0x1234567 + i + k) for i in range(4)] for k in range(4)], [Int32(120)] * 4)
+        if self.dw == 2:
+            return ([ld_v2_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
+                    [ld_u8(dsb + Int64(row0 + k) * self.nvd) for k in range(4)])
         return ([ld_v4_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
                 [ld_u8(dsb + Int64(row0 + k) * self.nvd) for k in range(4)])
 
@@ -567,8 +573,8 @@ class Mxfp4ExpertsSplitSm90:
         wbase = w + e * (2 * self.I * self.kb) + Int64(v) * 16
         sexp = s + e * (2 * self.I * self.nv)
         # down: this CTA's 16-byte column block rb of every W2[e] row, and the rows' scale byte rb
-        dwb = w2 + e * (self.L * self.kbd) + Int64(rb) * 16
-        dsb = s2 + e * (self.L * self.nvd) + Int64(rb)
+        dwb = w2 + e * (self.L * self.kbd) + Int64(rb) * (4 * self.dw)
+        dsb = s2 + e * (self.L * self.nvd) + Int64(rb * self.bi // 32)
 
         for run in cutlass.range_constexpr(2):        # the gate rows' scales, then the up rows'
             row0 = rb * self.bi + (self.I if run == 1 else 0)
@@ -644,8 +650,8 @@ class Mxfp4ExpertsSplitSm90:
 
         # down: the CTA's 32 mid values are every thread's activations
         ms = []
-        for i in cutlass.range_constexpr(self.bi):
-            ms.append(midv[i])
+        for i in cutlass.range_constexpr(32):
+            ms.append(midv[i] if i < self.bi else Float32(0.0))
         mh, minv = _h2_operands(ms, "prmt")
         if cutlass.const_expr(self.dcp):
             cp_async_wait(0)                               # this thread's own slots of down's slice
@@ -655,7 +661,7 @@ class Mxfp4ExpertsSplitSm90:
                 dregs[j + 1] = self._load_down(dwb, dsb, tidx, j + 1, dsm)
             vals = []
             for k in cutlass.range_constexpr(4):
-                blk = _block_dot_h2(dregs[j][0][k], mh, "prmt")
+                blk = _block_dot_h2(dregs[j][0][k], mh, "prmt", self.dw)
                 sc = dscs[4 * j + k] if cutlass.const_expr(self.dcp) else dregs[j][1][k]
                 vals.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * minv)
             row0 = 4 * (tidx + j * self.threads)

@@ -34,6 +34,15 @@ def ld_v4_ordered(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def ld_v2_ordered(addr: Int64, *, loc=None, ip=None):
+    """Two u32 words from an 8-byte aligned global address, as ld_v4_ordered."""
+    st = llvm.StructType.get_literal([T.i32()] * 2)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
+             "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side=True)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
 def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
     """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs),
     through the non-coherent path: only for data no kernel still running writes (see ld_v4_dep).
