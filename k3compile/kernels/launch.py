@@ -297,45 +297,12 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
         _SPLIT[key] = (_off_thread(lambda: torch.zeros(SPLIT_SLOTS * SPLIT_STREAMS, dtype=torch.int32,
                                                        device=device), device), {})
     cnt, slots = _SPLIT[key]
-    i = _stream_slot(slots, device)
-    return None if i is None else cnt[i * SPLIT_SLOTS:(i + 1) * SPLIT_SLOTS]
-
-
-def _stream_slot(slots: dict, device: torch.device) -> int | None:
-    """The slot of the current stream of `device` in a per-device scratch tensor (`slots`: stream ->
-    index, assigned in order of first use), None once SPLIT_STREAMS streams have one."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     if stream not in slots:
         if len(slots) == SPLIT_STREAMS:
             return None
         slots[stream] = len(slots)
-    return slots[stream]
-
-
-# the one-kernel MXFP4 experts (tag "sk", cute/mxfp4_experts.Mxfp4ExpertsSplitSm90): its fp32
-# accumulator [pairs, L] and per-pair counters, for up to this many (token, slot) pairs per call
-SK_MAX_PAIRS = int(os.environ.get("K3_SK_MAX_PAIRS", "256"))
-_SK: dict[tuple[str, int], tuple[torch.Tensor, dict]] = {}
-
-
-def mxfp4_split_scratch(device: torch.device, L: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(acc fp32 [SK_MAX_PAIRS * L], cnt int32 [SK_MAX_PAIRS]) zeros for the current stream of
-    `device`, as split_counters keeps its counters: one tensor per (device, L) made at the first call
-    (not inside a CUDA-graph capture: then None), a slice per stream (at most SPLIT_STREAMS), each
-    launch of the kernel leaving its slice zero. None: the caller runs the two-kernel pair."""
-    key = (str(device), L)
-    per = SK_MAX_PAIRS * (L + 1)
-    if key not in _SK:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _SK[key] = (_off_thread(lambda: torch.zeros(per * SPLIT_STREAMS, dtype=torch.float32, device=device),
-                                device), {})
-    buf, slots = _SK[key]
-    i = _stream_slot(slots, device)
-    if i is None:
-        return None
-    mine = buf[i * per:(i + 1) * per]
-    return mine[:SK_MAX_PAIRS * L], mine[SK_MAX_PAIRS * L:].view(torch.int32)
+    return cnt[slots[stream] * SPLIT_SLOTS:(slots[stream] + 1) * SPLIT_SLOTS]
 
 
 def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,

@@ -107,17 +107,6 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
                            dn=dict(stages=2), alt=False),
               # ldgd's gate-up with the default down (what each kernel contributes)
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), gu=dict(rows=16, stages=8), alt=True),
-              # one kernel: gate-up, then down split along the expert width with fp32 vector atomics
-              # (mxfp4_experts.Mxfp4ExpertsSplitSm90: 32 units per CTA, 2 row groups); dispatch takes
-              # it at choose.CUTE_MXFP4_SPLIT's batches
-              "sk": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8), alt=False),
-              "skr": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
-              "sknr": dict(modes=("fused",), probe="nored", fu=dict(rows=32, groups=2, stages=8, order="rb"), alt=True),
-              "skc": dict(modes=("fused",), fu=dict(rows=32, groups=2, stages=8, order="rb", dload="cp"), alt=True),
-              "skc4": dict(modes=("fused",), fu=dict(rows=32, groups=4, stages=4, order="rb", dload="cp"), alt=True),
-              "sk16": dict(modes=("fused",), fu=dict(rows=16, groups=1, stages=8, order="rb"), alt=True),
-              "sknd": dict(modes=("fused",), probe="nodown", fu=dict(rows=32, groups=2, stages=8, order="rb"),
-                           alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -160,10 +149,6 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False),
                                 **{k: v for k, v in gu.items() if k != "rows"}))
-            if "fused" in o["modes"]:
-                fu = o["fu"]
-                out.append(dict(common, name=f"mxfp4_fused_i{I}_l{L}_k{K}_bi{fu['rows']}_g{fu['groups']}{sfx}",
-                                op="mxfp4_fused", mode="fused", x_first=True, **fu))
             if "down" in o["modes"] and bl <= g * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{bl}_g{g}{sfx}", op="mxfp4_down",
                                 mode="down", x_first=False, **dict(dn, rows=bl, groups=g)))
@@ -255,37 +240,14 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
                 align=dict(x=16, w=16, s=4, out=4, ids=4))
 
 
-_MXFP4_FUSED_PARAMS = ([dict(kind="ptr", tensor=t) for t in ("x", "ids", "w", "s", "w2", "s2", "acc", "cnt", "out")]
-                       + [dict(kind="f32", name="beta"), dict(kind="f32", name="linear_beta")])
-
-
-def _mxfp4_fused_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
-    """Manifest of the one-kernel MXFP4 experts (Mxfp4ExpertsSplitSm90 instance `k`)."""
-    if [p["size"] for p in params] != [8] * 9 + [4, 4]:
-        raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"[ptr x9, f32 x2]: the DSL changed the kernel ABI")
-    grid = ["P", k.row_blocks, 1] if k.order == "p" else [k.row_blocks, "P", 1]
-    return dict(symbol=symbol, block=[k.threads, 1, 1], grid=grid, smem=k.smem_bytes,
-                params=[dict(p, **kd) for p, kd in zip(params, _MXFP4_FUSED_PARAMS)],
-                shapes=dict(I=v["I"], L=v["L"], K=v["K"], rows=v["rows"], groups=v["groups"], nv=k.nv, q=k.q),
-                math=v["math"], mid="f32", tag=v.get("tag", ""), probe=v.get("probe", ""), pdl="none",
-                align=dict(x=16, w=16, s=4, w2=16, s2=1, acc=16, cnt=4, out=8, ids=4))
-
-
 def _compile_mxfp4(v: dict, out: Path) -> dict:
     import cutlass
-    from .mxfp4_experts import Mxfp4ExpertGemvSm90, Mxfp4ExpertsSplitSm90
-
-    z = cutlass.Int64(0)
-    if v["mode"] == "fused":
-        k = Mxfp4ExpertsSplitSm90(v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v.get("order", "p"),
-                                  v.get("probe", ""), v.get("dload", "ldg"))
-        return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
-                        lambda symbol, params: _mxfp4_fused_manifest(v, k, symbol, params))
+    from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
                             v.get("probe", ""))
+    z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))
 
@@ -381,9 +343,6 @@ def jit_variants(kind: str, *key) -> list[dict]:
            if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
     if tag and not any(v["tag"] == tag for v in fit):
         return []
-    fused = [v for v in fit if v["mode"] == "fused" and v["tag"] == tag]
-    if fused:   # one kernel does both
-        return fused[:1]
     # a tag that changes one kernel pairs it with the other's untagged one
     gu, dn = ([v for v in fit if v["mode"] == m and v["tag"] == tag] or
               [v for v in fit if v["mode"] == m and v["tag"] == ""] for m in ("gate_up", "down"))

@@ -323,51 +323,6 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
     return ""
 
 
-def _mxfp4_shapes(I: int, L: int, w13, w13_scale, w2, w2_scale) -> None:
-    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
-              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
-    for name, (t, want) in shapes.items():
-        if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
-
-
-def _flat_ids(topk_ids):
-    import torch
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
-    return ids.contiguous()
-
-
-def mxfp4_experts_fused(fused: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float,
-                        linear_beta: float, acc, cnt, driver: Driver | None = None):
-    """The one-kernel MXFP4 experts (mxfp4_experts.Mxfp4ExpertsSplitSm90, tag "sk"): [N, K, L] bf16,
-    unweighted, on torch's current stream. acc: fp32 zeros, at least N * K * L; cnt: int32 zeros, at
-    least N * K; the kernel leaves both zero (launch.mxfp4_split_scratch keeps them per stream)."""
-    import torch
-    N, K = topk_ids.shape
-    L, I = x.shape[1], w13.shape[1] // 2
-    P = N * K
-    sh = fused.man["shapes"]
-    if (sh["I"], sh["L"], sh["K"]) != (I, L, K):
-        raise ValueError(f"artifact {fused.path.stem} is for I={sh['I']} L={sh['L']} K={sh['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
-    if acc.dtype != torch.float32 or acc.numel() < P * L or cnt.dtype != torch.int32 or cnt.numel() < P:
-        raise ValueError(f"scratch too small or of the wrong dtype for {P} pairs: acc {acc.dtype} {acc.numel()}, "
-                         f"cnt {cnt.dtype} {cnt.numel()}")
-    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
-    if P == 0:
-        return out
-    ts = dict(x=x, ids=_flat_ids(topk_ids), w=w13, s=w13_scale, w2=w2, s2=w2_scale, acc=acc, cnt=cnt, out=out)
-    why = mxfp4_check(fused.man, {k: v for k, v in ts.items() if k not in ("acc", "cnt", "out")})
-    if why:
-        raise ValueError(f"{fused.path.stem}: {why}")
-    vals = {k: v.data_ptr() for k, v in ts.items()}
-    vals.update(beta=beta, linear_beta=linear_beta)
-    fused.launch_values(vals, dict(P=P), x.device, driver)
-    return out
-
-
 def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
                   beta: float, linear_beta: float, driver: Driver | None = None, pdl: bool = False):
     """The two MXFP4 expert GEMVs (gate-up with SiTU, then down): [N, K, L] in x.dtype (bf16),
@@ -381,14 +336,21 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     if (sg["I"], sg["L"], sg["K"]) != (I, L, K) or (sd["I"], sd["L"]) != (I, L):
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} are for I={sg['I']} L={sg['L']} "
                          f"K={sg['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
+    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
+              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
+    for name, (t, want) in shapes.items():
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
     mid_dt = gate_up.man.get("mid", "f32")
     if down.man.get("mid", "f32") != mid_dt:
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} disagree on mid's dtype")
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
-    ids = _flat_ids(topk_ids)
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
     mid = torch.empty(P, I, dtype=torch.bfloat16 if mid_dt == "bf16" else torch.float32, device=x.device)
     for art, ts in ((gate_up, dict(x=x, ids=ids, w=w13, s=w13_scale, out=mid)),
                     (down, dict(x=mid, ids=ids, w=w2, s=w2_scale, out=out))):
@@ -402,10 +364,10 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
 
 
 def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
-               tag: str = "") -> tuple["tuple[Artifact, Artifact | None] | None", str]:
+               tag: str = "") -> tuple["tuple[Artifact, Artifact] | None", str]:
     """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why);
     tag: a variant's (build.MXFP4_TAGS; its down is the untagged one where it has none), "" the
-    default kernels. A one-kernel tag ("sk") gives (fused, None): launch it with mxfp4_experts_fused."""
+    default kernels."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -422,9 +384,6 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
                 and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
                 and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
-        if (op == "mxfp4_fused" and tag and man.get("tag") == tag and man.get("math") == math and sh.get("I") == I
-                and sh.get("L") == L and sh.get("K") == K and mf.with_suffix(".cubin").exists()):
-            return (Artifact(mf), None), ""
     if tag and found and len(found) < 2:     # a tag that changes one kernel: the other's untagged one
         plain = find_mxfp4(art_dir, I, L, K, math)[0]
         if plain is not None:

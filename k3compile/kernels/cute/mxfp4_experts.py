@@ -75,10 +75,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .ptx import (_asm, as_f32, as_i32, atom_add_acq_rel_gpu_s32, cp_async4, cp_async16, cp_async_commit,
-                  cp_async_wait, fence_acq_rel_gpu, fma, ld_relaxed_v4_f32, ld_s32, ld_u8, ld_v4_dep, ld_v4_keep,
-                  ld_v2_ordered, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, red_add_v4_f32, st_bf16, st_bf16x4, st_f32,
-                  st_relaxed_s32, st_v4)
+from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -175,13 +173,12 @@ def prmt_hi(a: Int32, sel: int, *, loc=None, ip=None) -> Int32:
 
 
 @cute.jit
-def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift", nw: cutlass.Constexpr = 4):
+def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift"):
     """f16x2 sum over the 32 codes of 4 words, returns lo + hi in fp32 (value * 2^-14 * x * 2^kx).
     deq "shift": acc = fma(pair(j, k), xh[4j+k], acc), j, k = 0..3 (codes 8j+k, 8j+k+4);
-    deq "prmt": the pairs PB_PAIRS of word j, in order, with xh[4j+i] built to match.
-    nw: the first nw words only (half a block: 2)."""
+    deq "prmt": the pairs PB_PAIRS of word j, in order, with xh[4j+i] built to match."""
     acc = Int32(0)
-    for j in cutlass.range_constexpr(nw):
+    for j in cutlass.range_constexpr(4):
         if cutlass.const_expr(deq == "prmt"):
             w = words[j]
             ev = ((w << 1) & Int32(0x0E0E0E0E)) | ((w << 4) & Int32(-2139062144))        # 0x80808080
@@ -193,24 +190,6 @@ def _block_dot_h2(words, xh, deq: cutlass.Constexpr = "shift", nw: cutlass.Const
             for k in cutlass.range_constexpr(4):
                 acc = hfma2(_half_pair(words[j], k), xh[4 * j + k], acc)
     return f16x2_sum(acc)
-
-
-def _h2_operands(xs, deq: str):
-    """(xh, 2^-kx): the thread's 32 fp32 activations times a per-thread power of two 2^kx with
-    max |x| * 2^kx in [2^12, 2^13) (exact in fp32), as 16 f16x2 pairs in the order of the code
-    pairs (deq "prmt": PB_PAIRS; "shift": x[8j+k] low, x[8j+k+4] high). A plain function: its loops unroll where it is traced."""
-    amax = Int32(0)
-    for i in range(32):
-        amax = imax(amax, as_i32(xs[i]) & Int32(0x7FFFFFFF))
-    ex = imax(amax >> 23, Int32(H_MIN_EXP))
-    xup = as_f32((Int32(H_TARGET_EXP + 127) - ex) << 23)         # 2^kx, kx = 139 - ex
-    inv = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)         # 2^-kx
-    xh = []
-    for j in range(4):
-        for k in range(4):
-            lo, hi = PB_PAIRS[k] if deq == "prmt" else (k, k + 4)
-            xh.append(f32x2_to_f16x2(xs[8 * j + hi] * xup, xs[8 * j + lo] * xup))
-    return xh, inv
 
 
 class Mxfp4ExpertGemvSm90:
@@ -389,7 +368,18 @@ class Mxfp4ExpertGemvSm90:
         xh = []
         inv = Float32(1.0)
         if cutlass.const_expr(self.half):
-            xh, inv = _h2_operands(xs, self.deq)
+            # per-thread power of two 2^kx: max |x| * 2^kx in [2^12, 2^13) (exact in fp32), then f16x2
+            # pairs (x[8j+k] low, x[8j+k+4] high) in the order of the code pairs
+            amax = Int32(0)
+            for i in cutlass.range_constexpr(32):
+                amax = imax(amax, as_i32(xs[i]) & Int32(0x7FFFFFFF))
+            ex = imax(amax >> 23, Int32(H_MIN_EXP))
+            xup = as_f32((Int32(H_TARGET_EXP + 127) - ex) << 23)         # 2^kx, kx = 139 - ex
+            inv = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)         # 2^-kx
+            for j in cutlass.range_constexpr(4):
+                for k in cutlass.range_constexpr(4):
+                    lo, hi = PB_PAIRS[k] if cutlass.const_expr(self.deq == "prmt") else (k, k + 4)
+                    xh.append(f32x2_to_f16x2(xs[8 * j + hi] * xup, xs[8 * j + lo] * xup))
         sums = []
         for r in cutlass.range_constexpr(self.rpg):
             if cutlass.const_expr(self.ldg):
@@ -453,241 +443,6 @@ class Mxfp4ExpertGemvSm90:
         else:
             if tidx < self.r:
                 st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + tidx)) * 2, tot[tidx])
-
-
-class Mxfp4ExpertsSplitSm90:
-    """Gate-up and down in one kernel, down split along the expert width (tag "sk"): no `mid` in
-    global memory, no wait on another CTA's gate-up.
-
-    CTA (p, rb) owns BI = 32 intermediate units of pair p's expert e = ids[p]: it computes
-    mid[i] = SiTU(W13[e, gate i] . x, W13[e, up i] . x) for its 32 units (ldgd's register-staged
-    gate-up: 2 * BI rows, G row groups of NV = L / 32 threads, thread (g, v) owns vector v of rows
-    g, g + G, ...), keeps them in shared memory, then multiplies them by the matching 32 columns
-    of W2[e] (every one of the L down rows' 16-byte vector rb = one scale block) and adds its
-    partial row sums into an fp32 accumulator acc[p, L] with vector atomics (red.add.v4.f32; a
-    thread owns groups of 4 consecutive down rows). Down's first group of weights is issued before
-    the gate-up reduction, so its bytes are in flight while mid is formed.
-    The CTA that arrives last for pair p (a counter per pair, acq_rel at GPU scope after a fence
-    and a CTA barrier) reads acc[p] back, writes out[p] as bf16, zeroes acc[p] and its counter: every
-    launch leaves acc and the counters zero (CUDA-graph safe, no memset). The I / BI partial sums
-    of an output are added in the order the CTAs arrive: not bit-reproducible across runs.
-    mid stays fp32 here (the two-kernel pair rounds it to bf16).
-    Parameters: x, ids, w (W13), s, w2, s2, acc (fp32 [P, L], zero), cnt (int32 [P], zero), out
-    (bf16 [P, L]), beta, linear_beta. Grid (P, I / BI)."""
-
-    def __init__(self, I: int, L: int, K: int, rows: int = 32, groups: int = 2, stages: int = 8, order: str = "p",
-                 probe: str = "", dload: str = "ldg"):
-        assert rows in (16, 32), "down reads 8 or 16 bytes (half a scale block or one) per row"
-        assert rows == 32 or dload == "ldg", "rows=16: register loads only"
-        self.dw = rows // 8                           # u32 words of a down row's slice
-        assert order in ("p", "rb") and probe in ("", "nored", "nodown"), (order, probe)
-        # order "p": grid (P, I / BI), consecutive CTAs are pairs; "rb": grid (I / BI, P), a pair's
-        # CTAs are consecutive (launched together at any batch)
-        # probes (benchmarks only, wrong results): "nored" skips the atomics, "nodown" down's loads
-        self.order, self.probe = order, probe
-        # dload "ldg": down's vectors into registers, a group of 4 rows ahead (the first group during
-        # gate-up's last stage); "cp": the CTA's whole down slice (L rows x 16 bytes) by cp.async into
-        # shared memory at the start, in flight during gate-up, and its scale bytes into registers
-        assert dload in ("ldg", "cp"), dload
-        self.dcp = dload == "cp"
-        assert I % rows == 0 and L % 32 == 0 and L // 32 % 4 == 0
-        self.I, self.L, self.K = I, L, K
-        self.bi, self.g = rows, groups
-        self.r = 2 * rows
-        self.nv, self.kb = L // 32, L // 2            # gate-up: vectors and bytes per row
-        self.nvd, self.kbd = I // 32, I // 2          # down: scale blocks and bytes per row
-        self.threads = self.g * self.nv
-        assert self.threads <= 1024 and self.bi % self.g == 0, (self.threads, self.bi, self.g)
-        self.rpg = self.r // self.g
-        assert self.rpg % stages == 0, (self.rpg, stages)
-        self.stages = stages
-        self.run_chunks = self.bi * self.nv // 4      # 4-byte chunks of scales per run (gate, up)
-        self.q = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and self.r * d <= self.threads)
-        self.row_blocks = I // rows
-        assert L % (4 * self.threads) == 0, "down: groups of 4 consecutive rows per thread"
-        self.dgroups = L // (4 * self.threads)
-        self.dwords = self.L * 4 if self.dcp else 4       # down's staged slice (u32 words)
-        self.smem_bytes = (self.r * self.nv * 4 + _up(self.r * self.nv, 16) + self.dwords * 4
-                           + 4 * (self.r * self.q + self.r + self.bi + 4) + 64 + 1024)
-
-    @cute.jit
-    def __call__(self, x: Int64, ids: Int64, w: Int64, s: Int64, w2: Int64, s2: Int64, acc: Int64, cnt: Int64,
-                 out: Int64, P: Int32, beta: Float32, lbeta: Float32, stream: cuda.CUstream):
-        @cute.struct
-        class Smem:
-            part: cute.struct.Align[cute.struct.MemRange[Float32, self.r * self.nv], 16]
-            sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.r * self.nv], 16]
-            part2: cute.struct.MemRange[Float32, self.r * self.q]
-            tot: cute.struct.MemRange[Float32, self.r]
-            midv: cute.struct.MemRange[Float32, self.bi]
-            flag: cute.struct.MemRange[Float32, 4]
-            dbuf: cute.struct.Align[cute.struct.MemRange[Int32, self.dwords], 16]
-        self.smem_t = Smem
-        grid = (P, self.row_blocks, 1) if self.order == "p" else (self.row_blocks, P, 1)
-        self.kernel(x, ids, w, s, w2, s2, acc, cnt, out, beta, lbeta).launch(
-            grid=grid, block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
-
-    def _gu_row(self, rb, g, r):
-        """W13 row of the thread's r-th row, local row g + r G (0..BI-1 gate, BI..2BI-1 up; BI % G == 0,
-        so which half is known at trace time)."""
-        rl = r * self.g
-        return Int64(rb * self.bi + g + (rl if rl < self.bi else rl - self.bi + self.I))
-
-    def _dslot(self, dsm, tidx, j, k):
-        """Shared-memory address of row 4 (tidx + j T) + k's vector (dload "cp"): k-major, so a warp's
-        lanes read consecutive 16-byte slots."""
-        return dsm + (k * (self.L // 4) + tidx + j * self.threads) * 16
-
-    def _load_down(self, dwb, dsb, tidx, j, dsm=None):
-        """Down group j of this thread: rows 4 (tidx + j T) + 0..3, their 16-byte vectors (ordered
-        register loads; dload "cp": from shared memory, dsm) and scale bytes."""
-        row0 = 4 * (tidx + j * self.threads)
-        if self.dcp:
-            return [lds_v4(self._dslot(dsm, tidx, j, k)) for k in range(4)], None
-        if self.probe == "nodown":
-            return ([[Int32(0x1234567 + i + k) for i in range(4)] for k in range(4)], [Int32(120)] * 4)
-        if self.dw == 2:
-            return ([ld_v2_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
-                    [ld_u8(dsb + Int64(row0 + k) * self.nvd) for k in range(4)])
-        return ([ld_v4_ordered(dwb + Int64(row0 + k) * self.kbd) for k in range(4)],
-                [ld_u8(dsb + Int64(row0 + k) * self.nvd) for k in range(4)])
-
-    @cute.kernel
-    def kernel(self, x: Int64, ids: Int64, w: Int64, s: Int64, w2: Int64, s2: Int64, acc: Int64, cnt: Int64,
-               out: Int64, beta: Float32, lbeta: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        p, rb = (bx, by) if cutlass.const_expr(self.order == "p") else (by, bx)
-        smem = cutlass.memory.SmemAllocator()
-        st = smem.allocate(self.smem_t)
-        part = st.part.get_tensor(cute.make_layout((self.r, self.nv), stride=(self.nv, 1)))
-        part2 = st.part2.get_tensor(cute.make_layout((self.r, self.q), stride=(self.q, 1)))
-        tot = st.tot.get_tensor(cute.make_layout(self.r))
-        midv = st.midv.get_tensor(cute.make_layout(self.bi))
-        flag = st.flag.get_tensor(cute.make_layout(4))
-        ssm = st.sbuf.data_ptr().toint()
-
-        v = tidx % self.nv
-        g = tidx // self.nv
-        e = Int64(ld_s32(ids + Int64(p) * 4))
-        wbase = w + e * (2 * self.I * self.kb) + Int64(v) * 16
-        sexp = s + e * (2 * self.I * self.nv)
-        # down: this CTA's 16-byte column block rb of every W2[e] row, and the rows' scale byte rb
-        dwb = w2 + e * (self.L * self.kbd) + Int64(rb) * (4 * self.dw)
-        dsb = s2 + e * (self.L * self.nvd) + Int64(rb * self.bi // 32)
-
-        for run in cutlass.range_constexpr(2):        # the gate rows' scales, then the up rows'
-            row0 = rb * self.bi + (self.I if run == 1 else 0)
-            for c in cutlass.range_constexpr((self.run_chunks + self.threads - 1) // self.threads):
-                idx = tidx + c * self.threads
-                if idx < self.run_chunks:
-                    cp_async4(ssm + run * self.run_chunks * 4 + idx * 4, sexp + Int64(row0) * self.nv + Int64(idx) * 4)
-        cp_async_commit()
-        dsm = st.dbuf.data_ptr().toint()
-        dscs = []
-        if cutlass.const_expr(self.dcp):              # down's slice: in flight from here on
-            for j in cutlass.range_constexpr(self.dgroups):
-                row0 = 4 * (tidx + j * self.threads)
-                for k in cutlass.range_constexpr(4):
-                    cp_async16(self._dslot(dsm, tidx, j, k), dwb + Int64(row0 + k) * self.kbd)
-            cp_async_commit()
-            for j in cutlass.range_constexpr(self.dgroups):
-                row0 = 4 * (tidx + j * self.threads)
-                for k in cutlass.range_constexpr(4):
-                    dscs.append(ld_u8(dsb + Int64(row0 + k) * self.nvd))
-        xa = x + (Int64(p // self.K) * self.L + Int64(v) * 32) * 2
-        xw = []
-        for i in cutlass.range_constexpr(4):
-            xw += ld_v4_keep(xa + 16 * i, True)
-        per = self.rpg // self.stages
-        regs = [None] * self.rpg
-        for r in cutlass.range_constexpr(per):
-            regs[r] = ld_v4_ordered(wbase + self._gu_row(rb, g, r) * self.kb)
-        xs = []
-        for i in cutlass.range_constexpr(16):
-            xs.append(as_f32(xw[i] << 16))
-            xs.append(bits_to_f32_hi(xw[i]))
-        xh, inv = _h2_operands(xs, "prmt")
-
-        dregs = [None] * self.dgroups                 # per group: 4 rows' words and 4 scale bytes
-
-        for r in cutlass.range_constexpr(self.rpg):
-            if cutlass.const_expr(r == 0):
-                cp_async_wait(1 if self.dcp else 0)        # the scales (not down's slice)
-                cute.arch.sync_threads()                   # the scale bytes other threads loaded
-            if cutlass.const_expr(r % per == 0 and r + per < self.rpg):
-                for r2 in cutlass.range_constexpr(r + per, r + 2 * per):   # the next stage in flight
-                    regs[r2] = ld_v4_ordered(wbase + self._gu_row(rb, g, r2) * self.kb)
-            if cutlass.const_expr(r % per == 0 and r + per >= self.rpg and not self.dcp):
-                dregs[0] = self._load_down(dwb, dsb, tidx, 0)   # last stage: down's first group in flight
-            lr = g + r * self.g
-            sc = lds_u8(ssm + lr * self.nv + v)
-            blk = _block_dot_h2(regs[r], xh, "prmt")
-            part[lr, v] = blk * as_f32((sc + H_SCALE_BIAS) << 23) * inv
-        cute.arch.sync_threads()
-
-        if tidx < self.r * self.q:
-            rr = tidx // self.q
-            c0 = (tidx % self.q) * (self.nv // self.q)
-            a = Float32(0.0)
-            for c in cutlass.range_constexpr(self.nv // self.q):
-                a = a + part[rr, c0 + c]
-            part2[rr, tidx % self.q] = a
-        cute.arch.sync_threads()
-        if tidx < self.r:
-            a = Float32(0.0)
-            for c in cutlass.range_constexpr(self.q):
-                a = a + part2[tidx, c]
-            tot[tidx] = a
-        cute.arch.sync_threads()
-        if tidx < self.bi:
-            gt = tot[tidx]
-            up = tot[tidx + self.bi]
-            gs = beta * cute.math.tanh(gt / beta) / (Float32(1.0) + cute.math.exp(-gt))
-            us = lbeta * cute.math.tanh(up / lbeta)
-            midv[tidx] = gs * us
-        cute.arch.sync_threads()
-
-        # down: the CTA's 32 mid values are every thread's activations
-        ms = []
-        for i in cutlass.range_constexpr(32):
-            ms.append(midv[i] if i < self.bi else Float32(0.0))
-        mh, minv = _h2_operands(ms, "prmt")
-        if cutlass.const_expr(self.dcp):
-            cp_async_wait(0)                               # this thread's own slots of down's slice
-            dregs[0] = self._load_down(dwb, dsb, tidx, 0, dsm)
-        for j in cutlass.range_constexpr(self.dgroups):
-            if cutlass.const_expr(j + 1 < self.dgroups):
-                dregs[j + 1] = self._load_down(dwb, dsb, tidx, j + 1, dsm)
-            vals = []
-            for k in cutlass.range_constexpr(4):
-                blk = _block_dot_h2(dregs[j][0][k], mh, "prmt", self.dw)
-                sc = dscs[4 * j + k] if cutlass.const_expr(self.dcp) else dregs[j][1][k]
-                vals.append(blk * as_f32((sc + H_SCALE_BIAS) << 23) * minv)
-            row0 = 4 * (tidx + j * self.threads)
-            if cutlass.const_expr(self.probe == "nored"):
-                if vals[0] == Float32(1.2345e30):          # never: keeps the sums, skips the atomics
-                    red_add_v4_f32(acc + (Int64(p) * self.L + Int64(row0)) * 4, vals[0], vals[1], vals[2], vals[3])
-            else:
-                red_add_v4_f32(acc + (Int64(p) * self.L + Int64(row0)) * 4, vals[0], vals[1], vals[2], vals[3])
-        fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            old = atom_add_acq_rel_gpu_s32(cnt + Int64(p) * 4, Int32(1))
-            flag[0] = Float32(0.0)
-            if old == Int32(self.row_blocks - 1):
-                flag[0] = Float32(1.0)
-        cute.arch.sync_threads()
-        if flag[0] > Float32(0.5):                         # the last CTA of pair p: finish and reset
-            fence_acq_rel_gpu()
-            for j in cutlass.range_constexpr(self.dgroups):
-                row0 = 4 * (tidx + j * self.threads)
-                a4 = acc + (Int64(p) * self.L + Int64(row0)) * 4
-                f = ld_relaxed_v4_f32(a4)
-                st_bf16x4(out + (Int64(p) * self.L + Int64(row0)) * 2, f[0], f[1], f[2], f[3])
-                st_v4(a4, Int32(0), Int32(0), Int32(0), Int32(0))
-            if tidx == 0:
-                st_relaxed_s32(cnt + Int64(p) * 4, Int32(0))
 
 
 def _up(n: int, a: int) -> int:

@@ -34,15 +34,6 @@ def ld_v4_ordered(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_v2_ordered(addr: Int64, *, loc=None, ip=None):
-    """Two u32 words from an 8-byte aligned global address, as ld_v4_ordered."""
-    st = llvm.StructType.get_literal([T.i32()] * 2)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
-             "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side=True)
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
 def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
     """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs),
     through the non-coherent path: only for data no kernel still running writes (see ld_v4_dep).
@@ -196,51 +187,3 @@ def st_release_sys_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     before it (with a CTA barrier and fence before it)."""
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
          "st.release.sys.global.u32 [$0], $1;", "l,r", side=True)
-
-
-# ---- the split MXFP4 kernel's cross-CTA sum (mxfp4_experts.Mxfp4ExpertsSplitSm90)
-
-@dsl_user_op
-def red_add_v4_f32(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """Four fp32 atomic adds to a 16-byte aligned global address, one vector reduction (sm_90),
-    relaxed at GPU scope (no value returned)."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-         "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", side=True)
-
-
-@dsl_user_op
-def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
-    """Order this thread's earlier memory operations before its later ones for every thread of
-    this GPU."""
-    _asm(None, [], "fence.acq_rel.gpu;", "~{memory}", side=True)
-
-
-@dsl_user_op
-def atom_add_acq_rel_gpu_s32(addr: Int64, v: Int32, *, loc=None, ip=None) -> Int32:
-    """atomicAdd with acquire-release semantics at GPU scope; returns the old value."""
-    return Int32(_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-                      "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r", side=True))
-
-
-@dsl_user_op
-def ld_relaxed_v4_f32(addr: Int64, *, loc=None, ip=None):
-    """Four fp32 from a 16-byte aligned global address, coherent at GPU scope (other CTAs' atomics)."""
-    st = llvm.StructType.get_literal([T.f32()] * 4)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.relaxed.gpu.global.v4.f32 {$0, $1, $2, $3}, [$4];",
-             "=f,=f,=f,=f,l", side=True)
-    return [Float32(llvm.extractvalue(T.f32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def st_bf16x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """a, b, c, d rounded to bf16, stored as 8 bytes (a at the lowest address) to an 8-byte aligned
-    global address."""
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-         "{ .reg .b32 p, q; cvt.rn.bf16x2.f32 p, $2, $1; cvt.rn.bf16x2.f32 q, $4, $3; "
-         "st.global.v2.b32 [$0], {p, q}; }", "l,f,f,f,f", side=True)
-
-
-@dsl_user_op
-def st_relaxed_s32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-         "st.relaxed.gpu.global.s32 [$0], $1;", "l,r", side=True)
