@@ -62,6 +62,10 @@ for st in "$@"; do
     dispatch) step gemv_dispatch 240 python3 bench/gemv_bench.py --dispatch --ms ${K3_MS:-1,2,4,8,16} \
                 --out "$R/gemv_dispatch.json" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
+    # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
+    # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
+    cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
+    resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_vllm.py ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
     # shape, compiled in 12 processes first) against cuBLAS and the CUDA-core GEMV's best two
     mmagemm) step mma_tests 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
