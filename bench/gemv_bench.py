@@ -178,33 +178,41 @@ def dispatch_check(a, bw):
     import torch
 
     from k3compile.kernels import choose
-    g = torch.Generator("cuda").manual_seed(1)
     rows = []
-    names = [n for n in a.shapes.split(",") if n] or list(SHAPES)
-    for name in names:
+    for row, x, w, nxt, ref in cases(a, bw, seed=1):
+        name, M = row["shape"], row["M"]
+        cfg = choose.gemv_plan(x, w)
+        err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
+        row.update(dispatch=cfg.name() if hasattr(cfg, "name") else ("gemv %d/%d/%d/%d" % cfg if cfg else "cublas"),
+                   err=err, us={"cublas": [], "k3": []})
+        fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
+        for _ in range(a.repeats):
+            for k in ("cublas", "k3"):
+                row["us"][k].append(time_graph(fns[k]))
+        med = {k: sorted(v)[len(v) // 2] for k, v in row["us"].items()}
+        row["speedup_vs_cublas"] = med["cublas"] / med["k3"]
+        rows.append(row)
+        print(f"{name:20s} M={M:2d} {row['dispatch']:20s} cublas {med['cublas']:6.2f}  k3 {med['k3']:6.2f} us "
+              f"(x{row['speedup_vs_cublas']:.2f}; floor {row['floor_us']:.2f}; err {err:.1e})", flush=True)
+    return rows
+
+
+def cases(a, bw, seed: int):
+    """Per swept shape (--shapes) and M (--ms): (row: shape, N, K, M, bytes, floor_us; x [M, K]
+    random bf16; the shape's cold weight w and its copies' cycle nxt; the fp32 reference x @ w^T).
+    A shape's weights are freed after its last M."""
+    import torch
+    g = torch.Generator("cuda").manual_seed(seed)
+    for name in [n for n in a.shapes.split(",") if n] or list(SHAPES):
         N, K = SHAPES[name]
         w, nxt = cold_weights(N, K, g)
         for M in [int(m) for m in a.ms.split(",")]:
             x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-            ref = x.float() @ w.float().t()
-            cfg = choose.gemv_plan(x, w)
-            err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
             nbytes = (N * K + M * K + M * N) * 2
-            row = dict(shape=name, N=N, K=K, M=M, bytes=nbytes, floor_us=nbytes / bw * 1e6,
-                       dispatch=cfg.name() if hasattr(cfg, "name") else ("gemv %d/%d/%d/%d" % cfg if cfg else "cublas"),
-                       err=err, us={"cublas": [], "k3": []})
-            fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
-            for _ in range(a.repeats):
-                for k in ("cublas", "k3"):
-                    row["us"][k].append(time_graph(fns[k]))
-            med = {k: sorted(v)[len(v) // 2] for k, v in row["us"].items()}
-            row["speedup_vs_cublas"] = med["cublas"] / med["k3"]
-            rows.append(row)
-            print(f"{name:20s} M={M:2d} {row['dispatch']:20s} cublas {med['cublas']:6.2f}  k3 {med['k3']:6.2f} us "
-                  f"(x{row['speedup_vs_cublas']:.2f}; floor {row['floor_us']:.2f}; err {err:.1e})", flush=True)
+            yield (dict(shape=name, N=N, K=K, M=M, bytes=nbytes, floor_us=nbytes / bw * 1e6), x, w, nxt,
+                   x.float() @ w.float().t())
         del w, nxt
         torch.cuda.empty_cache()
-    return rows
 
 
 def main():
@@ -237,51 +245,43 @@ def main():
     if a.precompile:
         print(f"precompiled {sum(len(mma_configs(*SHAPES[n])) for n in names)} MMA configs in "
               f"{precompile(names, a.precompile):.0f} s", flush=True)
-    g = torch.Generator("cuda").manual_seed(0)
     rows = []
-    for name in names:
-        N, K = SHAPES[name]
-        w, nxt = cold_weights(N, K, g)
-        for M in [int(m) for m in a.ms.split(",")]:
-            x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
-            ref = x.float() @ w.float().t()
-            nbytes = (N * K + M * K + M * N) * 2
-            row = dict(shape=name, N=N, K=K, M=M, bytes=nbytes, floor_us=nbytes / bw * 1e6, us={}, err={})
-            variants = {"cublas": lambda: torch.mm(x, nxt().t())}
-            if M <= launch.GEMV_MAX_M:
-                for c in (CONFIGS if a.all_gemv else GEMV_BEST):
-                    variants["gemv %d/%d/%d/%d" % c] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
-            if M <= launch.MMA_MAX_M:
-                for c in mma_configs(N, K):
-                    variants[c.name()] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
-            variants["cublas last"] = variants["cublas"]
-            for vn, fn in variants.items():
-                try:   # into a NaN-poisoned output: an element the kernel never writes fails the check
-                    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    out = torch.mm(x, w.t(), out=out) if vn.startswith("cublas") else fn(o=out)
-                    torch.cuda.synchronize()
-                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                    row["err"][vn] = f"{type(e).__name__}: {str(e)[:120]}"
-                    continue
-                row["err"][vn] = err
-                if err < 1e-2:   # (NaN fails this too)
-                    row["us"][vn] = time_graph(fn)
-            row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
-            gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
-            mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
-            for kind, d in (("gemv", gem), ("mma", mma)):
-                if d:
-                    row[f"best_{kind}"] = min(d, key=d.get)
-            ours = {**gem, **mma}
-            best = min(ours, key=ours.get)
-            row["best"], row["speedup_vs_cublas"] = best, row["us"]["cublas"] / ours[best]
-            rows.append(row)
-            print(f"{name:20s} M={M:2d} cublas {row['us']['cublas']:6.2f} us  best {best:20s} {ours[best]:6.2f} us "
-                  f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / ours[best] / 1e6:.2f} TB/s; floor "
-                  f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else ""), flush=True)
-        del w, nxt
-        torch.cuda.empty_cache()
+    for row, x, w, nxt, ref in cases(a, bw, seed=0):
+        name, N, K, M, nbytes = row["shape"], row["N"], row["K"], row["M"], row["bytes"]
+        row.update(us={}, err={})
+        variants = {"cublas": lambda: torch.mm(x, nxt().t())}
+        if M <= launch.GEMV_MAX_M:
+            for c in (CONFIGS if a.all_gemv else GEMV_BEST):
+                variants["gemv %d/%d/%d/%d" % c] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+        if M <= launch.MMA_MAX_M:
+            for c in mma_configs(N, K):
+                variants[c.name()] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+        variants["cublas last"] = variants["cublas"]
+        for vn, fn in variants.items():
+            try:   # into a NaN-poisoned output: an element the kernel never writes fails the check
+                out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                out = torch.mm(x, w.t(), out=out) if vn.startswith("cublas") else fn(o=out)
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                row["err"][vn] = f"{type(e).__name__}: {str(e)[:120]}"
+                continue
+            row["err"][vn] = err
+            if err < 1e-2:   # (NaN fails this too)
+                row["us"][vn] = time_graph(fn)
+        row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
+        gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
+        mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
+        for kind, d in (("gemv", gem), ("mma", mma)):
+            if d:
+                row[f"best_{kind}"] = min(d, key=d.get)
+        ours = {**gem, **mma}
+        best = min(ours, key=ours.get)
+        row["best"], row["speedup_vs_cublas"] = best, row["us"]["cublas"] / ours[best]
+        rows.append(row)
+        print(f"{name:20s} M={M:2d} cublas {row['us']['cublas']:6.2f} us  best {best:20s} {ours[best]:6.2f} us "
+              f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / ours[best] / 1e6:.2f} TB/s; floor "
+              f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else ""), flush=True)
     save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                      torch=torch.__version__), t0)
 
