@@ -265,7 +265,7 @@ def _mxfp4_pk_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
     return dict(symbol=symbol, block=[k.T, 1, 1], grid=["C", 1, 1], smem=k.smem_bytes,
                 params=[dict(p, **kd) for p, kd in zip(params, _PK_PARAMS)],
                 shapes=dict(I=v["I"], L=v["L"], K=v["K"], rpg=k.rpg, nbuf=k.nbuf, bi=k.bi, rd=k.rd),
-                tiles_per_pair=k.gut + k.dt, pmax=k.PMAX, math=v["math"], mid="bf16", tag=v.get("tag", ""),
+                tiles_per_pair=k.gut + k.dt, math=v["math"], mid="bf16", tag=v.get("tag", ""),
                 probe=v.get("probe", ""), pdl="none",
                 align=dict(x=16, ids=4, w13=16, s13=4, w2=16, s2=4, mid=16, out=2, cnt=4))
 

@@ -485,9 +485,8 @@ class Mxfp4ExpertsPersistentSm90:
     a tile is summed and reduced, across the gate-up / down boundary (no kernel boundary, no wave
     tail per kernel). Math: the f16x2 byte-permute dequantisation (Mxfp4ExpertGemvSm90's "f16x2",
     "prmt"), one thread per (row, 16-byte vector), partials reduced in shared memory.
-    The pairs' expert ids are staged in shared memory once (PMAX pairs at most).
     Sync: a gate-up tile, once its BI mid values are stored, adds 1 to its pair's counter
-    (cnt[2p]; the storing threads are warp 0's: warp barrier, then red.release.gpu); a down tile's weights are already in flight when
+    (cnt[2p], CTA barrier then red.release.gpu); a down tile's weights are already in flight when
     one thread waits for the counter to reach GUT (ld.acquire.gpu) and counts itself into cnt[2p +
     1]; the pair's last down tile zeroes both, so every launch leaves the counters zero (CUDA-graph
     safe, no memset). Forward progress: a down tile waits only on gate-up tiles, which never wait
@@ -497,8 +496,6 @@ class Mxfp4ExpertsPersistentSm90:
     device the loader sized it for). One launch at a time per counter buffer (stream order).
     probe (benchmarks only, wrong results): "nowait" skips the counter wait (the schedule's bound),
     "nomath" replaces each block's dot by an XOR of its words (what the loads cost)."""
-
-    PMAX = 1024     # pairs per launch: their expert ids are staged in shared memory (4 KB)
 
     def __init__(self, I: int, L: int, K: int, rpg: int = 8, threads: int = 336, nbuf: int = 2, probe: str = ""):
         assert probe in ("", "nowait", "nomath"), probe
@@ -511,7 +508,6 @@ class Mxfp4ExpertsPersistentSm90:
         self.bi = self.g * rpg // 2
         self.rd = self.gd * rpg
         assert I % self.bi == 0 and L % self.rd == 0, (I, self.bi, L, self.rd)
-        assert self.bi <= 32, "the mid stores before a tile's release must be warp 0's"
         self.gut, self.dt = I // self.bi, L // self.rd     # tiles per pair
         self.tv = threads * rpg                             # vectors (= scale bytes = partials) per tile
         assert self.tv % 4 == 0
@@ -520,7 +516,7 @@ class Mxfp4ExpertsPersistentSm90:
         self.q_dn = max(d for d in range(1, self.nvd + 1) if self.nvd % d == 0 and self.rd * d <= threads)
         self.part2_n = max(2 * self.bi * self.q_gu, self.rd * self.q_dn)
         self.smem_bytes = (nbuf * self.tv * 16 + nbuf * _up(self.tv, 16) + 4 * self.tv + 4 * self.part2_n
-                           + 4 * self.PMAX + 64 + 1024)
+                           + 64 + 1024)
 
     @cute.jit
     def __call__(self, x: Int64, ids: Int64, w13: Int64, s13: Int64, w2: Int64, s2: Int64, mid: Int64,
@@ -531,13 +527,12 @@ class Mxfp4ExpertsPersistentSm90:
             sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.nbuf * _up(self.tv, 16)], 16]
             part: cute.struct.Align[cute.struct.MemRange[Float32, self.tv], 16]
             part2: cute.struct.MemRange[Float32, self.part2_n]
-            ids: cute.struct.MemRange[Int32, self.PMAX]
         self.smem_t = Smem
         self.kernel(x, ids, w13, s13, w2, s2, mid, out, cnt, P, beta, lbeta).launch(
             grid=(1, 1, 1), block=(self.T, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
-    def _issue(self, j: Int32, b: Int32, total: Int32, n_gu: Int32, tidx: Int32, ids, w13: Int64,
+    def _issue(self, j: Int32, b: Int32, total: Int32, n_gu: Int32, tidx: Int32, ids: Int64, w13: Int64,
                s13: Int64, w2: Int64, s2: Int64, wsm0: Int32, ssm0: Int32):
         """cp.async of tile j's weight vectors and scale bytes into buffer b, then a commit (an empty
         group past the last tile, so every thread always has one group per tile slot)."""
@@ -547,7 +542,7 @@ class Mxfp4ExpertsPersistentSm90:
             if j < n_gu:
                 p = j // self.gut
                 rb = j % self.gut
-                e = Int64(ids[p])
+                e = Int64(ld_s32(ids + Int64(p) * 4))
                 v = tidx % self.nv
                 g = tidx // self.nv
                 base = w13 + e * (2 * self.I * self.kb) + Int64(v) * 16
@@ -568,7 +563,7 @@ class Mxfp4ExpertsPersistentSm90:
                 jd = j - n_gu
                 p = jd // self.dt
                 rb = jd % self.dt
-                e = Int64(ids[p])
+                e = Int64(ld_s32(ids + Int64(p) * 4))
                 v = tidx % self.nvd
                 g = tidx // self.nvd
                 base = w2 + e * (self.L * self.kbd) + Int64(v) * 16
@@ -614,12 +609,8 @@ class Mxfp4ExpertsPersistentSm90:
         part2 = st.part2.get_tensor(cute.make_layout(self.part2_n))
         n_gu = P * self.gut
         total = n_gu + P * self.dt
-        ids_sm = st.ids.get_tensor(cute.make_layout(self.PMAX))   # the pairs' experts: one round trip
-        for i in cutlass.range(tidx, P, self.T, unroll=1):
-            ids_sm[i] = ld_s32(ids + Int64(i) * 4)
-        cute.arch.sync_threads()
         for i in cutlass.range_constexpr(self.nbuf):
-            self._issue(c + i * C, Int32(i), total, n_gu, tidx, ids_sm, w13, s13, w2, s2, wsm0, ssm0)
+            self._issue(c + i * C, Int32(i), total, n_gu, tidx, ids, w13, s13, w2, s2, wsm0, ssm0)
         mine = (total - c + C - 1) // C
         for it in cutlass.range(mine, unroll=1):
             j = c + it * C
@@ -649,7 +640,7 @@ class Mxfp4ExpertsPersistentSm90:
                     xw += ld_v4_cg(ma + 16 * i)
                 self._sums(xw, wsm, ssm, part_p, tidx, self.nvd, self.gd)
             cute.arch.sync_threads()                            # partials in; buffer b read by all
-            self._issue(j + self.nbuf * C, b, total, n_gu, tidx, ids_sm, w13, s13, w2, s2, wsm0, ssm0)
+            self._issue(j + self.nbuf * C, b, total, n_gu, tidx, ids, w13, s13, w2, s2, wsm0, ssm0)
             if j < n_gu:
                 p = j // self.gut
                 rb = j % self.gut
@@ -671,11 +662,10 @@ class Mxfp4ExpertsPersistentSm90:
                     gs = beta * cute.math.tanh(gt / beta) / (Float32(1.0) + cute.math.exp(-gt))
                     us = lbeta * cute.math.tanh(up / lbeta)
                     st_bf16(mid + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 2, gs * us)
+                cute.arch.sync_threads()                        # the tile's mid values stored
                 if cutlass.const_expr(self.probe != "nowait"):   # (the probe leaves the counters alone)
-                    if tidx < 32:                               # the BI <= 32 storing threads: warp 0
-                        cute.arch.sync_warp()                   # the tile's mid values stored
-                        if tidx == 0:
-                            red_release_gpu_add(cnt + Int64(p) * 8, Int32(1))
+                    if tidx == 0:
+                        red_release_gpu_add(cnt + Int64(p) * 8, Int32(1))
             else:
                 jd = j - n_gu
                 p = jd // self.dt
