@@ -76,7 +76,8 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
+                  ld_v4_cg, ld_v4_dep, ld_v4_keep, ld_v4_ordered, ld_v4_pred, lds_u8, lds_v4, pdl_trigger, pdl_wait,
+                  red_release_gpu_add, st_bf16, st_f32, st_shared_f32, wait_count_reset)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -443,6 +444,342 @@ class Mxfp4ExpertGemvSm90:
         else:
             if tidx < self.r:
                 st_bf16(out + (Int64(p) * self.L + Int64(rb * self.r + tidx)) * 2, tot[tidx])
+
+
+
+@cute.jit
+def _xh_of(xw, deq: cutlass.Constexpr):
+    """16 words of bf16 pairs (32 activations) -> (the 16 f16x2 operands of _block_dot_h2, 2^-kx):
+    the thread's power of two 2^kx puts max |x| * 2^kx in [2^12, 2^13) (Mxfp4ExpertGemvSm90, math
+    "f16x2")."""
+    xs = []
+    for i in cutlass.range_constexpr(16):
+        xs.append(as_f32(xw[i] << 16))
+        xs.append(bits_to_f32_hi(xw[i]))
+    amax = Int32(0)
+    for i in cutlass.range_constexpr(32):
+        amax = imax(amax, as_i32(xs[i]) & Int32(0x7FFFFFFF))
+    ex = imax(amax >> 23, Int32(H_MIN_EXP))
+    xup = as_f32((Int32(H_TARGET_EXP + 127) - ex) << 23)
+    inv = as_f32((ex - Int32(H_TARGET_EXP - 127)) << 23)
+    xh = []
+    for j in cutlass.range_constexpr(4):
+        for k in cutlass.range_constexpr(4):
+            lo, hi = PB_PAIRS[k] if cutlass.const_expr(deq == "prmt") else (k, k + 4)
+            xh.append(f32x2_to_f16x2(xs[8 * j + hi] * xup, xs[8 * j + lo] * xup))
+    return xh, inv
+
+
+class Mxfp4ExpertsPersistentSm90:
+    """Gate-up (SiTU) and down in one persistent kernel (tag "pk", build.MXFP4_TAGS), the same
+    contract as the two kernels (mid in bf16 global memory, out [P, L] bf16 unfinalised).
+
+    Work: P * (GUT + DT) tiles of equal bytes, gate-up tiles first, pair-major (tile j < P * GUT:
+    pair j // GUT, gate rows rb * BI .. + BI and the same up rows, rb = j % GUT; then down tiles:
+    pair, rows rb * RD .. + RD). Every tile is T * rpg 16-byte weight vectors (one per thread and
+    row: T threads, rpg rows each) and as many scale bytes. gate-up: G = T / NV row groups (NV = L /
+    32), BI = G * rpg / 2; down: GD = T / NVD row groups (NVD = I / 32), RD = GD * rpg.
+    Schedule: a grid of C CTAs (the loader's: as many as fit on the GPU at once, at most the tile
+    count), CTA c takes tiles c, c + C, c + 2C, ... Its weight vectors and scales go by cp.async into
+    `nbuf` shared-memory buffers, nbuf tiles ahead: the loads of the next tiles are in flight while
+    a tile is summed and reduced, across the gate-up / down boundary (no kernel boundary, no wave
+    tail per kernel). Math: the f16x2 byte-permute dequantisation (Mxfp4ExpertGemvSm90's "f16x2",
+    "prmt"), one thread per (row, 16-byte vector), partials reduced in shared memory.
+    The pairs' expert ids are staged in shared memory once (PMAX pairs at most).
+    Sync: a gate-up tile, once its BI mid values are stored, adds 1 to its pair's counter
+    (cnt[2p]; the storing threads are warp 0's: warp barrier, then red.release.gpu); a down tile's weights are already in flight when
+    one thread waits for the counter to reach GUT (ld.acquire.gpu) and counts itself into cnt[2p +
+    1]; the pair's last down tile zeroes both, so every launch leaves the counters zero (CUDA-graph
+    safe, no memset). Forward progress: a down tile waits only on gate-up tiles, which never wait
+    and come earlier in every CTA's sequence; the C CTAs all fit on the GPU at once, so each one
+    starts (at worst once other kernels' CTAs leave) and finishes its gate-up tiles. This needs the
+    whole GPU's SMs available to the grid (not an MPS / green-context partition smaller than the
+    device the loader sized it for). One launch at a time per counter buffer (stream order).
+    probe (benchmarks only, wrong results): "nowait" skips the counter wait (the schedule's bound),
+    "nomath" replaces each block's dot by an XOR of its words (what the loads cost)."""
+
+    PMAX = 1024     # pairs per launch: their expert ids are staged in shared memory (4 KB)
+
+    def __init__(self, I: int, L: int, K: int, rpg: int = 8, threads: int = 336, nbuf: int = 2, probe: str = "",
+                 wload: str = "cp"):
+        assert probe in ("", "nowait", "nomath"), probe
+        assert wload in ("cp", "ldg"), wload
+        self.ldg = wload == "ldg"      # weight vectors in registers, one tile ahead (scales by cp.async, 2 buffers)
+        if self.ldg:
+            nbuf = 2
+        self.I, self.L, self.K, self.rpg, self.T, self.nbuf, self.probe = I, L, K, rpg, threads, nbuf, probe
+        self.nv, self.nvd = L // 32, I // 32
+        self.kb, self.kbd = L // 2, I // 2
+        assert threads % self.nv == 0 and threads % self.nvd == 0, (threads, self.nv, self.nvd)
+        assert rpg % 2 == 0 and threads <= 1024
+        self.g, self.gd = threads // self.nv, threads // self.nvd
+        self.bi = self.g * rpg // 2
+        self.rd = self.gd * rpg
+        assert I % self.bi == 0 and L % self.rd == 0, (I, self.bi, L, self.rd)
+        assert self.bi <= 32, "the mid stores before a tile's release must be warp 0's"
+        self.gut, self.dt = I // self.bi, L // self.rd     # tiles per pair
+        self.tv = threads * rpg                             # vectors (= scale bytes = partials) per tile
+        assert self.tv % 4 == 0
+        # reduction of a tile's partials [rows, NV]: Q threads per row, each summing NV / Q
+        self.q_gu = max(d for d in range(1, self.nv + 1) if self.nv % d == 0 and 2 * self.bi * d <= threads)
+        self.q_dn = max(d for d in range(1, self.nvd + 1) if self.nvd % d == 0 and self.rd * d <= threads)
+        self.part2_n = max(2 * self.bi * self.q_gu, self.rd * self.q_dn)
+        self.wbuf_bytes = 16 if self.ldg else nbuf * self.tv * 16
+        self.smem_bytes = (self.wbuf_bytes + nbuf * _up(self.tv, 16) + 4 * self.tv + 4 * self.part2_n
+                           + 4 * self.PMAX + 64 + 1024)
+
+    @cute.jit
+    def __call__(self, x: Int64, ids: Int64, w13: Int64, s13: Int64, w2: Int64, s2: Int64, mid: Int64,
+                 out: Int64, cnt: Int64, P: Int32, beta: Float32, lbeta: Float32, stream: cuda.CUstream):
+        @cute.struct
+        class Smem:
+            wbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.wbuf_bytes], 16]
+            sbuf: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, self.nbuf * _up(self.tv, 16)], 16]
+            part: cute.struct.Align[cute.struct.MemRange[Float32, self.tv], 16]
+            part2: cute.struct.MemRange[Float32, self.part2_n]
+            ids: cute.struct.MemRange[Int32, self.PMAX]
+        self.smem_t = Smem
+        self.kernel(x, ids, w13, s13, w2, s2, mid, out, cnt, P, beta, lbeta).launch(
+            grid=(1, 1, 1), block=(self.T, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def _issue(self, j: Int32, b: Int32, total: Int32, n_gu: Int32, tidx: Int32, ids, w13: Int64,
+               s13: Int64, w2: Int64, s2: Int64, wsm0: Int32, ssm0: Int32):
+        """cp.async of tile j's weight vectors and scale bytes into buffer b, then a commit (an empty
+        group past the last tile, so every thread always has one group per tile slot)."""
+        wsm = wsm0 + b * (self.tv * 16) + tidx * 16
+        ssm = ssm0 + b * _up(self.tv, 16)
+        if j < total:
+            if j < n_gu:
+                p = j // self.gut
+                rb = j % self.gut
+                e = Int64(ids[p])
+                v = tidx % self.nv
+                g = tidx // self.nv
+                base = w13 + e * (2 * self.I * self.kb) + Int64(v) * 16
+                for r in cutlass.range_constexpr(self.rpg):
+                    h = self.rpg // 2
+                    row = (rb * self.bi + g + self.g * r) if r < h else (self.I + rb * self.bi + g + self.g * (r - h))
+                    cp_async16(wsm + r * self.T * 16, base + Int64(row) * self.kb)
+                # scales: the gate rows' run, then the up rows' run, BI * NV bytes each
+                run = self.bi * self.nv // 4
+                sb = s13 + e * (2 * self.I * self.nv)
+                for half in cutlass.range_constexpr(2):
+                    src = sb + Int64(rb * self.bi + half * self.I) * self.nv
+                    for c in cutlass.range_constexpr((run + self.T - 1) // self.T):
+                        idx = tidx + c * self.T
+                        if idx < run:
+                            cp_async4(ssm + half * run * 4 + idx * 4, src + Int64(idx) * 4)
+            else:
+                jd = j - n_gu
+                p = jd // self.dt
+                rb = jd % self.dt
+                e = Int64(ids[p])
+                v = tidx % self.nvd
+                g = tidx // self.nvd
+                base = w2 + e * (self.L * self.kbd) + Int64(v) * 16
+                for r in cutlass.range_constexpr(self.rpg):
+                    cp_async16(wsm + r * self.T * 16, base + Int64(rb * self.rd + g + self.gd * r) * self.kbd)
+                run = self.rd * self.nvd // 4
+                src = s2 + e * (self.L * self.nvd) + Int64(rb * self.rd) * self.nvd
+                for c in cutlass.range_constexpr((run + self.T - 1) // self.T):
+                    idx = tidx + c * self.T
+                    if idx < run:
+                        cp_async4(ssm + idx * 4, src + Int64(idx) * 4)
+        cp_async_commit()
+
+    @cute.jit
+    def _load_w(self, j: Int32, total: Int32, n_gu: Int32, tidx: Int32, ids, w13: Int64, w2: Int64):
+        """wload "ldg": tile j's weight vectors of this thread (rpg x 4 words) by ordered register loads,
+        branch-free over the tile's kind (row(r) = row0 + step * r + (r >= rpg / 2) * jump, address
+        base + row * stride); zeros and no memory access past the last tile."""
+        ok = Int32(j < total)
+        gu = Int32(j < n_gu)
+        jj = j * ok                                         # past the end: tile 0's indices, loads skipped
+        jd = jj - n_gu * (Int32(1) - gu)
+        pairs_div = self.dt + (self.gut - self.dt) * gu
+        p = jd // pairs_div
+        rb = jd % pairs_div
+        e = Int64(ids[p])
+        vg, gg = tidx % self.nv, tidx // self.nv
+        vd, gd = tidx % self.nvd, tidx // self.nvd
+        row0 = (rb * self.rd + gd) + ((rb * self.bi + gg) - (rb * self.rd + gd)) * gu
+        step = self.gd + (self.g - self.gd) * gu
+        jump = (self.I - self.bi) * gu
+        stride = Int64(self.kbd + (self.kb - self.kbd) * gu)
+        bd = w2 + e * (self.L * self.kbd) + Int64(vd) * 16
+        bg = w13 + e * (2 * self.I * self.kb) + Int64(vg) * 16
+        base = bd + (bg - bd) * Int64(gu)
+        words = []
+        for r in cutlass.range_constexpr(self.rpg):
+            row = row0 + step * r + (jump if r >= self.rpg // 2 else 0)
+            words.append(ld_v4_pred(base + Int64(row) * stride, ok))
+        return words
+
+    @cute.jit
+    def _issue_scales(self, j: Int32, b: Int32, total: Int32, n_gu: Int32, tidx: Int32, ids, s13: Int64,
+                      s2: Int64, ssm0: Int32):
+        """wload "ldg": cp.async of tile j's scale bytes into buffer b, then a commit."""
+        ssm = ssm0 + b * _up(self.tv, 16)
+        if j < total:
+            if j < n_gu:
+                p = j // self.gut
+                rb = j % self.gut
+                e = Int64(ids[p])
+                run = self.bi * self.nv // 4
+                sb = s13 + e * (2 * self.I * self.nv)
+                for half in cutlass.range_constexpr(2):
+                    src = sb + Int64(rb * self.bi + half * self.I) * self.nv
+                    for c in cutlass.range_constexpr((run + self.T - 1) // self.T):
+                        idx = tidx + c * self.T
+                        if idx < run:
+                            cp_async4(ssm + half * run * 4 + idx * 4, src + Int64(idx) * 4)
+            else:
+                jd = j - n_gu
+                p = jd // self.dt
+                rb = jd % self.dt
+                e = Int64(ids[p])
+                run = self.rd * self.nvd // 4
+                src = s2 + e * (self.L * self.nvd) + Int64(rb * self.rd) * self.nvd
+                for c in cutlass.range_constexpr((run + self.T - 1) // self.T):
+                    idx = tidx + c * self.T
+                    if idx < run:
+                        cp_async4(ssm + idx * 4, src + Int64(idx) * 4)
+        cp_async_commit()
+
+    @cute.jit
+    def _sums(self, xw, wsm: Int32, ssm: Int32, part_p: Int32, tidx: Int32, nv: cutlass.Constexpr,
+              g_n: cutlass.Constexpr, wregs=None):
+        """The thread's rpg row partials of the tile in (wsm, ssm) into part[lr, v] (lr = g + g_n * r);
+        wregs: the weight words in registers (wload "ldg") instead of wsm."""
+        v = tidx % nv
+        g = tidx // nv
+        xh, inv = _xh_of(xw, "prmt")
+        for r in cutlass.range_constexpr(self.rpg):
+            lr = g + g_n * r
+            sc = lds_u8(ssm + lr * nv + v)
+            words = wregs[r] if cutlass.const_expr(wregs is not None) else lds_v4(wsm + r * self.T * 16)
+            if cutlass.const_expr(self.probe == "nomath"):
+                blk = as_f32((words[0] ^ words[1] ^ words[2] ^ words[3]) & Int32(0x3FFFFFFF))
+            else:
+                blk = _block_dot_h2(words, xh, "prmt")
+            st_shared_f32(part_p + (lr * nv + v) * 4, blk * as_f32((sc + H_SCALE_BIAS) << 23) * inv)
+
+    @cute.kernel
+    def kernel(self, x: Int64, ids: Int64, w13: Int64, s13: Int64, w2: Int64, s2: Int64, mid: Int64, out: Int64,
+               cnt: Int64, P: Int32, beta: Float32, lbeta: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        c, _, _ = cute.arch.block_idx()
+        C, _, _ = cute.arch.grid_dim()
+        smem = cutlass.memory.SmemAllocator()
+        st = smem.allocate(self.smem_t)
+        wsm0 = st.wbuf.data_ptr().toint()
+        ssm0 = st.sbuf.data_ptr().toint()
+        part_p = st.part.data_ptr().toint()
+        part = st.part.get_tensor(cute.make_layout(self.tv))
+        part2 = st.part2.get_tensor(cute.make_layout(self.part2_n))
+        n_gu = P * self.gut
+        total = n_gu + P * self.dt
+        ids_sm = st.ids.get_tensor(cute.make_layout(self.PMAX))   # the pairs' experts: one round trip
+        for i in cutlass.range(tidx, P, self.T, unroll=1):
+            ids_sm[i] = ld_s32(ids + Int64(i) * 4)
+        cute.arch.sync_threads()
+        nw = self.nbuf - 1                                      # cp.async groups left in flight at a wait
+        if cutlass.const_expr(self.ldg):
+            nxt = self._load_w(c, total, n_gu, tidx, ids_sm, w13, w2)
+            self._issue_scales(c, Int32(0), total, n_gu, tidx, ids_sm, s13, s2, ssm0)
+            nw = 1
+        else:
+            nxt = [Int32(0)]
+            for i in cutlass.range_constexpr(self.nbuf):
+                self._issue(c + i * C, Int32(i), total, n_gu, tidx, ids_sm, w13, s13, w2, s2, wsm0, ssm0)
+        mine = (total - c + C - 1) // C
+        for it in cutlass.range(mine, unroll=1):
+            j = c + it * C
+            b = it % self.nbuf
+            wsm = wsm0 + b * (self.tv * 16) + tidx * 16
+            ssm = ssm0 + b * _up(self.tv, 16)
+            cur = nxt
+            if cutlass.const_expr(self.ldg):    # the next tile's weights into registers, its scales by cp.async
+                nxt = self._load_w(j + C, total, n_gu, tidx, ids_sm, w13, w2)
+                self._issue_scales(j + C, (it + 1) % 2, total, n_gu, tidx, ids_sm, s13, s2, ssm0)
+            wr = cur if cutlass.const_expr(self.ldg) else None
+            if j < n_gu:
+                p = j // self.gut
+                xa = x + (Int64(p // self.K) * self.L + Int64(tidx % self.nv) * 32) * 2
+                xw = []
+                for i in cutlass.range_constexpr(4):
+                    xw += ld_v4_keep(xa + 16 * i, True)       # issued before the wait below
+                cp_async_wait(nw)
+                cute.arch.sync_threads()                        # the tile's scale bytes other threads loaded
+                self._sums(xw, wsm, ssm, part_p, tidx, self.nv, self.g, wr)
+            else:
+                p = (j - n_gu) // self.dt
+                cp_async_wait(nw)
+                if cutlass.const_expr(self.probe != "nowait"):
+                    if tidx == 0:
+                        wait_count_reset(cnt + Int64(p) * 8, cnt + Int64(p) * 8 + 4, Int32(self.gut),
+                                         Int32(self.dt - 1))
+                cute.arch.sync_threads()                        # scales, and the pair's mid complete
+                ma = mid + (Int64(p) * self.I + Int64(tidx % self.nvd) * 32) * 2
+                xw = []
+                for i in cutlass.range_constexpr(4):
+                    xw += ld_v4_cg(ma + 16 * i)
+                self._sums(xw, wsm, ssm, part_p, tidx, self.nvd, self.gd, wr)
+            cute.arch.sync_threads()                            # partials in; buffer b read by all
+            if cutlass.const_expr(not self.ldg):
+                self._issue(j + self.nbuf * C, b, total, n_gu, tidx, ids_sm, w13, s13, w2, s2, wsm0, ssm0)
+            if j < n_gu:
+                p = j // self.gut
+                rb = j % self.gut
+                q = self.q_gu
+                if tidx < 2 * self.bi * q:
+                    rr = tidx // q
+                    c0 = (tidx % q) * (self.nv // q)
+                    a = Float32(0.0)
+                    for k in cutlass.range_constexpr(self.nv // q):
+                        a = a + part[rr * self.nv + c0 + k]
+                    part2[tidx] = a
+                cute.arch.sync_threads()
+                if tidx < self.bi:
+                    gt = Float32(0.0)
+                    up = Float32(0.0)
+                    for k in cutlass.range_constexpr(q):
+                        gt = gt + part2[tidx * q + k]
+                        up = up + part2[(tidx + self.bi) * q + k]
+                    gs = beta * cute.math.tanh(gt / beta) / (Float32(1.0) + cute.math.exp(-gt))
+                    us = lbeta * cute.math.tanh(up / lbeta)
+                    st_bf16(mid + (Int64(p) * self.I + Int64(rb * self.bi + tidx)) * 2, gs * us)
+                if cutlass.const_expr(self.probe != "nowait"):   # (the probe leaves the counters alone)
+                    if tidx < 32:                               # the BI <= 32 storing threads: warp 0
+                        cute.arch.sync_warp()                   # the tile's mid values stored
+                        if tidx == 0:
+                            red_release_gpu_add(cnt + Int64(p) * 8, Int32(1))
+            else:
+                jd = j - n_gu
+                p = jd // self.dt
+                rb = jd % self.dt
+                q = self.q_dn
+                if cutlass.const_expr(q == 1):
+                    if tidx < self.rd:
+                        a = Float32(0.0)
+                        for k in cutlass.range_constexpr(self.nvd):
+                            a = a + part[tidx * self.nvd + k]
+                        st_bf16(out + (Int64(p) * self.L + Int64(rb * self.rd + tidx)) * 2, a)
+                else:
+                    if tidx < self.rd * q:
+                        rr = tidx // q
+                        c0 = (tidx % q) * (self.nvd // q)
+                        a = Float32(0.0)
+                        for k in cutlass.range_constexpr(self.nvd // q):
+                            a = a + part[rr * self.nvd + c0 + k]
+                        part2[tidx] = a
+                    cute.arch.sync_threads()
+                    if tidx < self.rd:
+                        a = Float32(0.0)
+                        for k in cutlass.range_constexpr(q):
+                            a = a + part2[tidx * q + k]
+                        st_bf16(out + (Int64(p) * self.L + Int64(rb * self.rd + tidx)) * 2, a)
 
 
 def _up(n: int, a: int) -> int:

@@ -187,3 +187,59 @@ def st_release_sys_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     before it (with a CTA barrier and fence before it)."""
     _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
          "st.release.sys.global.u32 [$0], $1;", "l,r", side=True)
+
+
+# ---- the persistent MXFP4 kernel's per-pair counters (mxfp4_experts.Mxfp4ExpertsPersistentSm90)
+
+@dsl_user_op
+def red_release_gpu_add(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """Atomic add of v at a global address, release at GPU scope: a thread that acquires the sum
+    sees what this CTA wrote before it (with a CTA barrier before it: release is cumulative)."""
+    _asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+         "red.release.gpu.global.add.s32 [$0], $1;", "l,r", side=True)
+
+
+@dsl_user_op
+def wait_count_reset(cnt: Int64, done: Int64, target: Int32, last: Int32, *, loc=None, ip=None) -> None:
+    """Spin until the counter at `cnt` reaches `target` (acquire loads at GPU scope), then count
+    this CTA into `done`; the CTA that finds `last` there (the last waiter) sets both back to 0,
+    so the next launch finds them zeroed (every producer has added and every waiter has passed).
+    One thread per CTA; a CTA barrier after it orders the CTA's later loads."""
+    _asm(None, [Int64(cnt).ir_value(loc=loc, ip=ip), Int64(done).ir_value(loc=loc, ip=ip),
+                Int32(target).ir_value(loc=loc, ip=ip), Int32(last).ir_value(loc=loc, ip=ip)],
+         "{ .reg .s32 c; .reg .pred p;\n"
+         "K3_WAIT: ld.acquire.gpu.global.s32 c, [$0];\n"
+         "setp.ge.s32 p, c, $2;\n"
+         "@p bra K3_PASS;\n"
+         "bra K3_WAIT;\n"
+         "K3_PASS:\n"
+         "atom.relaxed.gpu.global.add.s32 c, [$1], 1;\n"
+         "setp.eq.s32 p, c, $3;\n"
+         "@p st.relaxed.gpu.global.s32 [$0], 0;\n"
+         "@p st.relaxed.gpu.global.s32 [$1], 0; }", "l,l,r,r", side=True)
+
+
+@dsl_user_op
+def ld_v4_cg(addr: Int64, *, loc=None, ip=None):
+    """Four u32 words from a 16-byte aligned global address, cached in L2 only (ld.global.cg): data
+    another CTA of this kernel wrote (after an acquire and a CTA barrier), never a stale L1 line."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)], "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,l", side=True)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def st_shared_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+         "st.shared.f32 [$0], $1;", "r,f", side=True)
+
+
+@dsl_user_op
+def ld_v4_pred(addr: Int64, pred: Int32, *, loc=None, ip=None):
+    """ld_v4_ordered where pred != 0, else four zeros (no memory access)."""
+    st = llvm.StructType.get_literal([T.i32()] * 4)
+    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+             "{ .reg .pred q; setp.ne.s32 q, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+             "@q ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4]; }", "=r,=r,=r,=r,l,r", side=True)
+    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
