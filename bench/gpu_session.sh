@@ -87,11 +87,6 @@ for st in "$@"; do
              done ;;
     # the CuTe f16x2 experts' variants (build --alt: xf, m32, sh, dn2x, none = untagged) against the default, cold
     # routings; their GPU tests first
-    # the persistent one-kernel experts (build --alt --only mxfp4_persistent): its GPU tests, then against the default
-    pk) step pk_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k "mxfp4 and (pk or pr)"
-        step experts_pk 300 env K3_CUTE_PROBE=1 python3 bench/experts_bench.py \
-          --variants ${K3_VARIANTS:-cute_h2,cute_h2@pk,cute_h2@pk4,cute_h2@pknw,cute_h2@pknm} --no-reference-time \
-          --cold 8 --shapes tp8,tp2 --ms ${K3_MS:-1,2,4,8,16} --out "$R/experts_pk.json" ;;
     alt) step alt_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
          step experts_alt 300 python3 bench/experts_bench.py \
            --variants ${K3_VARIANTS:-cute_h2,cute_h2@none,cute_h2@xf,cute_h2@sh} --no-reference-time \

@@ -436,7 +436,7 @@ def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
     assert ptx[("ldg", "gate_up")] == ptx[("ldgd", "gate_up")].replace(vs[("ldgd", "gate_up")]["name"],
                                                                         vs[("ldg", "gate_up")]["name"])
     assert "fma.rn.f16x2" not in ptx[("nomath", "gate_up")]
-    assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload", "ldgnm", "ldgnl", "pknw", "pknm", "prnm"))
+    assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload", "ldgnm", "ldgnl"))
                for (t, _), v in vs.items())
     monkeypatch.delenv("K3_CUTE_PROBE", raising=False)
     assert loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[0] is None
@@ -449,50 +449,6 @@ def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
     assert [choose.mxfp4_tag(384, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
     assert [choose.mxfp4_tag(1536, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
     assert [choose.mxfp4_tag(512, n) for n in (1, 2, 3)] == ["xf", "xf", ""]
-
-
-def test_mxfp4_persistent_kernel_build_manifest_and_lookup(tmp_path, monkeypatch):
-    """The persistent one-kernel experts ("pk", build --alt): one artifact that the loader finds as
-    (kernel, None) with a grid the loader sizes ("C"); its tiles hold equal bytes; every weight
-    vector goes by cp.async (one per thread and row of a tile), mid is read coherently (L2) after
-    the counter wait, gate-up releases its counter once per tile; the nowait probe has neither
-    the wait nor the release, and is served only with K3_CUTE_PROBE=1; dispatch does not take pk
-    by default (choose.CUTE_MXFP4_PK is empty until measured) but takes it where the table says."""
-    from k3compile.kernels import choose
-    from k3compile.kernels.cute.mxfp4_experts import Mxfp4ExpertsPersistentSm90
-    mans = build.build(tmp_path, alt=True, only="mxfp4_persistent_i384", log=lambda *_: None)
-    vs = {v["tag"]: v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["mode"] == "persistent"}
-    assert set(vs) == {"pk", "pk4", "pknw", "pknm", "pr", "pr4", "prnm"} and not any(v["mode"] == "persistent" for v in build.mxfp4_variants())
-    for tag, v in vs.items():
-        man = mans[v["name"]]
-        k = Mxfp4ExpertsPersistentSm90(384, 3584, 16, v["rpg"], nbuf=v["nbuf"], wload=v.get("wload", "cp"))
-        assert man["grid"] == ["C", 1, 1] and man["block"] == [336, 1, 1] and man["tiles_per_pair"] == k.gut + k.dt
-        assert 2 * k.bi * (3584 // 2) == k.rd * (384 // 2) == 336 * v["rpg"] * 16     # equal weight bytes per tile
-        assert [p.get("tensor", p.get("name")) for p in man["params"]] == [
-            "x", "ids", "w13", "s13", "w2", "s2", "mid", "out", "cnt", "P", "beta", "linear_beta"]
-        ptx = (tmp_path / f"{v['name']}.ptx").read_text()
-        # one cp.async per row in the gate-up branch and in the down branch, for the prologue and the refill
-        if v.get("wload") == "ldg":     # weights by predicated register loads: prologue and loop
-            assert "cp.async.cg.shared.global" not in ptx and ptx.count("@q ld.global.nc") == 2 * v["rpg"], tag
-        else:
-            assert ptx.count("cp.async.cg.shared.global") == 2 * v["rpg"] * (v["nbuf"] + 1), tag
-        assert ptx.count("ld.global.cg.v4.u32") == 4 and "ld.local" not in ptx
-        waits = ("ld.acquire.gpu" in ptx, "red.release.gpu" in ptx)
-        assert waits == ((False, False) if tag == "pknw" else (True, True)), tag
-        if tag != "pknw":
-            assert ptx.index("ld.acquire.gpu") < ptx.index("ld.global.cg.v4.u32")     # mid after the wait
-        assert ("fma.rn.f16x2" in ptx) == (tag != "pknm")
-    monkeypatch.delenv("K3_CUTE_PROBE", raising=False)
-    arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "pk")
-    assert arts is not None and arts[1] is None and arts[0].man["tag"] == "pk", why
-    assert loader.grid_of(arts[0].man, C=264) == (264, 1, 1)
-    assert loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "pknw")[0] is None
-    monkeypatch.setenv("K3_CUTE_PROBE", "1")
-    assert loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "pknw")[0][0].man["probe"] == "nowait"
-    assert [v["tag"] for v in build.jit_variants("mxfp4", 384, 3584, 16, "f16x2", "pk")] == ["pk"]
-    assert "pk" not in {choose.mxfp4_tag(I, n) for I in (384, 1536) for n in (1, 2, 16, 17)}
-    monkeypatch.setattr(choose, "CUTE_MXFP4_PK", {384: 2})
-    assert [choose.mxfp4_tag(384, n) for n in (1, 2, 3)] == ["pk", "pk", "ldgd"]
 
 
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):

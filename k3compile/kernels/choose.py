@@ -68,15 +68,10 @@ CUTE_XF_MAX_N = 2
 # and against the old kernels at TP=2 (I=1536) M = 2/4/8/16: 1.03 / 1.05-1.08 / 1.05-1.11 /
 # 1.04-1.08x (M=1: 1.02-1.03x over the 8 + 8 rows, which were 1.03-1.05x over xf). Not run above 16.
 CUTE_MXFP4_LDG = {384: 16, 1536: 16}
-# the persistent one-kernel experts ("pk", cute/mxfp4_experts.Mxfp4ExpertsPersistentSm90) up to
-# this many tokens, by per-rank expert width I (empty until measured faster than the ldgd pair)
-CUTE_MXFP4_PK: dict[int, int] = {}
 
 
 def mxfp4_tag(I: int, N: int) -> str:
     """The f16x2 MXFP4 kernels' tag (build.MXFP4_TAGS) dispatch takes for N tokens at width I."""
-    if N <= CUTE_MXFP4_PK.get(I, 0):
-        return "pk"
     if N <= CUTE_MXFP4_LDG.get(I, 0):
         return "ldgd"
     return "xf" if N <= CUTE_XF_MAX_N else ""
@@ -361,17 +356,6 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
         if arts is None:
             _note(key, why)
             return None
-        if arts[1] is None:     # the one-kernel variant: its counters, else the register-staged pair
-            from .launch import PK_MAX_PAIRS, mxfp4_pair_counters
-            cnt = mxfp4_pair_counters(x.device) if N * K <= PK_MAX_PAIRS else None
-            if cnt is not None:
-                return loader.mxfp4_experts_fused(arts[0], x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
-                                                  float(beta), float(linear_beta), cnt)
-            arts = _find("mxfp4", I, L, K, math, "ldgd")[0]
-            _note(key, f"no counters for {N * K} pairs (more than {PK_MAX_PAIRS}, or first used inside a CUDA "
-                       "graph capture)", "running the ldgd pair")
-            if arts is None:
-                return None
         return loader.mxfp4_experts(*arts, x.contiguous(), topk_ids, w13, w13_scale, w2, w2_scale,
                                     float(beta), float(linear_beta), pdl=cute_pdl())
     except Exception as e:  # noqa: BLE001 - any loader failure falls back, with the reason

@@ -297,41 +297,12 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
         _SPLIT[key] = (_off_thread(lambda: torch.zeros(SPLIT_SLOTS * SPLIT_STREAMS, dtype=torch.int32,
                                                        device=device), device), {})
     cnt, slots = _SPLIT[key]
-    i = _stream_slot(slots, device)
-    return None if i is None else cnt[i * SPLIT_SLOTS:(i + 1) * SPLIT_SLOTS]
-
-
-def _stream_slot(slots: dict, device: torch.device) -> int | None:
-    """The slot of the current stream of `device` in a per-device scratch tensor (`slots`: stream ->
-    index, assigned in order of first use), None once SPLIT_STREAMS streams have one."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     if stream not in slots:
         if len(slots) == SPLIT_STREAMS:
             return None
         slots[stream] = len(slots)
-    return slots[stream]
-
-
-# the persistent MXFP4 experts kernel (tag "pk", cute/mxfp4_experts.Mxfp4ExpertsPersistentSm90):
-# two int32 counters per (token, slot) pair, for up to this many pairs per call
-PK_MAX_PAIRS = int(os.environ.get("K3_PK_MAX_PAIRS", "1024"))
-_PK: dict[str, tuple[torch.Tensor, dict]] = {}
-
-
-def mxfp4_pair_counters(device: torch.device) -> torch.Tensor | None:
-    """int32 zeros [2 * PK_MAX_PAIRS] for the current stream of `device`, kept as split_counters
-    keeps its counters (one tensor per device made at the first call, not inside a CUDA-graph
-    capture: then None; a slice per stream, at most SPLIT_STREAMS; each launch of the kernel leaves
-    its slice zero). None: the caller runs the two-kernel pair."""
-    key = str(device)
-    if key not in _PK:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _PK[key] = (_off_thread(lambda: torch.zeros(2 * PK_MAX_PAIRS * SPLIT_STREAMS, dtype=torch.int32,
-                                                    device=device), device), {})
-    buf, slots = _PK[key]
-    i = _stream_slot(slots, device)
-    return None if i is None else buf[i * 2 * PK_MAX_PAIRS:(i + 1) * 2 * PK_MAX_PAIRS]
+    return cnt[slots[stream] * SPLIT_SLOTS:(slots[stream] + 1) * SPLIT_SLOTS]
 
 
 def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,

@@ -107,18 +107,6 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
                            dn=dict(stages=2), alt=False),
               # ldgd's gate-up with the default down (what each kernel contributes)
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), gu=dict(rows=16, stages=8), alt=True),
-              # gate-up and down in one persistent kernel (mxfp4_experts.Mxfp4ExpertsPersistentSm90):
-              # equal-byte tiles, gate-up first, cp.async `nbuf` tiles ahead, per-pair counters; pk4:
-              # tiles of 4 rows per thread, 3 in flight; probes: pknw without the counter wait,
-              # pknm without the math
-              "pk": dict(modes=("persistent",), pk=dict(rpg=8, nbuf=2), alt=True),
-              "pk4": dict(modes=("persistent",), pk=dict(rpg=4, nbuf=3), alt=True),
-              "pknw": dict(modes=("persistent",), probe="nowait", pk=dict(rpg=8, nbuf=2), alt=True),
-              "pknm": dict(modes=("persistent",), probe="nomath", pk=dict(rpg=8, nbuf=2), alt=True),
-              # the same with the weight vectors in registers, one tile ahead (scales by cp.async)
-              "pr": dict(modes=("persistent",), pk=dict(rpg=8, nbuf=2, wload="ldg"), alt=True),
-              "pr4": dict(modes=("persistent",), pk=dict(rpg=4, nbuf=2, wload="ldg"), alt=True),
-              "prnm": dict(modes=("persistent",), probe="nomath", pk=dict(rpg=8, nbuf=2, wload="ldg"), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
               # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
@@ -161,10 +149,6 @@ def mxfp4_variants(alt: bool = False) -> list[dict]:
                 out.append(dict(common, name=f"mxfp4_gate_up_i{I}_l{L}_k{K}_bi{bi}{sfx}", op="mxfp4_gate_up",
                                 mode="gate_up", rows=bi, groups=1, x_first=o.get("x_first", False),
                                 **{k: v for k, v in gu.items() if k != "rows"}))
-            if "persistent" in o["modes"]:
-                pk = o["pk"]
-                out.append(dict(common, name=f"mxfp4_persistent_i{I}_l{L}_k{K}_r{pk['rpg']}_b{pk['nbuf']}{sfx}",
-                                op="mxfp4_fused", mode="persistent", rows=pk["rpg"], groups=1, x_first=False, **pk))
             if "down" in o["modes"] and bl <= g * I // 32:    # a thread per row to reduce
                 out.append(dict(common, name=f"mxfp4_down_i{I}_l{L}_bl{bl}_g{g}{sfx}", op="mxfp4_down",
                                 mode="down", x_first=False, **dict(dn, rows=bl, groups=g)))
@@ -256,34 +240,9 @@ def _mxfp4_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
                 align=dict(x=16, w=16, s=4, out=4, ids=4))
 
 
-_PK_PARAMS = ([dict(kind="ptr", tensor=t) for t in ("x", "ids", "w13", "s13", "w2", "s2", "mid", "out", "cnt")]
-              + [dict(kind="i32", name="P"), dict(kind="f32", name="beta"), dict(kind="f32", name="linear_beta")])
-
-
-def _mxfp4_pk_manifest(v: dict, k, symbol: str, params: list[dict]) -> dict:
-    """Manifest of the persistent MXFP4 kernel (Mxfp4ExpertsPersistentSm90 instance `k`): grid "C",
-    the CTA count the loader picks (as many as fit on the device at once, at most the tile count)."""
-    if [p["size"] for p in params] != [8] * 9 + [4, 4, 4]:
-        raise ValueError(f"{v['name']}: kernel parameters {params} do not match the launcher's "
-                         f"[ptr x9, i32, f32 x2]: the DSL changed the kernel ABI")
-    return dict(symbol=symbol, block=[k.T, 1, 1], grid=["C", 1, 1], smem=k.smem_bytes,
-                params=[dict(p, **kd) for p, kd in zip(params, _PK_PARAMS)],
-                shapes=dict(I=v["I"], L=v["L"], K=v["K"], rpg=k.rpg, nbuf=k.nbuf, bi=k.bi, rd=k.rd),
-                tiles_per_pair=k.gut + k.dt, pmax=k.PMAX, math=v["math"], mid="bf16", tag=v.get("tag", ""),
-                probe=v.get("probe", ""), pdl="none",
-                align=dict(x=16, ids=4, w13=16, s13=4, w2=16, s2=4, mid=16, out=2, cnt=4))
-
-
 def _compile_mxfp4(v: dict, out: Path) -> dict:
     import cutlass
-    from .mxfp4_experts import Mxfp4ExpertGemvSm90, Mxfp4ExpertsPersistentSm90
-
-    if v["mode"] == "persistent":
-        k = Mxfp4ExpertsPersistentSm90(v["I"], v["L"], v["K"], v["rpg"], nbuf=v["nbuf"], probe=v.get("probe", ""),
-                                       wload=v.get("wload", "cp"))
-        z = cutlass.Int64(0)
-        return _compile(v, out, k, (z,) * 9 + (cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
-                        lambda symbol, params: _mxfp4_pk_manifest(v, k, symbol, params))
+    from .mxfp4_experts import Mxfp4ExpertGemvSm90
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
@@ -384,9 +343,6 @@ def jit_variants(kind: str, *key) -> list[dict]:
            if v["I"] == I and v["L"] == L and v["math"] == math and (v["mode"] == "down" or v["K"] == K)]
     if tag and not any(v["tag"] == tag for v in fit):
         return []
-    one = [v for v in fit if v["mode"] == "persistent" and v["tag"] == tag]
-    if one:   # one kernel does both
-        return one[:1]
     # a tag that changes one kernel pairs it with the other's untagged one
     gu, dn = ([v for v in fit if v["mode"] == m and v["tag"] == tag] or
               [v for v in fit if v["mode"] == m and v["tag"] == ""] for m in ("gate_up", "down"))

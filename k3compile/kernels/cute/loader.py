@@ -172,8 +172,7 @@ class Driver:
     def __init__(self, lib: str = "libcuda.so.1"):
         self.cu = ctypes.CDLL(lib)
         for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel",
-                     "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent",
-                     "cuOccupancyMaxActiveBlocksPerMultiprocessor"):
+                     "cuTensorMapEncodeTiled", "cuGetErrorString", "cuCtxGetCurrent"):
             getattr(self.cu, name).restype = ctypes.c_int
         self.has_launch_ex = hasattr(self.cu, "cuLaunchKernelEx")   # CUDA >= 12.0
         if self.has_launch_ex:
@@ -197,14 +196,6 @@ class Driver:
         self.check(self.cu.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                    "cuFuncSetAttribute(max dynamic smem)")
         return fn
-
-    def blocks_per_sm(self, fn, block: int, smem: int) -> int:
-        """How many CTAs of `fn` (block threads, smem bytes of dynamic shared memory) fit on one SM."""
-        n = ctypes.c_int()
-        self.check(self.cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, ctypes.c_int(block),
-                                                                       ctypes.c_size_t(smem)),
-                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return n.value
 
     def encode_tma(self, s: TmaSpec) -> bytes:
         m = (ctypes.c_uint8 * 192)()
@@ -320,8 +311,7 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
     """Why these tensors cannot go to this MXFP4 artifact ("" when they can): dtypes, contiguity,
     base alignment the kernel's cp.async / vector loads need."""
     import torch
-    want = dict(x=torch.bfloat16, ids=torch.int32, w=torch.uint8, s=torch.uint8, w13=torch.uint8, s13=torch.uint8,
-                w2=torch.uint8, s2=torch.uint8, cnt=torch.int32)
+    want = dict(x=torch.bfloat16, ids=torch.int32, w=torch.uint8, s=torch.uint8)
     for name, t in tensors.items():
         if name in want and t.dtype != want[name]:
             return f"{name} is {t.dtype}, the kernel takes {want[name]}"
@@ -331,69 +321,6 @@ def mxfp4_check(man: dict, tensors: dict) -> str:
         if t.data_ptr() % a:
             return f"{name} at {t.data_ptr():#x} is not {a}-byte aligned"
     return ""
-
-
-def _mxfp4_shapes(I: int, L: int, w13, w13_scale, w2, w2_scale) -> None:
-    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
-              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
-    for name, (t, want) in shapes.items():
-        if t.dim() != 3 or tuple(t.shape[1:]) != want:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
-
-
-def _flat_ids(topk_ids):
-    import torch
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32:
-        ids = ids.to(torch.int32)
-    return ids.contiguous()
-
-
-_CTAS: dict[tuple[str, int], int] = {}
-
-
-def mxfp4_experts_fused(fused: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float,
-                        linear_beta: float, cnt, driver: Driver | None = None):
-    """The persistent MXFP4 experts (mxfp4_experts.Mxfp4ExpertsPersistentSm90, tag "pk"): [N, K, L]
-    bf16, unweighted, on torch's current stream, the contract of mxfp4_experts. cnt: int32 zeros, at
-    least 2 * N * K (launch.mxfp4_pair_counters keeps them per stream); the kernel leaves them zero.
-    Grid: as many CTAs as fit on the device at once (the kernel's forward progress needs every CTA
-    resident; K3_PK_CTAS caps it lower), at most the tile count."""
-    import torch
-    N, K = topk_ids.shape
-    L, I = x.shape[1], w13.shape[1] // 2
-    P = N * K
-    man = fused.man
-    sh = man["shapes"]
-    if (sh["I"], sh["L"], sh["K"]) != (I, L, K):
-        raise ValueError(f"artifact {fused.path.stem} is for I={sh['I']} L={sh['L']} K={sh['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
-    if P > man.get("pmax", 0):
-        raise ValueError(f"{fused.path.stem}: {P} (token, expert) pairs, the kernel stages at most {man.get('pmax')}")
-    if cnt.dtype != torch.int32 or cnt.numel() < 2 * P:
-        raise ValueError(f"counters too small or of the wrong dtype for {P} pairs: {cnt.dtype} {cnt.numel()}")
-    out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
-    if P == 0:
-        return out
-    ids = _flat_ids(topk_ids)
-    mid = torch.empty(P, I, dtype=torch.bfloat16, device=x.device)
-    ts = dict(x=x, ids=ids, w13=w13, s13=w13_scale, w2=w2, s2=w2_scale, mid=mid, out=out, cnt=cnt)
-    why = mxfp4_check(man, {k: v for k, v in ts.items() if k not in ("mid", "out")})
-    if why:
-        raise ValueError(f"{fused.path.stem}: {why}")
-    drv = driver or _driver()
-    dev = device_index(x.device)
-    key = (str(fused.path), dev)
-    if key not in _CTAS:
-        per_sm = drv.blocks_per_sm(fused._function(dev, drv), man["block"][0], man["smem"])
-        if per_sm < 1:
-            raise RuntimeError(f"{fused.path.stem}: not one CTA fits on an SM")
-        _CTAS[key] = per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
-    ctas = min(_CTAS[key], P * man["tiles_per_pair"], int(os.environ.get("K3_PK_CTAS", "1000000")))
-    vals = {k: v.data_ptr() for k, v in ts.items()}
-    vals.update(P=P, beta=beta, linear_beta=linear_beta)
-    fused.launch_values(vals, dict(C=ctas), x.device, drv)
-    return out
 
 
 def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_scale, w2, w2_scale,
@@ -409,14 +336,21 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
     if (sg["I"], sg["L"], sg["K"]) != (I, L, K) or (sd["I"], sd["L"]) != (I, L):
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} are for I={sg['I']} L={sg['L']} "
                          f"K={sg['K']}; got I={I} L={L} K={K}")
-    _mxfp4_shapes(I, L, w13, w13_scale, w2, w2_scale)
+    shapes = {"w13": (w13, (2 * I, L // 2)), "w13_scale": (w13_scale, (2 * I, L // 32)),
+              "w2": (w2, (L, I // 2)), "w2_scale": (w2_scale, (L, I // 32))}
+    for name, (t, want) in shapes.items():
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [E, {want[0]}, {want[1]}]")
     mid_dt = gate_up.man.get("mid", "f32")
     if down.man.get("mid", "f32") != mid_dt:
         raise ValueError(f"artifacts {gate_up.path.stem} / {down.path.stem} disagree on mid's dtype")
     out = torch.empty(N, K, L, dtype=x.dtype, device=x.device)
     if P == 0:
         return out
-    ids = _flat_ids(topk_ids)
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
     mid = torch.empty(P, I, dtype=torch.bfloat16 if mid_dt == "bf16" else torch.float32, device=x.device)
     for art, ts in ((gate_up, dict(x=x, ids=ids, w=w13, s=w13_scale, out=mid)),
                     (down, dict(x=mid, ids=ids, w=w2, s=w2_scale, out=out))):
@@ -430,10 +364,10 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
 
 
 def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
-               tag: str = "") -> tuple["tuple[Artifact, Artifact | None] | None", str]:
+               tag: str = "") -> tuple["tuple[Artifact, Artifact] | None", str]:
     """The (gate_up, down) artifacts for these shapes and math ("f32" | "f16x2"), or (None, why);
     tag: a variant's (build.MXFP4_TAGS; its down is the untagged one where it has none), "" the
-    default kernels. A one-kernel tag ("pk") gives (kernel, None): launch it with mxfp4_experts_fused."""
+    default kernels."""
     art_dir = Path(art_dir)
     if not art_dir.is_dir():
         return None, f"no CuTe artifact directory {art_dir} (run python -m k3compile.kernels.cute.build)"
@@ -450,9 +384,6 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
                 and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)
                 and mf.with_suffix(".cubin").exists()):
             found.setdefault(op, mf)
-        if (op == "mxfp4_fused" and tag and man.get("tag") == tag and man.get("math") == math and sh.get("I") == I
-                and sh.get("L") == L and sh.get("K") == K and mf.with_suffix(".cubin").exists()):
-            return (Artifact(mf), None), ""
     if tag and found and len(found) < 2:     # a tag that changes one kernel: the other's untagged one
         plain = find_mxfp4(art_dir, I, L, K, math)[0]
         if plain is not None:
