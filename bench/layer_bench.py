@@ -53,8 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PASSES = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "fold_kda_gate", "overlap_shared_expert",
-          "lower_decode_gemm")
+from k3compile.options import PASS_ORDER as PASSES  # noqa: E402  (an ablation row pair per pass)
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
 # on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
 # other variants take the default)

@@ -8,8 +8,10 @@ PASS_SETS = {
     "shard_router_latent": ("shard_router_latent",),
     "fold_moe_finalize": ("fold_moe_finalize",),
     "fuse_oproj_allreduce": ("fuse_oproj_allreduce",),
+    "fuse_residual_norm": ("fuse_residual_norm",),   # alone: it must leave the post-attention mixers
     "overlap_shared_expert": ("overlap_shared_expert",),
-    "all": ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert"),
+    "all": ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "fuse_residual_norm",
+            "overlap_shared_expert"),
 }
 
 
@@ -46,7 +48,7 @@ def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None)
 def rewritten_graph_ops(rank, world):
     """Counts in the graph the passes leave, tiny model at TP=world, no pass vs every pass:
     functional all-reduces, orphan collectives (nobody uses their result), aten.mm nodes, aten.topk
-    and k3::router_topk nodes."""
+    and k3::router_topk nodes, k3::residual_norm nodes that all-reduce (a group argument)."""
     import k3compile  # noqa: F401
     from k3compile.compiler import _compile
     from k3compile.model import K3Config, K3Model, TPInfo
@@ -70,7 +72,9 @@ def rewritten_graph_ops(rank, world):
                              orphans=len(orphan_collectives(g)),
                              mm=sum(is_call(n, torch.ops.aten.mm.default) for n in g.nodes),
                              topk=sum(is_call(n, torch.ops.aten.topk.default) for n in g.nodes),
-                             router_topk=sum(is_call(n, torch.ops.k3.router_topk.default) for n in g.nodes))
+                             router_topk=sum(is_call(n, torch.ops.k3.router_topk.default) for n in g.nodes),
+                             residual_norm_ar=sum(is_call(n, torch.ops.k3.residual_norm.default) and bool(n.args[7])
+                                                  for n in g.nodes))
             return compiled
         torch._dynamo.reset()
         torch.compile(model, backend=be, fullgraph=True)(torch.zeros(2, 1, dtype=torch.long), model.new_cache(2))

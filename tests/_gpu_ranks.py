@@ -67,6 +67,11 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
                  lambda *a: torch.ops.k3.oproj_allreduce_residual(*a, 1e-5, group, []),
                  lambda *a: ref.oproj_allreduce_residual(*a, 1e-5, group),
                  (x, w, res, blocks, wn, wq, gm))
+            d = rnd(M, H, seed=M + 30, shared=False)   # the layer-input op: its delta, each rank's own
+            case(f"residual_norm M={M} blocks={nb}",
+                 lambda *a: torch.ops.k3.residual_norm(*a, 1e-5, group, []),
+                 lambda *a: ref.residual_norm(*a, 1e-5, group),
+                 (d, res, blocks, wn if nb else None, wq if nb else None, gm))
         y = rnd(M, TOPK, L, seed=M + 1, shared=False)
         tw = torch.softmax(torch.randn(M, TOPK, device=dev), -1)
         sp = rnd(M, H, seed=5, shared=False)

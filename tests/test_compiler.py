@@ -51,6 +51,10 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     # expected counts come from the layer structure: o-proj sites = layers, MoE sites = MoE layers
     cfg = K3Config.tiny()
     assert res["all"]["passes"]["fuse_oproj_allreduce"][1] == cfg.num_layers
+    # layer inputs: every layer but the first, and the final norm; alone it must not take the
+    # post-attention mixers (fuse_oproj_allreduce's)
+    assert res["all"]["passes"]["fuse_residual_norm"][:2] == (cfg.num_layers, cfg.num_layers)
+    assert res["fuse_residual_norm"]["passes"]["fuse_residual_norm"][:2] == (cfg.num_layers, cfg.num_layers)
     assert res["all"]["passes"]["fold_moe_finalize"][1] == len(cfg.moe_layers)
 
 
@@ -63,6 +67,8 @@ def test_tp2_each_pass_and_all():
             assert r["err"] == 0.0, (name, r["err"])
             _expect_full_match(r["passes"], tp=2)
         assert rank_res["all"]["passes"]["shard_router_latent"][:2] == (7, 7)
+        # the layer inputs' all-reduces are inside k3::residual_norm (test below: none left over)
+        assert rank_res["all"]["passes"]["fuse_residual_norm"][:2] == (8, 8)
 
 
 def test_rewritten_sites_leave_no_collective_or_gemm_running_for_nothing():
@@ -78,6 +84,8 @@ def test_rewritten_sites_leave_no_collective_or_gemm_running_for_nothing():
         assert r["all"]["mm"] <= r["none"]["mm"] - 8 - 7, r
         # the router's selection: one k3::router_topk per MoE layer, no aten.topk left
         assert r["none"]["topk"] == 7 and r["all"]["topk"] == 0 and r["all"]["router_topk"] == 7, r
+        # the MLP / MoE output all-reduces (7 MoE layers, 1 dense) are inside the layer-input op
+        assert r["none"]["residual_norm_ar"] == 0 and r["all"]["residual_norm_ar"] == 8, r
 
 
 def _route_graph(route):

@@ -5,6 +5,8 @@
   AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers. Where `choose.push_gemm`
   picks it, the CuTe push GEMM instead stores the partial into every rank's buffer with per-tile
   flags, and the Triton kernel waits on the flags and reads only its own buffer.
+- residual_norm: the o-proj op's all-reduce + residual + norm kernel on a given delta (no GEMM);
+  at TP=1, or for a delta that is no all-reduce's, the same kernel without peers.
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns.
@@ -44,8 +46,9 @@ from .registry import register
 # bench/ops_bench.py (2 x H200; bench/results/ops_bench_h200x2.json, BENCHMARKS.md): one-shot won
 # at every measured M (1..256) for the o-proj and the latent tail, at M <= 16 for the router, and
 # at M >= 4 for the plain all-reduce (at M=1 NCCL was 3-7% faster).
+# residual_norm runs the o-proj op's kernel without its GEMM: its range is the o-proj op's.
 ONESHOT_M = {"oproj_allreduce_residual": (1, 1 << 30), "moe_latent_tail": (1, 1 << 30),
-             "router_latent_sharded": (1, 16), "all_reduce_prefetch": (2, 1 << 30)}
+             "residual_norm": (1, 1 << 30), "router_latent_sharded": (1, 16), "all_reduce_prefetch": (2, 1 << 30)}
 
 
 def _nccl_all_reduce_(t: torch.Tensor, group: str) -> torch.Tensor:
@@ -106,6 +109,21 @@ def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
         return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
     return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
                         choose.push_gemm(x, w, peers, group))
+
+
+def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    return (delta.dim() == 2 and delta.dtype in _FLOAT and delta.is_contiguous() and residual.dtype == delta.dtype
+            and residual.shape == delta.shape and residual.is_contiguous() and len(blocks) <= 8
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+
+
+@register("residual_norm", "cuda", "symm_oneshot_triton", _ok_resnorm)
+def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    M, N = residual.shape
+    ok, peers = _peers(group, delta.device, M * N * delta.element_size(), "residual_norm", M)
+    if not ok:  # NCCL path: NCCL all-reduce, then our residual + norm kernel
+        delta, peers = _nccl_all_reduce_(delta.clone(), group), None
+    return launch.residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
 
 
 def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):

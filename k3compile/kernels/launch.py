@@ -392,6 +392,15 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     return ids, w
 
 
+def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+    """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
+    residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""
+    join = start_prefetch()
+    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    join()
+    return out
+
+
 def all_reduce(x, peers: Peers, start_prefetch=_no_prefetch):
     join = start_prefetch()
     out, _ = ar_residual_norm(x, peers, None, None, None, None, [], 0.0)

@@ -39,6 +39,23 @@ def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
     return torch.empty_like(residual), (torch.empty_like(residual) if g is not None else residual.new_empty(0))
 
 
+# ----------------------------------------------------------------- 1b. layer input: (all-reduce +) residual + norm
+@torch.library.custom_op("k3::residual_norm", mutates_args=())
+def residual_norm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
+                  w_qk: Optional[Tensor], g: Tensor, eps: float, group: Optional[str],
+                  prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(updated, normed): updated = residual + all_reduce(delta) (delta as it is when group is None);
+    normed = the AttnRes mixer of updated over `blocks` (RMSNorm(g) when there are none).
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
+    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8]),
+                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+
+
+@residual_norm.register_fake
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
 # ----------------------------------------------------------------- 2. MoE finalize folded into the latent tail
 @torch.library.custom_op("k3::moe_latent_tail", mutates_args=())
 def moe_latent_tail(y: Tensor, topk_w: Tensor, shared_partial: Tensor, g_latent: Tensor, w_up: Tensor,
@@ -164,6 +181,7 @@ def _(x, w):
 
 OPS = {
     "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
+    "residual_norm": torch.ops.k3.residual_norm.default,
     "moe_latent_tail": torch.ops.k3.moe_latent_tail.default,
     "mxfp4_experts": torch.ops.k3.mxfp4_experts.default,
     "router_latent_sharded": torch.ops.k3.router_latent_sharded.default,

@@ -28,11 +28,15 @@ def all_gather(x: torch.Tensor, group: str | None, tp: int) -> torch.Tensor:
 
 def oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group):
     """updated = residual + all_reduce(x @ w.T); normed = AttnRes/RMSNorm(updated) (or empty)."""
-    y = all_reduce(F.linear(x, w), group)
     if g is None:
-        updated = residual + y
+        updated = residual + all_reduce(F.linear(x, w), group)
         return updated, updated.new_empty(0)
-    normed, updated = attnres_mix(residual, y, list(blocks), w_norm, w_qk, g, eps)
+    return residual_norm(F.linear(x, w), residual, blocks, w_norm, w_qk, g, eps, group)
+
+
+def residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, group):
+    """updated = residual + all_reduce(delta); normed = AttnRes/RMSNorm(updated)."""
+    normed, updated = attnres_mix(residual, all_reduce(delta, group), list(blocks), w_norm, w_qk, g, eps)
     return updated, normed
 
 

@@ -7,6 +7,7 @@ A pass that raises leaves the graph exactly as it was (it is restored from a cop
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -25,8 +26,8 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import (fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, lower_decode_gemm, overlap_shared_expert,
-               shard_router_latent)
+from . import (fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, fuse_residual_norm, lower_decode_gemm,
+               overlap_shared_expert, shard_router_latent)
 
 log = logging.getLogger("k3compile")
 
@@ -35,6 +36,7 @@ PASSES = {
         shard_router_latent.ShardRouterLatent(),
         fold_moe_finalize.FoldMoeFinalize(),
         fuse_oproj_allreduce.FuseOprojAllreduce(),
+        fuse_residual_norm.FuseResidualNorm(),
         fold_kda_gate.FoldKdaGate(),
         overlap_shared_expert.OverlapSharedExpert(),
         lower_decode_gemm.LowerDecodeGemm(),
@@ -132,7 +134,10 @@ class PassManager(CustomGraphPass):
                 pr.skipped = reason
                 continue
             pr.nodes_before = len(graph.nodes)
-            info = analyze(graph)  # fresh: earlier passes (or a rollback) replaced nodes
+            # fresh nodes (earlier passes, or a rollback, replaced some); the TP group, M and dtype as
+            # first seen: once the passes have taken every collective the graph no longer shows them
+            fresh = analyze(graph)
+            info = dataclasses.replace(info, attention=fresh.attention, experts=fresh.experts)
             snap = snapshot(graph)
             before = _readable(graph) if self.dump else None
             _trace_graph(f"k3_{name}_before", graph)

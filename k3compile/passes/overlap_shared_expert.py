@@ -132,7 +132,7 @@ class OverlapSharedExpert(K3Pass):
         count = 0
         for i, n in enumerate(nodes):
             comm = None
-            if is_call(n, OPS["oproj_allreduce_residual"], OPS["moe_latent_tail"]) and n.args[-2]:
+            if is_call(n, *_FUSED_COMM) and n.args[-2]:
                 comm = n
             elif is_call(n, c10d.wait_tensor.default) and match_all_reduce(n):
                 comm = n
@@ -141,8 +141,7 @@ class OverlapSharedExpert(K3Pass):
             own = {strip(a, converts=True) for a in _flat(comm.args)}
             weights, total = [], 0
             for m in nodes[i + 1:]:
-                if total >= budget or is_call(m, c10d.all_reduce.default, OPS["oproj_allreduce_residual"],
-                                              OPS["moe_latent_tail"]):
+                if total >= budget or is_call(m, c10d.all_reduce.default, *_FUSED_COMM):
                     break
                 if not is_call(m):
                     continue
@@ -158,13 +157,17 @@ class OverlapSharedExpert(K3Pass):
                         total += nbytes
             if not weights:
                 continue
-            if comm.target in (OPS["oproj_allreduce_residual"], OPS["moe_latent_tail"]):
+            if comm.target in _FUSED_COMM:
                 comm.args = (*comm.args[:-1], weights)
             else:
                 ar = match_all_reduce(comm)
                 comm.replace_all_uses_with(emit(graph, comm, OPS["all_reduce_prefetch"], (ar.inp, ar.group, weights)))
             count += 1
         return count
+
+
+# the fused ops that communicate; each takes (..., group, prefetch) as its last two arguments
+_FUSED_COMM = (OPS["oproj_allreduce_residual"], OPS["residual_norm"], OPS["moe_latent_tail"])
 
 
 def _flat(args):

@@ -1,0 +1,98 @@
+"""fuse_residual_norm: a layer's input residual add (+ the all-reduce of what it adds) and the
+AttnRes / RMSNorm after it -> one op.
+
+Matches every AttnRes mixer or RMSNorm fed by a residual add that fuse_oproj_allreduce left
+(the pre-attention mixer of each layer but the first, and the final norm before the LM head):
+    delta = all_reduce(partial)          # the previous layer's MLP / MoE output at TP > 1; at TP=1,
+                                         # or where delta is a graph input (one layer traced), no all-reduce
+    updated = prefix + delta             # or Inductor's addmm(prefix, h, W.T) at TP=1 (delta = h @ W.T)
+    normed = RMSNorm(updated) * g        # or the AttnRes mixer over [blocks..., updated]
+Emits:
+    updated, normed = k3::residual_norm(partial, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
+On CUDA one Triton kernel (the o-proj op's all-reduce + residual + norm kernel without its GEMM)
+replaces the NCCL all-reduce and Inductor's mixer kernels (4-6 reductions for three blocks).
+Expected: one site per attention layer (the first layer adds nothing; the final norm adds the last
+layer's output). Not counted: the post-attention mixers, whose delta is an o-proj GEMM's
+(fuse_oproj_allreduce's sites, when that pass is off). An all-reduce whose result is read
+elsewhere too stays, and only the add and the norm are fused (a note says so).
+Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
+pass's batch range; on CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+profitability gate, base.gated_off). A mixer that does not parse (patterns.attnres) is a near-miss.
+"""
+from __future__ import annotations
+
+from ..ops import OPS
+from ..patterns.attnres import match_attnres_from_norm
+from ..patterns.graph import Fail, aten, is_call, match_all_reduce, match_linear, rms_norms_by_input, shape, strip
+from .base import K3Pass
+from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
+
+
+class FuseResidualNorm(K3Pass):
+    name = "fuse_residual_norm"
+    description = "layer-input all-reduce + residual add + AttnRes/RMSNorm -> k3::residual_norm"
+    pattern = "[all_reduce(partial) ->] add(prefix, delta) -> RMSNorm | AttnRes mix (per layer input, final norm)"
+    emits = "k3::residual_norm"
+
+    def expected(self, info):
+        return len(info.attention)
+
+    def run(self, graph, info, opts, report):
+        oproj = {g for g in (forward_gemm(c) for c in info.attention) if g is not None}
+        anchors = []
+        for sites in rms_norms_by_input(graph).values():
+            anchors += [s for s in sites if s.weight is not None and s.out.users]
+        for s in self.collect(anchors, lambda n: self.match(n, oproj), report):
+            if s is None:
+                continue
+            if s["kept_ar"]:
+                report.notes.append(f"{s['updated'].name}: its all-reduce is read elsewhere too; "
+                                    "fused the add and the norm only")
+            self.rewrite(graph, s)
+            report.matched += 1
+
+    def match(self, norm, oproj):
+        """A site dict; None where the norm is not a residual add's (not this pass's business)."""
+        mix = match_attnres_from_norm(norm)
+        if isinstance(mix, Fail):
+            return mix
+        add = mix.updated
+        if is_call(add, aten.addmm.default):   # Inductor folded `prefix + h @ W.T` (TP=1) into the GEMM
+            lin = match_linear(add)
+            if isinstance(lin, Fail) or lin.residual is None:
+                return None if not isinstance(lin, Fail) else lin
+            if strip(add) in oproj:
+                return None   # a post-attention mixer: fuse_oproj_allreduce's site
+            return dict(mix=mix, updated=add, prefix=lin.residual, partial=None, gemm=add.args[1:3], group=None,
+                        kept_ar=False)
+        if not is_call(add, aten.add.Tensor):
+            return None   # a plain RMSNorm of something else (q_a, kv_a, the latent, the first layer's input)
+        a, b = add.args
+        if not all(hasattr(x, "op") for x in (a, b)):
+            return None   # x + constant
+        if shape(a) != shape(b) or len(shape(add) or ()) != 2:
+            return Fail(add, f"residual add of operands shaped {shape(a)} and {shape(b)}, not two [M, hidden]")
+        ar = next((r for r in (match_all_reduce(b), match_all_reduce(a)) if not isinstance(r, Fail)), None)
+        delta = ar.out if ar else b
+        prefix = a if strip(delta) is strip(b) else b
+        partial, group, kept = delta, None, False
+        if ar is not None:
+            if len(users_through_views(ar.out)) == 1:
+                partial, group = ar.inp, ar.group
+            else:
+                kept = True
+        if strip(partial) in oproj or strip(delta) in oproj:
+            return None   # a post-attention mixer: fuse_oproj_allreduce's site
+        return dict(mix=mix, updated=add, prefix=prefix, partial=partial, gemm=None, group=group, kept_ar=kept)
+
+    def rewrite(self, graph, s):
+        mix = s["mix"]
+        anchor = last_of(graph, [s["updated"], mix.norm.weight] + list(mix.blocks))
+        partial = s["partial"]
+        if s["gemm"] is not None:   # the addmm form: its GEMM without the residual, then the op
+            partial = anchor = emit(graph, anchor, aten.mm.default, tuple(s["gemm"]))
+        args = (partial, s["prefix"], list(mix.blocks), mix.w_norm, mix.w_qk, mix.norm.weight, mix.norm.eps,
+                s["group"], [])
+        fused = emit(graph, anchor, OPS["residual_norm"], args)
+        replace(graph, mix.norm.out, getitem(graph, fused, 1))
+        replace(graph, s["updated"], getitem(graph, fused, 0))
