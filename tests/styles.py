@@ -11,6 +11,9 @@
 - "vllm_add_norm": "vllm", and the AttnRes residual add + norm (no blocks yet) written as vLLM's
   `(normed, residual) = torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, epsilon)` (look-alike
   when vLLM is not installed; it rounds like vLLM's CUDA kernel).
+- "online_softmax": the AttnRes mixer's softmax as Inductor's post-grad pass rewrites it on CUDA
+  (`max, sum = prims.prepare_softmax_online(logits, 0)`, then `exp(logits - max) / sum`), which CPU
+  graphs never get from Inductor itself;
 - "vllm_c_v1" / "vllm_c_v2": "vllm", with that add + norm as vLLM's in-place CUDA op
   `torch.ops._C.fused_add_rms_norm(input!, residual!, weight, epsilon)` and every other RMSNorm as
   `torch.ops._C.rms_norm(result!, input, weight, epsilon)` (look-alikes with the schemas of vLLM 0.33's
@@ -126,6 +129,21 @@ def _attnres_fused(fused_add):
     return mix
 
 
+def _attnres_online_softmax(prefix, delta, blocks, w_norm, w_qk, g_out, eps):
+    """functional.attnres_mix with the softmax over the sources in Inductor's CUDA online form."""
+    from k3compile.model.functional import rms_norm
+    from torch._inductor import inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online)
+    updated = prefix if delta is None else prefix + delta
+    if not blocks:
+        return rms_norm(updated, g_out, eps), updated
+    srcs = torch.stack([*blocks, updated], dim=0)
+    logits = (rms_norm(srcs, None, eps).float() * (w_norm.float() * w_qk.float())).sum(-1)
+    mx, sm = torch.ops.prims.prepare_softmax_online(logits, 0)
+    p = torch.exp(logits - mx) / sm
+    mixed = (p.unsqueeze(-1) * srcs.float()).sum(0).to(updated.dtype)
+    return rms_norm(mixed, g_out, eps), updated
+
+
 def _fused_add_vllm_ir(x, residual, weight, eps):
     return torch.ops.vllm_ir.fused_add_rms_norm(x, residual, weight, eps)
 
@@ -172,5 +190,7 @@ def apply(style: str) -> None:
             torch._inductor.config.enable_auto_functionalized_v2 = style == "vllm_c_v2"
             layers.rms_norm = _rms_norm_c
             functional.__dict__["rms_norm"] = _rms_norm_c
+    elif style == "online_softmax":
+        layers.attnres_mix = _attnres_online_softmax
     elif style != "reference":
         raise ValueError(style)

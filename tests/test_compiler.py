@@ -129,7 +129,7 @@ def test_router_topk_pattern(route, why):
         assert isinstance(site, Fail) and why in site.reason, site
 
 
-@pytest.mark.parametrize("style", ["matmul", "inplace", "vllm"])
+@pytest.mark.parametrize("style", ["matmul", "inplace", "vllm", "online_softmax"])
 def test_differently_written_layers_fully_match(style):
     res = run_ranks(compiled_vs_eager, 2, [2], ["all"], 4, style)
     for rank_res in res:

@@ -37,6 +37,7 @@ class FuseOprojAllreduce(K3Pass):
     def run(self, graph, info, opts, report):
         norms = rms_norms_by_input(graph)
         post_norm = {}  # updated node -> AttnResSite
+        unparsed = []   # AttnRes mixers (a norm of a sum over stacked sources) whose form did not match
         for sites in norms.values():
             for s in sites:
                 if s.weight is None:
@@ -44,6 +45,11 @@ class FuseOprojAllreduce(K3Pass):
                 a = match_attnres_from_norm(s)
                 if a:
                     post_norm.setdefault(a.updated, a)
+                else:
+                    unparsed.append(a)
+        if unparsed:
+            report.notes.append(f"{len(unparsed)} AttnRes mixer(s) did not match (first at {getattr(unparsed[0].node, 'name', unparsed[0].node)}: "
+                                f"{unparsed[0].reason}); a site whose post-norm is one is fused without it")
         for s in self.collect(info.attention, lambda core: self.match(core, info, post_norm), report):
             if s["mix"] is None:
                 why = why_not_rms_norm(s["updated"])

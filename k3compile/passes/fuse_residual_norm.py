@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..ops import OPS
 from ..patterns.attnres import match_attnres_from_norm
-from ..patterns.graph import Fail, aten, is_call, match_all_reduce, match_linear, rms_norms_by_input, shape, strip
+from ..patterns.graph import Fail, aten, describe, is_call, match_all_reduce, match_linear, rms_norms_by_input, shape, strip
 from .base import K3Pass
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
 
@@ -39,10 +39,9 @@ class FuseResidualNorm(K3Pass):
 
     def run(self, graph, info, opts, report):
         oproj = {g for g in (forward_gemm(c) for c in info.attention) if g is not None}
-        anchors = []
-        for sites in rms_norms_by_input(graph).values():
-            anchors += [s for s in sites if s.weight is not None and s.out.users]
-        for s in self.collect(anchors, lambda n: self.match(n, oproj), report):
+        norms = {s.out: s for sites in rms_norms_by_input(graph).values() for s in sites
+                 if s.weight is not None and s.out.users}   # anchored (and reported) at each norm's output
+        for s in self.collect(list(norms), lambda n: self.match(norms[n], oproj), report):
             if s is None:
                 continue
             if s["kept_ar"]:
@@ -66,6 +65,8 @@ class FuseResidualNorm(K3Pass):
             return dict(mix=mix, updated=add, prefix=lin.residual, partial=None, gemm=add.args[1:3], group=None,
                         kept_ar=False)
         if not is_call(add, aten.add.Tensor):
+            if mix.blocks:   # a mixer always mixes a residual stream: its newest source should be the add
+                return Fail(add, f"the AttnRes mixer's newest source is {describe(add)}, not a residual add")
             return None   # a plain RMSNorm of something else (q_a, kv_a, the latent, the first layer's input)
         a, b = add.args
         if not all(hasattr(x, "op") for x in (a, b)):

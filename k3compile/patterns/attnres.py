@@ -3,12 +3,16 @@
 Two forms, both starting from `updated` (= prefix + delta):
 - no blocks: `RMSNorm(updated) * g`;
 - n blocks:  `RMSNorm(sum_s softmax_s(sum_d RMSNorm(src_s) * w_norm * w_qk) * src_s) * g` over
-  srcs = stack([blocks..., updated]) (post-grad: stack, or cat + reshape; softmax decomposed or not).
+  srcs = stack([blocks..., updated]) (post-grad: stack, or cat + reshape; softmax decomposed or not, or
+  in the online form Inductor gives it on CUDA: prims.prepare_softmax_online).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch.fx import Node
 
 from .graph import Fail, RmsNormSite, aten, is_call, match_rms_norm, shape, strip, strip_converts, _name
@@ -33,6 +37,14 @@ def _sources(t: Node) -> list | Fail:
     return Fail(s, f"mixer sources are not a stack along dim 0 (found {_name(s)})")
 
 
+def _online_softmax_part(n: Any, x: Node, i: int) -> bool:
+    """n is output i (0: max, 1: sum) of prims.prepare_softmax_online(x, 0): the form Inductor's
+    post-grad pass gives a softmax on CUDA (config.online_softmax, post_grad.prepare_softmax_replacement)."""
+    op = getattr(torch.ops.prims, "prepare_softmax_online", None)
+    return (op is not None and is_call(n, operator.getitem) and n.args[1] == i and is_call(n.args[0], op.default)
+            and n.args[0].args[0] is x and n.args[0].args[1] in (0, -2))
+
+
 def _softmax_input(p: Node) -> Node | Fail:
     p = strip(p)
     if is_call(p, aten._softmax.default) and p.args[1] in (0, -2):
@@ -40,6 +52,9 @@ def _softmax_input(p: Node) -> Node | Fail:
     if is_call(p, aten.div.Tensor) and is_call(p.args[0], aten.exp.default):
         sub = p.args[0].args[0]
         if is_call(sub, aten.sub.Tensor) and is_call(sub.args[1], aten.amax.default) and list(sub.args[1].args[1]) == [0]:
+            return sub.args[0]
+        if (is_call(sub, aten.sub.Tensor) and _online_softmax_part(sub.args[1], sub.args[0], 0)
+                and _online_softmax_part(p.args[1], sub.args[0], 1)):
             return sub.args[0]
     return Fail(p, f"mixing weights are not a softmax over the sources (found {_name(p)})")
 
