@@ -105,13 +105,6 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # 8 gate-up rows (slower).
               "ldgd": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
                            dn=dict(stages=2), alt=False),
-              # ldgd with down's weight vectors loaded before griddepcontrol.wait through the coherent
-              # path (ptxas sank ldgd's .nc loads below the wait, so with PDL down fetched its
-              # weights only after gate-up ended); ldgde1: all 8 rows per thread before the wait
-              "ldgde": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
-                            dn=dict(stages=2, early=True), alt=True),
-              "ldgde1": dict(wload="ldg", x_first=True, modes=("gate_up", "down"), gu=dict(rows=16, stages=8),
-                             dn=dict(stages=1, early=True), alt=True),
               # ldgd's gate-up with the default down (what each kernel contributes)
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), gu=dict(rows=16, stages=8), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
@@ -253,7 +246,7 @@ def _compile_mxfp4(v: dict, out: Path) -> dict:
 
     k = Mxfp4ExpertGemvSm90(v["mode"], v["I"], v["L"], v["K"], v["rows"], v["groups"], v["stages"], v["math"],
                             v.get("mid", "f32"), v.get("x_first", False), v.get("deq", "shift"), v.get("wload", "cp"),
-                            v.get("probe", ""), v.get("early", False))
+                            v.get("probe", ""))
     z = cutlass.Int64(0)
     return _compile(v, out, k, (z, z, z, z, z, cutlass.Int32(1), cutlass.Float32(4.0), cutlass.Float32(25.0)),
                     lambda symbol, params: _mxfp4_manifest(v, k, symbol, params))

@@ -76,7 +76,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .ptx import (_asm, as_f32, as_i32, cp_async4, cp_async16, cp_async_commit, cp_async_wait, fma, ld_s32,
-                  ld_v4_coherent, ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
+                  ld_v4_dep, ld_v4_keep, ld_v4_ordered, lds_u8, lds_v4, pdl_trigger, pdl_wait, st_bf16, st_f32)
 
 PRESCALE = 1.2676506002282294e30   # 2^100
 _PAIR_MASK = (0x000F000F, 0x00F000F0)   # nibbles (k, k + 4) of a word, k even / odd
@@ -211,14 +211,11 @@ class Mxfp4ExpertGemvSm90:
 
     def __init__(self, mode: str, I: int, L: int, K: int, rows: int, groups: int = 1, stages: int = 4,
                  math: str = "f32", mid: str = "f32", x_first: bool = False, deq: str = "shift",
-                 wload: str = "cp", probe: str = "", early: bool = False):
+                 wload: str = "cp", probe: str = ""):
         assert mode in ("gate_up", "down"), mode
         assert wload in ("cp", "ldg"), wload
         assert probe in ("", "nomath", "noload"), probe
         self.ldg, self.probe = wload == "ldg", probe
-        # early (down, ldg): the weight loads issued before griddepcontrol.wait go through the coherent
-        # path, which ptxas keeps above the wait (the .nc loads it sank below it)
-        self.early = early and mode == "down" and self.ldg
         assert deq in ("shift", "prmt") and (deq == "shift" or math == "f16x2"), (deq, math)
         self.deq = deq
         assert math in ("f32", "f16x2"), math
@@ -285,8 +282,6 @@ class Mxfp4ExpertGemvSm90:
         where the stage schedule puts it); probe "noload": constant words instead."""
         if self.probe == "noload":
             return [Int32(0x12345678 + i) for i in range(4)]
-        if self.early:
-            return ld_v4_coherent(wbase + self._row(rb, g, r) * self.kb)
         return ld_v4_ordered(wbase + self._row(rb, g, r) * self.kb)
 
     def _load_x_words(self, x, p, v):

@@ -34,17 +34,6 @@ def ld_v4_ordered(addr: Int64, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_v4_coherent(addr: Int64, *, loc=None, ip=None):
-    """ld_v4_ordered through the coherent path (no .nc): ptxas keeps it above a later
-    griddepcontrol.wait, where it sank the .nc form below it (a PDL secondary's weight loads that
-    are meant to be in flight while the primary still runs)."""
-    st = llvm.StructType.get_literal([T.i32()] * 4)
-    r = _asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
-             "ld.global.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side=True)
-    return [Int32(llvm.extractvalue(T.i32(), r, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
 def ld_v4_keep(addr: Int64, ordered: bool = False, *, loc=None, ip=None):
     """Four u32 words from a 16-byte aligned global address (activations: read by many CTAs),
     through the non-coherent path: only for data no kernel still running writes (see ld_v4_dep).
