@@ -58,8 +58,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # k3-lower_decode_gemm) -6.2 / -14.3 / -19.1 us at M = 1 / 4 / 16; alone vs no pass -4.6 / -10.3 /
     # -10.8 us (bench/results/layer_kda_tp8_w1_h200_3dba9ee.json)
     "lower_decode_gemm": (1, 16),
+    # KDA and MLA layers at TP=8 per-rank widths on ONE H200 (world 1: the op's kernel without its
+    # all-reduce), c31c5e5, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
+    # k3-fuse_residual_norm) KDA -5.6 / -2.6 us at M = 1 / 4 (M=16 cut by the step's time limit),
+    # MLA -6.7 / -1.3 / -2.0 us at M = 1 / 4 / 16 (bench/results/layer_*_tp8_w1_h200_c31c5e5*)
+    "fuse_residual_norm": (1, 16),
 }
-CUDA_UNMEASURED: set[str] = {"fuse_residual_norm"}  # passes with no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)
