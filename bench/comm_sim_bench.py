@@ -10,9 +10,11 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
   k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
+  (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world:
+  k3 and k3_nopreload, the block rows loaded each just before its reduction, AR_PRELOAD=0)
 `--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
 
-    python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--out F]
+    python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--ops oproj,tail,resnorm] [--out F]
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from bench.common import GraphTimer, save, with_attrs  # noqa: E402
 
 VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
+# the layer-input op (resnorm): its AttnRes block rows loaded together or each before its reduction
+RESNORM_VARIANTS = {"k3": {}, "k3_nopreload": {"AR_PRELOAD": False}}
 
 
 def main():
@@ -34,6 +38,8 @@ def main():
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--cold", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ops", default="oproj,tail", help="of oproj, tail, resnorm (the layer-input op)")
+    ap.add_argument("--blocks", type=int, default=3, help="AttnRes blocks of the resnorm op")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -49,10 +55,14 @@ def main():
     rows = []
     for world in (int(w) for w in a.worlds.split(",")):
         for M in (int(m) for m in a.ms.split(",")):
-            for op in ("oproj", "tail"):
+            for op in a.ops.split(","):
                 timers, errs = {}, {}
-                for name, values in (VARIANTS if world > 1 else {"k3": {}}).items():
-                    if op == "oproj":
+                variants = RESNORM_VARIANTS if op == "resnorm" else VARIANTS if world > 1 else {"k3": {}}
+                for name, values in variants.items():
+                    if op == "resnorm":
+                        run, ref, _ = simpeers.residual_norm_case(world, M, a.blocks, seed=M)
+                        check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731
+                    elif op == "oproj":
                         run, ref, _ = simpeers.oproj_case(world, M, 0, seed=M, copies=a.cold)
                         check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731
                     else:
@@ -63,11 +73,12 @@ def main():
                     timers[name] = GraphTimer(fn)
                     if a.verbose:
                         print(f"  {op} world={world} M={M} {name}: checked and captured", flush=True)
-                K, N = (1536, 7168) if op == "oproj" else (3584, 896)
-                xs = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-                ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(a.cold)]
-                it = iter(range(1 << 62))
-                timers["gemm"] = GraphTimer(lambda: F.linear(xs, ws[next(it) % a.cold]))
+                if op != "resnorm":
+                    K, N = (1536, 7168) if op == "oproj" else (3584, 896)
+                    xs = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+                    ws = [torch.randn(N, K, device="cuda").to(torch.bfloat16) for _ in range(a.cold)]
+                    it = iter(range(1 << 62))
+                    timers["gemm"] = GraphTimer(lambda: F.linear(xs, ws[next(it) % a.cold]))
                 rounds = {n: [t.time() for _ in range(1)] for n, t in timers.items()}
                 for _ in range(a.rounds - 1):   # in turn, so that drift falls on every variant alike
                     for n, t in timers.items():

@@ -185,7 +185,7 @@ def _check_kernel_results(res):
 @pytest.mark.parametrize("world", [2, 8])
 @pytest.mark.parametrize("knobs", [{}, {"COMM_VEC": False, "COMM_EARLY": False}])
 def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeypatch):
-    """The o-proj and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
+    """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
     (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before),
     bf16, eager and replayed from a CUDA graph, with the communication kernels' options (launch:
     the vector signal/poll and the early reads, or the 45ff89b kernels' order)."""
@@ -203,6 +203,8 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
             errs[f"oproj M={M} blocks={nb}"] = [rel(a, b) for out in (run(), _graphed(run)) for a, b in zip(out, ref)]
         run, ref, _ = simpeers.tail_case(world, M, seed=M)
         errs[f"tail M={M}"] = [rel(out, ref) for out in (run(), _graphed(run))]
+        run, ref, _ = simpeers.residual_norm_case(world, M, 3, seed=M)
+        errs[f"residual_norm M={M}"] = [rel(a, b) for out in (run(), _graphed(run)) for a, b in zip(out, ref)]
     print("\n".join(f"{k}: {v}" for k, v in errs.items()))
     bad = {k: v for k, v in errs.items() if max(v) > 1e-2}
     assert not bad, bad

@@ -38,13 +38,16 @@ def _weights(N, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("world,rank,nb,M,programs,vec", [
     (1, 0, 0, 3, 0, 1), (1, 0, 2, 2, 0, 1), (2, 1, 0, 3, 0, 1), (2, 0, 3, 2, 0, 1), (4, 2, 1, 1, 0, 1), (2, 1, 3, 5, 2, 1),
-    (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1)])
+    (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1), (1, 0, 6, 2, 0, 1), (2, 1, 5, 2, 0, 0)])
 def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
-    45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0)."""
+    45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0) and
+    each block row loaded just before it is reduced (AR_PRELOAD=0); nb > 4: blocks past the four
+    preloaded ones."""
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
+    monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]

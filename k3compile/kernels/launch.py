@@ -28,6 +28,9 @@ AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps o
 # instead of in one vector atomic each (triton_comm._signal / _wait)
 COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
 COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
+# bench A/B only: AR_PRELOAD=0 loads each AttnRes block row just before it is reduced (the kernels
+# before this option) instead of the first four together (triton_comm._ar_pre)
+AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 
 
 def _comm() -> dict:
@@ -84,7 +87,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
     return upd, nrm
 
 

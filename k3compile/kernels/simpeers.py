@@ -109,6 +109,26 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     return run, ref, sim
 
 
+def residual_norm_case(world: int, M: int, nblocks: int = 3, N: int = 7168, dtype=torch.bfloat16, device="cuda",
+                       seed: int = 0):
+    """The layer-input op (k3::residual_norm: all-reduce of delta + residual + AttnRes / RMSNorm) on rank 0
+    of a simulated group, as oproj_case without the GEMM: run() calls launch.residual_norm."""
+    from ..model.functional import attnres_mix
+    g = torch.Generator(device=device).manual_seed(seed)
+    res = _rnd(g, device, dtype, M, N)
+    blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
+    w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
+    parts = [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world)]
+    sim = _group_holding(parts, device)
+    y = sum(t.float() for t in parts).to(dtype)
+    ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
+
+    def run():
+        return launch.residual_norm(parts[0], sim.peers if world > 1 else None, res, blocks,
+                                    w_norm if blocks else None, w_qk if blocks else None, gam, 1e-5)
+    return run, ref, sim
+
+
 def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, topk: int = 16,
               dtype=torch.bfloat16, device="cuda", seed: int = 0, copies: int = 1):
     """The latent-tail op on rank 0 of a simulated group, as oproj_case: run() calls launch.moe_tail

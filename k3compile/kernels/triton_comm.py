@@ -179,9 +179,13 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 
 @triton.jit
 def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB: tl.constexpr,
-            HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+            HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+            PRELOAD: tl.constexpr = True):
     """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
-    state (running max, sum, weighted sum). Done before the barrier wait for a program's first row."""
+    state (running max, sum, weighted sum). Done before the barrier wait for a program's first row.
+    PRELOAD: the first four block rows are loaded before the first of them is reduced (one memory
+    latency instead of one per block; at decode one program holds the whole row, so the loads were
+    the kernel's critical path); the same values, so the same results bit for bit."""
     r = tl.zeros([BLOCK_N], tl.float32)
     if HAS_RES:
         r = tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32)
@@ -189,14 +193,35 @@ def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, 
     s = tl.zeros((), tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
     if HAS_NORM:
+        x0 = tl.zeros([BLOCK_N], tl.float32)
+        x1 = tl.zeros([BLOCK_N], tl.float32)
+        x2 = tl.zeros([BLOCK_N], tl.float32)
+        x3 = tl.zeros([BLOCK_N], tl.float32)
+        if PRELOAD:
+            if NB > 0:
+                x0 = _block_row(b0, row, offs, mask, N)
+            if NB > 1:
+                x1 = _block_row(b1, row, offs, mask, N)
+            if NB > 2:
+                x2 = _block_row(b2, row, offs, mask, N)
+            if NB > 3:
+                x3 = _block_row(b3, row, offs, mask, N)
         if NB > 0:
-            m, s, acc = _mix_source(_block_row(b0, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            if not PRELOAD:
+                x0 = _block_row(b0, row, offs, mask, N)
+            m, s, acc = _mix_source(x0, mask, wmix, N, eps, m, s, acc, DTYPE)
         if NB > 1:
-            m, s, acc = _mix_source(_block_row(b1, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            if not PRELOAD:
+                x1 = _block_row(b1, row, offs, mask, N)
+            m, s, acc = _mix_source(x1, mask, wmix, N, eps, m, s, acc, DTYPE)
         if NB > 2:
-            m, s, acc = _mix_source(_block_row(b2, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            if not PRELOAD:
+                x2 = _block_row(b2, row, offs, mask, N)
+            m, s, acc = _mix_source(x2, mask, wmix, N, eps, m, s, acc, DTYPE)
         if NB > 3:
-            m, s, acc = _mix_source(_block_row(b3, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            if not PRELOAD:
+                x3 = _block_row(b3, row, offs, mask, N)
+            m, s, acc = _mix_source(x3, mask, wmix, N, eps, m, s, acc, DTYPE)
         if NB > 4:
             m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
         if NB > 5:
@@ -256,6 +281,7 @@ def ar_residual_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
+    PRELOAD: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -265,7 +291,7 @@ def ar_residual_norm_kernel(
     PUSHED (WORLD > 1): the push GEMM has already stored every rank's partial into this rank's
     buffer (slot p = rank p) and flagged them (int32 flags at byte FLAG_OFF of this rank's buffer,
     NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused.
-    VEC: _signal / _wait."""
+    VEC: _signal / _wait. PRELOAD: _ar_pre."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -289,14 +315,14 @@ def ar_residual_norm_kernel(
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
     r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, N, eps, NB, HAS_NORM, HAS_RES,
-                           BLOCK_N, DTYPE)
+                           BLOCK_N, DTYPE, PRELOAD)
     if WORLD > 1 and EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
     _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
     for row in range(pid + npid, M, npid):
         r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB, HAS_NORM,
-                               HAS_RES, BLOCK_N, DTYPE)
+                               HAS_RES, BLOCK_N, DTYPE, PRELOAD)
         y = _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD, DTYPE, PUSHED)
         _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
     if WORLD > 1:
