@@ -64,9 +64,13 @@ def replace(graph: Graph, old: Node, new: Node) -> None:
 
 
 def last_of(graph: Graph, nodes) -> Node:
-    """The latest of `nodes` in graph order."""
+    """The latest of `nodes` in graph order (FX keeps a sort key per node; an index of the whole
+    graph per call was 0.7 s of a 93-layer compile)."""
+    nodes = [n for n in nodes if isinstance(n, Node)]
+    if all(hasattr(n, "_sort_key") for n in nodes):
+        return max(nodes, key=lambda n: n._sort_key)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    return max((n for n in nodes if isinstance(n, Node)), key=lambda n: order[n])
+    return max(nodes, key=lambda n: order[n])
 
 
 def forward_gemm(start: Node, limit: int = 500) -> Node | None:
