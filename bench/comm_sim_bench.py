@@ -11,7 +11,8 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
   (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world:
-  k3 and k3_nopreload, the block rows loaded each just before its reduction, AR_PRELOAD=0)
+  k3, each block row loaded just before its reduction, and k3_preload, the first four together,
+  launch.AR_PRELOAD)
 `--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
 
     python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--ops oproj,tail,resnorm] [--out F]
@@ -29,7 +30,7 @@ from bench.common import GraphTimer, save, with_attrs  # noqa: E402
 VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
 # the layer-input op (resnorm): its AttnRes block rows loaded together or each before its reduction
-RESNORM_VARIANTS = {"k3": {}, "k3_nopreload": {"AR_PRELOAD": False}}
+RESNORM_VARIANTS = {"k3": {"AR_PRELOAD": False}, "k3_preload": {"AR_PRELOAD": True}}
 
 
 def main():

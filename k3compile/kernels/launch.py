@@ -28,9 +28,10 @@ AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps o
 # instead of in one vector atomic each (triton_comm._signal / _wait)
 COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
 COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
-# bench A/B only: AR_PRELOAD=0 loads each AttnRes block row just before it is reduced (the kernels
-# before this option) instead of the first four together (triton_comm._ar_pre)
-AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
+# AR_PRELOAD=1 (K3_AR_PRELOAD=1): the all-reduce / norm kernel loads the first four AttnRes block rows
+# together before reducing them (triton_comm._ar_pre; the same results bit for bit in the CPU
+# interpreter). Off by default: not yet run on a GPU (bench/comm_sim_bench.py --ops resnorm times both).
+AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "0") == "1"
 
 
 def _comm() -> dict:
