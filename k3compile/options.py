@@ -61,7 +61,9 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # KDA and MLA layers at TP=8 per-rank widths on ONE H200 (world 1: the op's kernel without its
     # all-reduce), c31c5e5, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
     # k3-fuse_residual_norm) KDA -5.6 / -2.6 us at M = 1 / 4 (M=16 cut by the step's time limit),
-    # MLA -6.7 / -1.3 / -2.0 us at M = 1 / 4 / 16 (bench/results/layer_*_tp8_w1_h200_c31c5e5*)
+    # MLA -6.7 / -1.3 / -2.0 us at M = 1 / 4 / 16 (bench/results/layer_*_tp8_w1_h200_c31c5e5*); with
+    # the gate applying it, 3d59b9d: KDA -0.5 / -7.2 / -5.4, MLA -3.6 / -13.6 / -3.0 us; alone within
+    # the runs' noise (-9.1 to +6.9 us). No two-GPU run yet (its all-reduce is the o-proj op's kernel)
     "fuse_residual_norm": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so

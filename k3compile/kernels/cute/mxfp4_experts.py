@@ -205,7 +205,8 @@ class Mxfp4ExpertGemvSm90:
     arrived; with "ldg" they overlap the loads (gate-up alone, TP=8 M=1: 8.9 instead of 11.1 us).
     In down, ptxas moves the register loads below griddepcontrol.wait: with PDL its weights are
     then fetched after gate-up ends, not before (an L2 prefetch issued before the wait measured
-    slower, d28bc20).
+    slower, d28bc20; so did coherent loads, which ptxas keeps above the wait: tags ldgde / ldgde1
+    of 24a47c9, 1-4% slower at TP=8, c31c5e5).
     probe (benchmarks only, wrong results): "nomath" replaces each block's dot by an XOR of its
     words (what the loads alone cost), "noload" skips the weight loads (what the math alone costs)."""
 
