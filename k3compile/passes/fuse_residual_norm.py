@@ -14,7 +14,9 @@ replaces the NCCL all-reduce and Inductor's mixer kernels (4-6 reductions for th
 Expected: one site per attention layer (the first layer adds nothing; the final norm adds the last
 layer's output). Not counted: the post-attention mixers, whose delta is an o-proj GEMM's
 (fuse_oproj_allreduce's sites, when that pass is off). An all-reduce whose result is read
-elsewhere too stays, and only the add and the norm are fused (a note says so).
+elsewhere too stays, and only the add and the norm are fused (a note says so). A layer input
+that vLLM's all-reduce fusion already took (FlashInfer / AITER, patterns.vllm_forms) is left as it is,
+named in a note and not counted as expected.
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range; on CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
 profitability gate, base.gated_off). A mixer that does not parse (patterns.attnres) is a near-miss.
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 from ..ops import OPS
 from ..patterns.attnres import match_attnres_from_norm
-from ..patterns.graph import Fail, aten, describe, is_call, match_all_reduce, match_linear, rms_norms_by_input, shape, strip
+from ..patterns.graph import (Fail, aten, describe, is_call, match_all_reduce, match_linear, rms_norms_by_input,
+                              shape, strip)
+from ..patterns.vllm_forms import is_vllm_fused_allreduce
 from .base import K3Pass
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
 
@@ -39,6 +43,12 @@ class FuseResidualNorm(K3Pass):
 
     def run(self, graph, info, opts, report):
         oproj = {g for g in (forward_gemm(c) for c in info.attention) if g is not None}
+        pre = [n for n in graph.nodes if _vllm_fused_layer_input(n, oproj)]
+        if pre:   # vLLM's FlashInfer / AITER all-reduce fusion took these: left as it fused them
+            report.expected -= len(pre)
+            report.notes.append(f"{len(pre)} site(s) already fused by vLLM (all-reduce + residual add + RMSNorm at a "
+                                f"layer input: {', '.join(n.name for n in pre)}); left as vLLM fused them, not counted "
+                                "as expected")
         norms = {s.out: s for sites in rms_norms_by_input(graph).values() for s in sites
                  if s.weight is not None and s.out.users}   # anchored (and reported) at each norm's output
         for s in self.collect(list(norms), lambda n: self.match(norms[n], oproj), report):
@@ -97,3 +107,13 @@ class FuseResidualNorm(K3Pass):
         fused = emit(graph, anchor, OPS["residual_norm"], args)
         replace(graph, mix.norm.out, getitem(graph, fused, 1))
         replace(graph, s["updated"], getitem(graph, fused, 0))
+
+
+def _vllm_fused_layer_input(n, oproj) -> bool:
+    """n is vLLM's fused all-reduce + residual add + RMSNorm (patterns.vllm_forms) on something other
+    than an o-proj GEMM's output (those are fuse_oproj_allreduce's): a layer input it already fused.
+    Its all-reduce + norm form without the add (`norm_out` given: the latent norm) is not one."""
+    if not is_vllm_fused_allreduce(n):
+        return False
+    x = n.kwargs.get("allreduce_in")
+    return x is not None and n.kwargs.get("norm_out") is None and strip(x) not in oproj
