@@ -11,8 +11,8 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
   (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world:
-  k3, each block row loaded just before its reduction, and k3_preload, the first four together,
-  launch.AR_PRELOAD)
+  k3 (until 9a1fa9c's run: each block row loaded just before its reduction) and k3_preload, the
+  first four together, launch.AR_PRELOAD, the default since)
 `--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
 
     python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--ops oproj,tail,resnorm] [--out F]

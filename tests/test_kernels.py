@@ -47,7 +47,7 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     preloaded ones."""
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
-    monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))   # off by default; vec=1 cases run it on
+    monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]

@@ -69,11 +69,12 @@ def variants():
     # the peers signalled and polled one after another (launch.COMM_VEC=0)
     out.append(("loop ar_residual_norm w8", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
-    # the AttnRes block rows loaded together (launch.AR_PRELOAD), four and seven blocks
-    for nb in (4, 7):
-        out.append((f"preload ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
+    # seven blocks (four loaded together, launch.AR_PRELOAD), and each block row loaded just before its
+    # reduction (K3_AR_PRELOAD=0)
+    for nb, pre in ((7, 1), (3, 0)):
+        out.append((f"preload{pre} ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=8, NB=nb, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
-                         PRELOAD=1)))
+                         PRELOAD=pre)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))

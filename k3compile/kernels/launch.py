@@ -28,10 +28,13 @@ AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))  # bench sweeps only: warps o
 # instead of in one vector atomic each (triton_comm._signal / _wait)
 COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
 COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
-# AR_PRELOAD=1 (K3_AR_PRELOAD=1): the all-reduce / norm kernel loads the first four AttnRes block rows
-# together before reducing them (triton_comm._ar_pre; the same results bit for bit in the CPU
-# interpreter). Off by default: not yet run on a GPU (bench/comm_sim_bench.py --ops resnorm times both).
-AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "0") == "1"
+# AR_PRELOAD: the all-reduce / norm kernel loads the first four AttnRes block rows together before
+# reducing them (triton_comm._ar_pre; the same values, errors 0 against the reference on the H200).
+# One H200, simulated peers, 9a1fa9c (bench/results/comm_sim_resnorm_b{3,7}_h200_9a1fa9c.json): the
+# layer-input op with 3 blocks 6.5-6.8 vs 6.7-7.0 us at world 1, M = 1..16; at group size 8 27.2 /
+# 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_AR_PRELOAD=0: the
+# kernel before (each block row loaded just before it is reduced).
+AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 
 
 def _comm() -> dict:

@@ -180,7 +180,7 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 @triton.jit
 def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB: tl.constexpr,
             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-            PRELOAD: tl.constexpr = False):
+            PRELOAD: tl.constexpr = True):
     """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
     state (running max, sum, weighted sum). Done before the barrier wait for a program's first row.
     PRELOAD: the first four block rows are loaded before the first of them is reduced (one memory
@@ -281,7 +281,7 @@ def ar_residual_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
-    PRELOAD: tl.constexpr = False,
+    PRELOAD: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
