@@ -48,8 +48,10 @@ class FuseOprojAllreduce(K3Pass):
                 else:
                     unparsed.append(a)
         if unparsed:
-            report.notes.append(f"{len(unparsed)} AttnRes mixer(s) did not match (first at {getattr(unparsed[0].node, 'name', unparsed[0].node)}: "
-                                f"{unparsed[0].reason}); a site whose post-norm is one is fused without it")
+            first = unparsed[0]
+            report.notes.append(f"{len(unparsed)} AttnRes mixer(s) did not match (first at "
+                                f"{getattr(first.node, 'name', first.node)}: {first.reason}); a site whose "
+                                "post-norm is one is fused without it")
         for s in self.collect(info.attention, lambda core: self.match(core, info, post_norm), report):
             if s["mix"] is None:
                 why = why_not_rms_norm(s["updated"])
