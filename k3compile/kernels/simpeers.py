@@ -79,6 +79,21 @@ def _group_holding(parts: list[torch.Tensor], device) -> SimGroup:
     return sim
 
 
+def _mixer_case(g, world: int, M: int, N: int, nblocks: int, dtype, device, mine):
+    """What the o-proj and layer-input cases share: residual, AttnRes blocks and weights, the
+    partials (this rank's from mine(), the peers' random) held by a simulated group, and the
+    reference (updated, normed) over them."""
+    from ..model.functional import attnres_mix
+    res = _rnd(g, device, dtype, M, N)
+    blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
+    w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
+    parts = [mine()] + [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world - 1)]
+    sim = _group_holding(parts, device)
+    y = sum(t.float() for t in parts).to(dtype)
+    ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
+    return res, blocks, w_norm, w_qk, gam, parts, sim, ref
+
+
 def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 7168, dtype=torch.bfloat16,
                device="cuda", seed: int = 0, copies: int = 1):
     """The o-proj op on rank 0 of a simulated group: returns (run, reference, sim). run() calls
@@ -88,18 +103,12 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     in both halves of its buffer; the pad is armed for 2^20 calls. world=1: no peers (TP=1).
     run() refers to `sim`: the kernels address its buffers by raw pointer, so they must outlive
     every call (and every CUDA graph that captured one)."""
-    from ..model.functional import attnres_mix
     import torch.nn.functional as F
     g = torch.Generator(device=device).manual_seed(seed)
     x = _rnd(g, device, dtype, M, K)
     w = _rnd(g, device, dtype, N, K, scale=K ** -0.5)
-    res = _rnd(g, device, dtype, M, N)
-    blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
-    w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
-    parts = [F.linear(x, w)] + [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world - 1)]
-    sim = _group_holding(parts, device)
-    y = sum(t.float() for t in parts).to(dtype)
-    ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
+    res, blocks, w_norm, w_qk, gam, _, sim, ref = _mixer_case(g, world, M, N, nblocks, dtype, device,
+                                                              lambda: F.linear(x, w))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     it = iter(range(1 << 62))
 
@@ -113,15 +122,9 @@ def residual_norm_case(world: int, M: int, nblocks: int = 3, N: int = 7168, dtyp
                        seed: int = 0):
     """The layer-input op (k3::residual_norm: all-reduce of delta + residual + AttnRes / RMSNorm) on rank 0
     of a simulated group, as oproj_case without the GEMM: run() calls launch.residual_norm."""
-    from ..model.functional import attnres_mix
     g = torch.Generator(device=device).manual_seed(seed)
-    res = _rnd(g, device, dtype, M, N)
-    blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
-    w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
-    parts = [_rnd(g, device, dtype, M, N, scale=0.5) for _ in range(world)]
-    sim = _group_holding(parts, device)
-    y = sum(t.float() for t in parts).to(dtype)
-    ref = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)[::-1]   # (updated, normed)
+    res, blocks, w_norm, w_qk, gam, parts, sim, ref = _mixer_case(
+        g, world, M, N, nblocks, dtype, device, lambda: _rnd(g, device, dtype, M, N, scale=0.5))
 
     def run():
         return launch.residual_norm(parts[0], sim.peers if world > 1 else None, res, blocks,
