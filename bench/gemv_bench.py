@@ -40,6 +40,9 @@ SHAPES = {  # name: (N, K)
     "tp8 in_proj_mla": (3648, 7168), "tp8 q_b_mla": (2304, 1536), "tp2 oproj": (7168, 6144),
     "tp2 shared_gate_up": (6144, 7168), "tp2 shared_down": (7168, 3072), "tp2 in_proj_kda": (24752, 7168),
     "tp2 in_proj_mla": (8256, 7168), "tp2 q_b_mla": (9216, 1536),
+    # TP=1 with TP=8 per-rank head widths (layer_bench --world 1 --shapes tp8): the router, latent
+    # down- and up-projections are whole there (nothing shards them at TP=1)
+    "w1 router": (896, 7168), "w1 latent": (3584, 7168), "w1 latent_up": (7168, 3584),
 }
 CONFIGS = [(2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4),
            (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 8, 3)]
