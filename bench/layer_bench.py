@@ -13,8 +13,7 @@ step of that layer, CUDA-graphed, for:
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
               k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`
-              rows compare with), k3-topk (every pass, shard_router_latent without the fused top-k
-              selection), k3-cute (every pass, the experts on Triton v3 rather than the CuTe
+              rows compare with), k3-cute (every pass, the experts on Triton v3 rather than the CuTe
               GEMVs), k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
               between gate-up and down, K3_CUTE_PDL=0) and k3-gemv (every GEMM on cuBLAS: no tuned
               decode GEMM in the ops or in lower_decode_gemm's op, K3_GEMV=0); all of them without
@@ -185,7 +184,6 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
             variants["k3-gemv"] = k3c(prefetch=False)      # every pass, every decode GEMM on cuBLAS (ENV below)
             if not ablate_passes:
-                variants["k3-topk"] = k3c(prefetch=False, fuse_topk=False)  # the router's top-k not fused
                 variants["k3-cute"] = k3c(prefetch=False)      # the experts on Triton v3 (ENV below)
                 variants["k3-cute_pdl"] = k3c(prefetch=False)  # the CuTe experts without PDL (ENV below)
             for p in ablate_passes or PASSES:

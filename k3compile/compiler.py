@@ -147,7 +147,7 @@ def backend(**options):
     """A configured k3 backend: `torch.compile(model, backend=k3compile.backend(**options))`.
 
     Options (see `K3Options`): passes, skip, strict, mode ("inductor"|"eager"), dtypes, tp_sizes,
-    m_ranges, gate, prefetch, fuse_topk, pdl, verbose. Unknown names raise ValueError at once."""
+    m_ranges, gate, prefetch, pdl, verbose. Unknown names raise ValueError at once."""
     opts = K3Options.make(**options)
 
     def k3(gm, example_inputs, mode: str | None = None, options: dict | None = None):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 PASS_ORDER = (
     "shard_router_latent",
+    "fuse_router_topk",       # after shard_router_latent: the logits may be its all-gathered ones
     "fold_moe_finalize",
     "fuse_oproj_allreduce",
     "fuse_residual_norm",     # after fuse_oproj_allreduce: the mixers that pass leaves
@@ -65,6 +66,11 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # the gate applying it, 3d59b9d: KDA -0.5 / -7.2 / -5.4, MLA -3.6 / -13.6 / -3.0 us; alone within
     # the runs' noise (-9.1 to +6.9 us). No two-GPU run yet (its all-reduce is the o-proj op's kernel)
     "fuse_residual_norm": (1, 16),
+    # the router's selection in one kernel: part of shard_router_latent (TP > 1, M = 1..16) until
+    # 2026-12-02, its own pass since, so that TP=1 graphs get it too. Op alone, 2 x H200 (6eecf90,
+    # bench/router_bench.py): 5.4 us vs Inductor's 17.9-20.6 us at M = 1..64; the layer rows:
+    # BENCHMARKS.md, seventeenth session
+    "fuse_router_topk": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 
@@ -79,7 +85,6 @@ class K3Options:
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
     gate: str = "measured"  # "measured": on CUDA + Inductor apply a pass only in CUDA_PROFITABLE_M; "off"
     prefetch: bool = True
-    fuse_topk: bool = True  # shard_router_latent also fuses the router's top-k selection (k3::router_topk)
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
     # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
     # in as constants, guarded at run time (a changed value runs the graph without the K3 passes)

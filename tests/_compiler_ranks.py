@@ -6,12 +6,13 @@ import torch
 PASS_SETS = {
     "none": (),
     "shard_router_latent": ("shard_router_latent",),
+    "fuse_router_topk": ("fuse_router_topk",),
     "fold_moe_finalize": ("fold_moe_finalize",),
     "fuse_oproj_allreduce": ("fuse_oproj_allreduce",),
     "fuse_residual_norm": ("fuse_residual_norm",),   # alone: it must leave the post-attention mixers
     "overlap_shared_expert": ("overlap_shared_expert",),
-    "all": ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "fuse_residual_norm",
-            "overlap_shared_expert"),
+    "all": ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "fuse_oproj_allreduce",
+            "fuse_residual_norm", "overlap_shared_expert"),
 }
 
 

@@ -120,8 +120,9 @@ def test_run_tp1_table_matches_report_and_dump_has_every_file(tiny_dump):
         after = (d / f"{i:02d}_{p['name']}.after.py").read_text()
         op = k3compile.passes.manager.PASSES[p["name"]].emits.split(",")[0].replace("::", ".")
         assert f"torch.ops.{op}" in after and f"torch.ops.{op}" not in before
-    assert rep["passes"][1]["expected"] == len(TINY.moe_layers)
-    assert rep["passes"][2]["expected"] == TINY.num_layers
+    by = {p["name"]: p for p in rep["passes"]}
+    assert by["fuse_router_topk"]["expected"] == by["fold_moe_finalize"]["expected"] == len(TINY.moe_layers)
+    assert by["fuse_oproj_allreduce"]["expected"] == TINY.num_layers
     assert [s["rel"] for s in summary["numerics"]] == [0.0] * (1 + len(PASS_ORDER))
     assert "next tokens (all passes on)" in out and "= eager's" in out
     assert (d / "graph.json").exists() and (d / "graph.inputs.pt").exists()
@@ -148,7 +149,7 @@ def test_round_trip_dumped_graph_gives_the_same_match_report(tiny_dump, tmp_path
 
 def test_python_graph_needs_trust_code_then_matches(tiny_dump, tmp_path):
     _, d = tiny_dump
-    py = d / "02_fold_moe_finalize.before.py"
+    py = d / "03_fold_moe_finalize.before.py"
     r = k3c("run", "--graph", py)
     assert r.exit_code == 1 and "executes its code" in r.stderr and "--trust-code" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -230,7 +231,7 @@ def test_diff_is_coloured_and_names_the_new_ops(tiny_dump):
     for op in ("k3::moe_latent_tail", "k3::mxfp4_experts"):  # the fused tail, the lowered expert op
         assert f"{op} ×{len(TINY.moe_layers)}" in header.split("new: ")[1], header
     assert "\x1b[" not in plain
-    assert "+++ 02_fold_moe_finalize.after.py" in plain and "# File:" not in plain
+    assert "+++ 03_fold_moe_finalize.after.py" in plain and "# File:" not in plain
     out = ok(k3c("diff", d, "fold_moe_finalize", env={"FORCE_COLOR": "1", "TERM": "xterm"}))
     assert re.search(r"\x1b\[32m\+ .*torch\.ops\.k3\.moe_latent_tail\.default\(", out)  # green additions
     assert re.search(r"\x1b\[31m- .*torch\.ops\.aten\.sum\.dim_IntList", out)         # red removals
@@ -296,7 +297,7 @@ def test_prefix_errors_equal_a_separate_compile_per_prefix(monkeypatch):
 # ------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("args,code,message", [
     (["run", "--passes", "fuse_everything"], 2, "unknown pass fuse_everything in --passes; valid passes: "
-                                                "shard_router_latent, fold_moe_finalize"),
+                                                "shard_router_latent, fuse_router_topk"),
     (["run", "--skip", "a,b"], 2, "unknown passes a, b in --skip"),
     (["explain", "fuse"], 2, "unknown pass 'fuse'; valid passes: shard_router_latent"),
     (["run", "--tp", 3], 2, "bad TP size: TP size 3 does not divide kda_heads=4"),
@@ -386,7 +387,7 @@ def test_console_script_tp2_with_torch_trace(tmp_path):
     out = p.stdout
     assert "TP=2 (2 ranks, gloo)" in out and "ranks agree: True" in out
     n_moe = len(TINY.moe_layers)
-    expect = {"shard_router_latent": n_moe, "fold_moe_finalize": n_moe, "fuse_oproj_allreduce": TINY.num_layers,
+    expect = {"shard_router_latent": n_moe, "fuse_router_topk": n_moe, "fold_moe_finalize": n_moe, "fuse_oproj_allreduce": TINY.num_layers,
               "overlap_shared_expert": n_moe}
     for name, n in expect.items():
         cells = row(out, name)

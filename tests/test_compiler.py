@@ -56,6 +56,10 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     assert res["all"]["passes"]["fuse_residual_norm"][:2] == (cfg.num_layers, cfg.num_layers)
     assert res["fuse_residual_norm"]["passes"]["fuse_residual_norm"][:2] == (cfg.num_layers, cfg.num_layers)
     assert res["all"]["passes"]["fold_moe_finalize"][1] == len(cfg.moe_layers)
+    # the router's selection at TP=1 too (no sharded GEMM before it), alone and with the others
+    n_moe = len(cfg.moe_layers)
+    assert res["all"]["passes"]["fuse_router_topk"][:2] == (n_moe, n_moe)
+    assert res["fuse_router_topk"]["passes"]["fuse_router_topk"][:2] == (n_moe, n_moe)
 
 
 def test_tp2_each_pass_and_all():
@@ -67,6 +71,8 @@ def test_tp2_each_pass_and_all():
             assert r["err"] == 0.0, (name, r["err"])
             _expect_full_match(r["passes"], tp=2)
         assert rank_res["all"]["passes"]["shard_router_latent"][:2] == (7, 7)
+        # after the sharded GEMM the selection reads its all-gathered logits
+        assert rank_res["all"]["passes"]["fuse_router_topk"][:2] == (7, 7)
         # the layer inputs' all-reduces are inside k3::residual_norm (test below: none left over)
         assert rank_res["all"]["passes"]["fuse_residual_norm"][:2] == (8, 8)
 
@@ -127,6 +133,34 @@ def test_router_topk_pattern(route, why):
         assert site.scale == why
     else:
         assert isinstance(site, Fail) and why in site.reason, site
+
+
+def test_router_with_another_selection_is_a_near_miss_and_stays_correct(monkeypatch):
+    """A router whose selection is not K3's (softmax scores, no bias): fuse_router_topk matches no
+    site, reports every MoE layer as a near-miss naming the step that differs, and the compiled
+    model still equals eager."""
+    from k3compile.model import layers
+
+    def softmax_route(self, x):
+        scores = torch.softmax(F.linear(x, self.router).float(), -1)
+        w, ids = torch.topk(scores, self.top_k, dim=-1)
+        return ids, w / w.sum(-1, keepdim=True)
+
+    monkeypatch.setattr(layers.LatentMoE, "route", softmax_route)
+    cfg = K3Config.tiny(dtype="bfloat16")
+    torch.manual_seed(0)
+    model = K3Model(cfg)
+    torch._dynamo.reset()
+    k3compile.clear_reports()
+    f = torch.compile(model, backend=k3compile.backend(mode="eager"), fullgraph=True)
+    ids = torch.randint(0, cfg.vocab, (2, 1))
+    ref = model(ids, model.new_cache(2))
+    got = f(ids, model.new_cache(2))
+    assert torch.equal(got, ref)
+    p = {p.name: p for p in k3compile.reports()[-1].passes}["fuse_router_topk"]
+    assert (p.matched, p.expected) == (0, len(cfg.moe_layers)) and p.error is None
+    assert len(p.near_misses) == len(cfg.moe_layers)
+    assert all("not over `scores + correction bias`" in m.reason for m in p.near_misses), p.near_misses
 
 
 @pytest.mark.parametrize("style", ["matmul", "inplace", "vllm", "online_softmax"])

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 pytestmark = pytest.mark.vllm
 
-ALL = ("shard_router_latent", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert")
+ALL = ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "fuse_oproj_allreduce", "overlap_shared_expert")
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 
 
@@ -131,7 +131,7 @@ def test_uuid_and_config_hashes_stable_across_processes(other_process):
 def test_plugin_turns_the_hook_on_from_the_environment(other_process, monkeypatch):
     from k3compile.options import PASS_ORDER
     assert other_process["plugin"] == f"K3VllmPass(passes={list(PASS_ORDER)}, strict=False)"
-    assert len(PASS_ORDER) == 7 and PASS_ORDER[-1] == "lower_decode_gemm"
+    assert len(PASS_ORDER) == 8 and PASS_ORDER[-1] == "lower_decode_gemm"
     assert other_process["padding"] is False           # pad_mm off where the hook adds the pass
     # a pass the user configured is kept, and the log says so (and its config is left alone)
     assert "CallableInductorPass" in other_process["mine"] and other_process["padding_mine"] == "unset"
@@ -238,6 +238,7 @@ def test_vllm_compile_route_tp2_and_flashinfer_fused_sites():
             (note,) = p[name]["notes"]
             assert note.startswith(f"{n} site(s) already fused by vLLM (flashinfer_trtllm_fused_allreduce_norm"), note
         assert p["shard_router_latent"]["matched"] == p["overlap_shared_expert"]["matched"] == 3
+        assert p["fuse_router_topk"]["matched"] == p["fuse_router_topk"]["expected"] == 3
         # the layer inputs of layers 1-3 are those MLP-output fusions; the final norm's is K3's to fuse
         frn = p["fuse_residual_norm"]
         assert frn["expected"] == frn["matched"] == 1 and not frn["near_misses"], frn

@@ -26,14 +26,15 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import (fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, fuse_residual_norm, lower_decode_gemm,
-               overlap_shared_expert, shard_router_latent)
+from . import (fold_kda_gate, fold_moe_finalize, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
+               lower_decode_gemm, overlap_shared_expert, shard_router_latent)
 
 log = logging.getLogger("k3compile")
 
 PASSES = {
     p.name: p for p in (
         shard_router_latent.ShardRouterLatent(),
+        fuse_router_topk.FuseRouterTopk(),
         fold_moe_finalize.FoldMoeFinalize(),
         fuse_oproj_allreduce.FuseOprojAllreduce(),
         fuse_residual_norm.FuseResidualNorm(),

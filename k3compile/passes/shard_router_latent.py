@@ -8,11 +8,7 @@ Emits:
 (rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, in one GEMM, then one
 all-gather; the one rank whose rows straddle both weights keeps a copy of them, s x hidden, made on
 its first call: 8 MB per MoE layer at TP=8 (kernels/launch.rank_rows).)
-and, with options.fuse_topk, where the logits feed the K3 router's selection
-(`patterns.router`: sigmoid, + correction bias, topk, gather, renormalise, * scale):
-    ids, w = k3::router_topk(logits, bias, k, scale)      # one kernel instead of three or four
-A site whose selection differs still gets the sharded GEMM; the report's notes count the fused
-selections and say where the others stopped.
+The router's selection on those logits is the next pass's (fuse_router_topk).
 Skipped: TP = 1 (nothing is replicated across ranks), model dtype not in options.dtypes, TP size not
 in options.tp_sizes, static M outside the pass's batch range. On CUDA with Inductor, M outside its
 options.CUDA_PROFITABLE_M range (the profitability gate, base.gated_off; the reason is in the
@@ -22,9 +18,7 @@ router GEMM on the same input.
 from __future__ import annotations
 
 from ..ops import OPS
-from ..patterns.graph import (Fail, aten, describe, dtype, is_call, is_weight_like, match_linear, shape,
-                              weight_out_in)
-from ..patterns.router import match_router_topk
+from ..patterns.graph import Fail, aten, dtype, is_call, is_weight_like, match_linear, shape, weight_out_in
 from .base import K3Pass
 from .common import emit, getitem, last_of, replace
 
@@ -33,7 +27,7 @@ class ShardRouterLatent(K3Pass):
     name = "shard_router_latent"
     description = "replicated router + latent down-projection -> k3::router_latent_sharded (GEMM on 1/TP rows + all-gather)"
     pattern = "mm(x, W_r.T) and mm(x, W_down.T) on the same x, replicated weights, TP > 1 (per MoE layer)"
-    emits = "k3::router_latent_sharded, k3::router_topk"
+    emits = "k3::router_latent_sharded"
 
     def expected(self, info):
         return len(info.experts) if info.tp > 1 else 0
@@ -44,8 +38,7 @@ class ShardRouterLatent(K3Pass):
         return super().skip_reason(info, opts)
 
     def run(self, graph, info, opts, report):
-        topk_done, topk_miss = 0, []
-        for router, latent, topk in self.collect(info.experts, lambda e: self.match(e, info), report):
+        for router, latent in self.collect(info.experts, lambda e: self.match(e, info), report):
             wr = weight_out_in(graph, router, last_of(graph, [router.out, latent.out]))
             wd = weight_out_in(graph, latent, last_of(graph, [router.out, latent.out]))
             anchor = last_of(graph, [router.x, wr, wd])
@@ -55,19 +48,6 @@ class ShardRouterLatent(K3Pass):
             replace(graph, router.out, logits)
             replace(graph, latent.out, lat)
             report.matched += 1
-            if not opts.fuse_topk:
-                continue
-            if isinstance(topk, Fail):
-                topk_miss.append(f"{describe(topk.node)}: {topk.reason}")
-                continue
-            sel = emit(graph, logits, OPS["router_topk"], (logits, topk.bias, topk.k, topk.scale))
-            w = getitem(graph, sel, 1)
-            replace(graph, topk.ids, getitem(graph, sel, 0))
-            replace(graph, topk.weights, w)
-            topk_done += 1
-        if opts.fuse_topk and report.matched:
-            report.notes.append(f"router top-k selection fused (k3::router_topk) at {topk_done}/{report.matched} sites"
-                                + "".join(f"; not fused: {m}" for m in topk_miss[:3]))
 
     def match(self, e, info):
         lat = e.args[0]
@@ -92,4 +72,4 @@ class ShardRouterLatent(K3Pass):
         total = n_exp + shape(lat)[-1]
         if total % info.tp:
             return Fail(lat, f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
-        return router, latent, match_router_topk(router.out)
+        return router, latent

@@ -1,0 +1,77 @@
+"""fuse_router_topk: the K3 router's expert selection after its logits -> one k3::router_topk.
+
+Matches, once per MoE layer (anchored on each routed-expert op, walking back from its expert ids),
+at any TP size, on the router's logits however they were computed (`x @ W_r.T`, or the sharded
+GEMM + all-gather shard_router_latent emits):
+    scores = sigmoid(fp32(logits))                        # [N, E]
+    ids    = topk(scores + bias, k, dim=-1).indices       # bias: a 1-D parameter (noaux_tc)
+    w      = gather(scores, -1, ids)
+    w      = w / w.sum(-1, keepdim=True) (* scale)
+(`patterns.router.match_router_topk` checks the chain.)
+Emits:
+    ids, w = k3::router_topk(logits, bias, k, scale)
+On CUDA one Triton kernel (kernels/triton_router.py) instead of Inductor's sigmoid + add kernel,
+torch.topk's two (a radix select and a sort: 8.6 + 3.9 us at M=1, E=896 on an H200) and the
+renormalisation: 5.2-5.4 us at M = 1..64 (bench/router_bench.py, BENCHMARKS.md). Its reference is
+the chain above in PyTorch (ops/reference.router_topk), bit-identical on CPU.
+Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
+Inductor, M outside options.CUDA_PROFITABLE_M. Near-miss: expert ids that are not the indices of
+a topk over `sigmoid(logits) + bias` (say which step differs), or a selection that differs
+(softmax scores, the top-k values used, no renormalisation: match_router_topk's reason).
+"""
+from __future__ import annotations
+
+import operator
+
+from ..ops import OPS
+from ..patterns.graph import CONVERT_OPS, Fail, aten, describe, is_call, strip
+from ..patterns.router import match_router_topk
+from .base import K3Pass
+from .common import emit, getitem, replace
+
+
+def router_logits(ids):
+    """The logits node whose selection produced the expert ids `ids` (getitem 1 of a topk over
+    sigmoid(logits) + bias), or a Fail at the step where the chain differs."""
+    ids = strip(ids, converts=True)
+    if not (is_call(ids, operator.getitem) and ids.args[1] == 1 and is_call(ids.args[0], aten.topk.default)):
+        return Fail(ids, "the expert ids are not the indices of a topk")
+    tk = ids.args[0]
+    add = tk.args[0]
+    if not is_call(add, aten.add.Tensor):
+        return Fail(tk, "the topk is not over `scores + correction bias`")
+    sig = [a for a in add.args[:2] if is_call(strip(a), aten.sigmoid.default)]
+    if len(sig) != 1:
+        return Fail(add, "the biased scores are not `sigmoid(logits) + bias`")
+    x = strip(sig[0]).args[0]
+    while is_call(x) and x.target in CONVERT_OPS:
+        x = x.args[0]
+    return x
+
+
+class FuseRouterTopk(K3Pass):
+    name = "fuse_router_topk"
+    description = "the router's selection (sigmoid, + bias, topk, gather, renormalise) -> k3::router_topk"
+    pattern = "topk(sigmoid(fp32(logits)) + bias).indices -> the expert op; gather + w / w.sum (* scale) (per MoE layer)"
+    emits = "k3::router_topk"
+
+    def expected(self, info):
+        return len(info.experts)
+
+    def run(self, graph, info, opts, report):
+        for site in self.collect(info.experts, self.match, report):
+            sel = emit(graph, site.logits, OPS["router_topk"], (site.logits, site.bias, site.k, site.scale))
+            w = getitem(graph, sel, 1)
+            replace(graph, site.ids, getitem(graph, sel, 0))
+            replace(graph, site.weights, w)
+            report.matched += 1
+
+    @staticmethod
+    def match(e):
+        logits = router_logits(e.args[1])
+        if isinstance(logits, Fail):
+            return logits
+        site = match_router_topk(logits)
+        if not isinstance(site, Fail) and site.ids is not strip(e.args[1], converts=True):
+            return Fail(e, f"the expert ids do not come from the selection on {describe(logits)}")
+        return site
