@@ -61,6 +61,15 @@ for st in "$@"; do
     # choose.GEMV_TABLE's picks (tuned decode GEMM or cuBLAS) against cuBLAS, alternating, 3 repeats
     dispatch) step gemv_dispatch 240 python3 bench/gemv_bench.py --dispatch --ms ${K3_MS:-1,2,4,8,16} \
                 --out "$R/gemv_dispatch.json" ;;
+    # the TP=1 shapes of the world-1 layers (router, latent down and up, whole) through the MMA sweep
+    w1gemv) step gemv_w1 200 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
+              --shapes "w1 router,w1 latent,w1 latent_up" --out "$R/gemv_w1.json" ;;
+    # the all-reduce + residual + norm kernel's warps (K3_AR_WARPS; 0 = by width) at group sizes 2 and 8,
+    # one GPU with simulated peers: the layer-input op and the o-proj op
+    arwarps) for w in 0 16 32; do
+               step "arwarps$w" 120 env K3_AR_WARPS=$w python3 bench/comm_sim_bench.py --ops resnorm,oproj \
+                 --worlds 2,8 --ms ${K3_MS:-1,16} --blocks 3 --out "$R/arwarps$w.json"
+             done ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
