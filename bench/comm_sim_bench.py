@@ -10,9 +10,11 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
   k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
-  (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world:
-  k3 (until 9a1fa9c's run: each block row loaded just before its reduction) and k3_preload, the
-  first four together, launch.AR_PRELOAD, the default since)
+  k3_fat       (oproj, resnorm) the all-reduce + norm kernel before launch.AR_LEAN
+  k3_w16/_w32  (oproj, resnorm) that kernel with 16 / 32 warps (launch.AR_WARPS; default 8 at 7168)
+  k3_fat_w16   both
+  (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world;
+  the o-proj op with `--oproj-blocks` (default 0: a plain RMSNorm after the all-reduce))
 `--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
 
     python bench/comm_sim_bench.py [--worlds 2,8] [--ms 1,4,16,64] [--cold 8] [--ops oproj,tail,resnorm] [--out F]
@@ -29,8 +31,12 @@ from bench.common import GraphTimer, save, with_attrs  # noqa: E402
 
 VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
-# the layer-input op (resnorm): its AttnRes block rows loaded together or each before its reduction
-RESNORM_VARIANTS = {"k3": {"AR_PRELOAD": False}, "k3_preload": {"AR_PRELOAD": True}}
+# the all-reduce + norm kernel's register footprint and warps (both ops that run it: oproj, resnorm)
+AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32},
+               "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16}}
+# the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
+# AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
+RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}
 
 
 def main():
@@ -41,6 +47,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ops", default="oproj,tail", help="of oproj, tail, resnorm (the layer-input op)")
     ap.add_argument("--blocks", type=int, default=3, help="AttnRes blocks of the resnorm op")
+    ap.add_argument("--oproj-blocks", type=int, default=0, help="AttnRes blocks of the o-proj op's post-norm")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -58,13 +65,14 @@ def main():
         for M in (int(m) for m in a.ms.split(",")):
             for op in a.ops.split(","):
                 timers, errs = {}, {}
-                variants = RESNORM_VARIANTS if op == "resnorm" else VARIANTS if world > 1 else {"k3": {}}
+                base = VARIANTS if world > 1 else {"k3": {}}
+                variants = (RESNORM_VARIANTS if op == "resnorm" else {**base, **AR_VARIANTS} if op == "oproj" else base)
                 for name, values in variants.items():
                     if op == "resnorm":
                         run, ref, _ = simpeers.residual_norm_case(world, M, a.blocks, seed=M)
                         check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731
                     elif op == "oproj":
-                        run, ref, _ = simpeers.oproj_case(world, M, 0, seed=M, copies=a.cold)
+                        run, ref, _ = simpeers.oproj_case(world, M, a.oproj_blocks, seed=M, copies=a.cold)
                         check = lambda out: max(rel(x, y) for x, y in zip(out, ref))  # noqa: E731
                     else:
                         run, ref, _ = simpeers.tail_case(world, M, seed=M, copies=a.cold)

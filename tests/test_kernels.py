@@ -43,8 +43,9 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
     45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0) and
-    each block row loaded just before it is reduced (AR_PRELOAD=0); nb > 4: blocks past the four
-    preloaded ones."""
+    each block row loaded just before it is reduced (AR_PRELOAD=0), g, the AttnRes query and the
+    residual held in fp32 for the whole kernel (AR_LEAN=0); nb > 4: blocks past the four preloaded ones."""
+    monkeypatch.setattr(launch, "AR_LEAN", bool(vec))
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
     monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))

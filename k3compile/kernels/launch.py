@@ -35,6 +35,11 @@ COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
 # 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_AR_PRELOAD=0: the
 # kernel before (each block row loaded just before it is reduced).
 AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
+# AR_LEAN: the same kernel holds fewer fp32 rows in registers (triton_comm.ar_residual_norm_kernel's
+# LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype). ptxas
+# (sm_90a, 8 warps, 3 blocks): spills at group size 8 3.2 KB -> 0.7 KB per thread, at 2 108 -> 56 B.
+# K3_AR_LEAN=0: the kernel before. Measured: BENCHMARKS.md, seventeenth session.
+AR_LEAN = os.environ.get("K3_AR_LEAN", "1") == "1"
 
 
 def _comm() -> dict:
@@ -91,7 +96,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=AR_LEAN, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
     return upd, nrm
 
 

@@ -164,6 +164,13 @@ def _mix_source(src, mask, wmix, N, eps, m, s, acc, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _wmix(w_norm, w_qk, offs, mask):
+    """The AttnRes query w_norm * w_qk in fp32 (each source's logit is its RMS-normed row . this)."""
+    return tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _block_row(b, row, offs, mask, N):
     return tl.load(b + row * N + offs, mask=mask, other=0.0).to(tl.float32)
 
@@ -178,17 +185,26 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB: tl.constexpr,
+def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB: tl.constexpr,
             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-            PRELOAD: tl.constexpr = True):
+            PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True):
     """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
     state (running max, sum, weighted sum). Done before the barrier wait for a program's first row.
     PRELOAD: the first four block rows are loaded before the first of them is reduced (one memory
     latency instead of one per block: 0.2-2.1 us per call at decode, where one program holds the
-    whole row; the chain of reductions is most of the rest); the same values, bit for bit."""
-    r = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_RES:
-        r = tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    whole row; the chain of reductions is most of the rest); the same values, bit for bit.
+    LEAN (ar_residual_norm_kernel): the residual is returned in the model dtype and the AttnRes query
+    is loaded here (not held by the caller): fewer registers live across the barrier wait."""
+    if LEAN:
+        r = tl.zeros([BLOCK_N], DTYPE)
+        if HAS_RES:
+            r = tl.load(res + row * N + offs, mask=mask, other=0.0)
+        if HAS_NORM and NB > 0:
+            wmix = _wmix(w_norm, w_qk, offs, mask)
+    else:
+        r = tl.zeros([BLOCK_N], tl.float32)
+        if HAS_RES:
+            r = tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -234,12 +250,16 @@ def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, 
 
 
 @triton.jit
-def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, N, eps, NB: tl.constexpr,
-             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
+def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_qk, N, eps, NB: tl.constexpr,
+             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, LEAN: tl.constexpr = True):
     """The row's outputs from the all-reduced y and _ar_pre's state: upd = r + y, nrm = the post-norm
-    (the updated row is the last AttnRes source)."""
+    (the updated row is the last AttnRes source). LEAN: g and the AttnRes query are loaded here."""
     if HAS_RES:
-        y = (r + y).to(DTYPE).to(tl.float32)
+        y = (r.to(tl.float32) + y).to(DTYPE).to(tl.float32)
+    if LEAN and HAS_NORM:
+        gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        if NB > 0:
+            wmix = _wmix(w_norm, w_qk, offs, mask)
     tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
     if HAS_NORM:
         mixed = y
@@ -281,7 +301,7 @@ def ar_residual_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
-    PRELOAD: tl.constexpr = True,
+    PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -291,18 +311,20 @@ def ar_residual_norm_kernel(
     PUSHED (WORLD > 1): the push GEMM has already stored every rank's partial into this rank's
     buffer (slot p = rank p) and flagged them (int32 flags at byte FLAG_OFF of this rank's buffer,
     NT column tiles per rank): no copy, no barrier, no peer loads; `local` is unused.
-    VEC: _signal / _wait. PRELOAD: _ar_pre."""
+    VEC: _signal / _wait. PRELOAD: _ar_pre. LEAN: g and the AttnRes query w_norm * w_qk are loaded where
+    they are used (each row's _ar_pre and _ar_post) and the residual row is held in the model dtype,
+    instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
+    rows beside the 8 peer rows in flight spilled 3.3 KB per thread (ptxas, sm_90a, 8 warps)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
     gw = tl.zeros([BLOCK_N], tl.float32)
     wmix = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_NORM:
+    if HAS_NORM and not LEAN:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
         if NB > 0:
-            wmix = tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
-                tl.load(w_qk + offs, mask=mask, other=0.0).to(tl.float32)
+            wmix = _wmix(w_norm, w_qk, offs, mask)
     base = _half(epoch, HALF, WORLD)
     mine = local
     if WORLD > 1:
@@ -314,17 +336,19 @@ def ar_residual_norm_kernel(
     if WORLD > 1 and not EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
-    r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, N, eps, NB, HAS_NORM, HAS_RES,
-                           BLOCK_N, DTYPE, PRELOAD)
+    r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, w_norm, w_qk, N, eps, NB,
+                           HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN)
     if WORLD > 1 and EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
-    _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
+    _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, g, w_norm, w_qk, N, eps, NB, HAS_NORM, HAS_RES,
+             DTYPE, LEAN)
     for row in range(pid + npid, M, npid):
-        r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, N, eps, NB, HAS_NORM,
-                               HAS_RES, BLOCK_N, DTYPE, PRELOAD)
+        r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB,
+                               HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN)
         y = _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD, DTYPE, PUSHED)
-        _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, N, eps, NB, HAS_NORM, HAS_RES, DTYPE)
+        _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_qk, N, eps, NB, HAS_NORM, HAS_RES,
+                 DTYPE, LEAN)
     if WORLD > 1:
         _epoch_end(epoch)
 
