@@ -170,7 +170,7 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (8256, 7168): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/128/1/4/4"},  # MLA qkv_a, TP=2
     (9216, 1536): {1: None, 4: None, 16: None},                                               # MLA q_b, TP=2
     # TP=1 at TP=8 head widths (layer_bench --world 1): the router, latent down and latent up whole.
-    # Sweep at 9ec1c7c (bench/results/gemv_w1_h200_9ec1c7c.json, same rule): 1.09-1.11x, 1.05x at M=1
+    # Sweep at 331e9a6 (bench/results/gemv_w1_h200_331e9a6.json, same rule): 1.09-1.11x, 1.05x at M=1
     # (1.02x at 4 and 16: None), 1.13 / 1.14 / 1.03x
     (896, 7168): {1: "mmas 64/128/8/4/4", 4: "mmas 64/128/8/4/4", 16: "mmas 64/128/8/4/4"},   # router, TP=1
     (3584, 7168): {1: "mmas 64/128/4/4/4", 4: None, 16: None},                                # latent down, TP=1
