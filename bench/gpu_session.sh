@@ -70,6 +70,12 @@ for st in "$@"; do
                step "arwarps$w" 120 env K3_AR_WARPS=$w python3 bench/comm_sim_bench.py --ops resnorm,oproj \
                  --worlds 2,8 --ms ${K3_MS:-1,16} --blocks 3 --out "$R/arwarps$w.json"
              done ;;
+    # the all-reduce + norm kernel's LEAN form and warps (comm_sim_bench's AR_VARIANTS), both ops with 3
+    # AttnRes blocks, then its GPU tests (the reference at TP=1, simulated peers)
+    arlean) step ar_lean 150 python3 bench/comm_sim_bench.py --ops resnorm,oproj --worlds 1,2,8 --ms ${K3_MS:-1,16} \
+              --blocks 3 --oproj-blocks 3 --out "$R/ar_lean.json"
+            step ar_lean_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
+              -k "kernels_match_reference_tp1 or simulated_peers" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
