@@ -10,8 +10,10 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
   k3_before    both: the 45ff89b kernels
   gemm         the op's GEMM alone (torch.mm, cold)
-  k3_fat       (oproj, resnorm) the all-reduce + norm kernel before launch.AR_LEAN
-  k3_w16/_w32  (oproj, resnorm) that kernel with 16 / 32 warps (launch.AR_WARPS; default 8 at 7168)
+  k3_fat / k3_lean  (oproj, resnorm) the all-reduce + norm kernel without / with launch.AR_LEAN at
+               every group size (the default: by group size, launch._ar_form); until e6cb7a8 "k3" was lean
+  k3_w8/_w16/_w32  (oproj, resnorm) that kernel with 8 / 16 / 32 warps (launch.AR_WARPS; the default
+               by width, 16 at group size >= 8 and M=1)
   k3_fat_w16   both
   (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world;
   the o-proj op with `--oproj-blocks` (default 0: a plain RMSNorm after the all-reduce))
@@ -32,8 +34,8 @@ from bench.common import GraphTimer, save, with_attrs  # noqa: E402
 VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": False},
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
 # the all-reduce + norm kernel's register footprint and warps (both ops that run it: oproj, resnorm)
-AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32},
-               "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16}}
+AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w8": {"AR_WARPS": 8},
+               "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32}, "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16}}
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}

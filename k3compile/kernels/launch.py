@@ -35,11 +35,25 @@ COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
 # 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_AR_PRELOAD=0: the
 # kernel before (each block row loaded just before it is reduced).
 AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
-# AR_LEAN: the same kernel holds fewer fp32 rows in registers (triton_comm.ar_residual_norm_kernel's
-# LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype). ptxas
-# (sm_90a, 8 warps, 3 blocks): spills at group size 8 3.2 KB -> 0.7 KB per thread, at 2 108 -> 56 B.
-# K3_AR_LEAN=0: the kernel before. Measured: BENCHMARKS.md, seventeenth session.
-AR_LEAN = os.environ.get("K3_AR_LEAN", "1") == "1"
+# AR_LEAN: the same kernel holding fewer fp32 rows in registers (triton_comm.ar_residual_norm_kernel's
+# LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype); None = by
+# group size (_ar_form), True / False = always / never (K3_AR_LEAN=1 / 0). ptxas (sm_90a, 8 warps, 3
+# AttnRes blocks): spills per thread at group size 8 3.2 KB -> 0.7 KB, at 2 108 -> 56 bytes. One H200,
+# simulated peers, 3 blocks, e6cb7a8 (bench/comm_sim_bench.py AR_VARIANTS; BENCHMARKS.md, seventeenth
+# session), us, lean / not: group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
+# 38.3 / 37.9, 25.4 / 44.1; group size 2 and 1 it was 0.2-1.0 us slower (10.5 / 10.1, 7.3 / 6.6 at M=1).
+# AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
+# layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4).
+AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
+AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 16
+
+
+def _ar_form(world: int, M: int, block: int) -> tuple[bool, int]:
+    """(LEAN, num_warps) of ar_residual_norm_kernel for a group size, rows and row width (AR_LEAN)."""
+    lean = AR_LEAN if AR_LEAN is not None else world >= AR_LEAN_MIN_WORLD
+    if AR_WARPS:
+        return lean, AR_WARPS
+    return lean, AR_WARPS_M1 if world >= 8 and M == 1 and block == 8192 else _warps(block)
 
 
 def _comm() -> dict:
@@ -88,6 +102,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
     bs = list(blocks) + [upd] * (8 - len(blocks))
     BLOCK = triton.next_power_of_2(N)
+    lean, warps = _ar_form(peers.world if peers else 1, M, BLOCK)
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -96,7 +111,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=AR_LEAN, num_warps=AR_WARPS or _warps(BLOCK), **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, num_warps=warps, **_comm())
     return upd, nrm
 
 
