@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_layer_bench_smoke_runs_every_variant(tmp_path):
     """Every variant the GPU run times compiles and runs, and equals eager (Inductor rounds
-    differently); the ablation rows include the fused top-k and the CuTe experts (k3-cute)."""
+    differently); the ablation rows include the fused top-k (its own pass) and the CuTe experts (k3-cute)."""
     out = tmp_path / "smoke.json"
     env = dict(os.environ)
     env.pop("K3_CUTE", None)
@@ -19,10 +19,10 @@ def test_layer_bench_smoke_runs_every_variant(tmp_path):
                     str(out)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     row = json.loads(out.read_text())["rows"][0]
     errs = row["err_vs_eager"]
-    for name in ("k3", "k3all", "k3none", "k3-prefetch", "k3-topk", "k3-cute", "k3+fold_moe_finalize",
+    for name in ("k3", "k3all", "k3none", "k3-prefetch", "k3-fuse_router_topk", "k3-cute", "k3+fold_moe_finalize",
                  "k3-overlap_shared_expert"):
         assert errs[name] == 0.0, (name, errs)
-    assert row["reports"]["k3"]["fold_moe_finalize"][:2] == [1, 1]
+    assert row["reports"]["k3"]["fold_moe_finalize"][:2] == row["reports"]["k3"]["fuse_router_topk"][:2] == [1, 1]
 
 
 def test_bench_env_context_restores_values(monkeypatch):
