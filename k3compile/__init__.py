@@ -4,7 +4,12 @@
     model = torch.compile(model, backend="k3")       # no import of k3compile needed
     import k3compile; k3compile.backend(strict=True)  # a configured backend
 """
+import os as _os
+
 from .report import clear_reports, last_report, reports
+
+if _os.environ.get("K3_MLA_TRITON") == "1":   # the model's MLA decode on Triton (kernels/model_ops.py)
+    from .kernels import model_ops as _model_ops  # noqa: F401
 
 __version__ = "0.1.0"
 

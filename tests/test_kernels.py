@@ -633,6 +633,56 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt):
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
 
 
+def _mla_case(M, H, L, R, S, dt, lens, seed=0):
+    """Random queries, new tokens and a cache with NaN past each row's end (garbage that must not leak)."""
+    g = torch.Generator().manual_seed(seed)
+    ql, qr = torch.randn(M, H, L, generator=g).to(dt), torch.randn(M, H, R, generator=g).to(dt)
+    kv_new, cache = torch.randn(M, L + R, generator=g).to(dt), torch.randn(M, S, L + R, generator=g).to(dt)
+    for m, n in enumerate(lens):
+        cache[m, n + 1:] = float("nan")
+    return ql, qr, kv_new, cache, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("M,H,L,R,S,lens,dt", [
+    (1, 12, 32, 16, 100, [57], torch.float32),                 # 4 splits of 32, heads not a multiple of 16
+    (3, 20, 64, 16, 70, [0, 68, 33], torch.float32),           # an empty cache, a full one, two head blocks
+    (2, 16, 32, 16, 40, [5, 38], torch.float16),
+    (2, 4, 16, 16, 600, [599, 1], torch.float32),              # splits longer than a tile; most splits empty
+])
+def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt):
+    """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
+    output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
+    the same cache after the write, and nothing from the NaN slots past each row's end."""
+    from k3compile.model import attention_ops as A
+    ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
+    c1, c2 = cache.clone(), cache.clone()
+    ref = A.mla_decode_reference(ql, qr, kv_new, c1, sl, L ** -0.5)
+    assert launch.mla_decode_fits(ql, qr, kv_new, c2)
+    got = launch.mla_decode(ql, qr, kv_new, c2, sl, L ** -0.5)
+    assert got.dtype == ref.dtype and not got.isnan().any()
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < (1e-5 if dt == torch.float32 else 2e-3), err
+    assert torch.equal(c1.nan_to_num(7.0), c2.nan_to_num(7.0))
+
+
+def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
+    """kernels/model_ops.mla_decode (the op's CUDA kernel under K3_MLA_TRITON=1), run here on CPU
+    tensors: shapes the Triton kernel cannot take (L not a power of two) run the reference; a full
+    cache raises the op's error on either path."""
+    from k3compile.kernels import model_ops
+    from k3compile.model import attention_ops as A
+    ql, qr, kv_new, cache, sl = _mla_case(2, 3, 24, 16, 20, torch.float32, [4, 7])
+    assert not launch.mla_decode_fits(ql, qr, kv_new, cache)
+    c1, c2 = cache.clone(), cache.clone()
+    torch.testing.assert_close(model_ops.mla_decode(ql, qr, kv_new, c1, sl, 0.2),
+                               A.mla_decode_reference(ql, qr, kv_new, c2, sl, 0.2), rtol=0, atol=0)
+    ql, qr, kv_new, cache, sl = _mla_case(1, 4, 16, 16, 8, torch.float32, [7])
+    with pytest.raises(ValueError, match="kv_cache is full"):
+        model_ops.mla_decode(ql, qr, kv_new, cache, torch.tensor([8]), 0.2)
+    got = model_ops.mla_decode(ql, qr, kv_new, cache.clone(), sl, 0.2)   # the last free slot: Triton
+    torch.testing.assert_close(got, A.mla_decode_reference(ql, qr, kv_new, cache.clone(), sl, 0.2))
+
+
 def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value():
     """The packed (score, index) key: biased scores below zero order as floats do (the sign trick),
     equal scores go to the lower expert index, and a NaN logit is selected first, as torch.topk

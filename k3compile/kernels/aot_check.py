@@ -16,6 +16,7 @@ from . import triton_comm as K
 from . import triton_moe as KM
 from . import triton_gemv as KG
 from . import triton_router as KR
+from . import triton_mla as KA
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -94,6 +95,11 @@ def variants():
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
                         dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
+    mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
+               out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
+               scm="i32", scs="i32", som="i32", soh="i32")
+    out.append(("mla_split L512", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0)))
+    out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))
@@ -123,7 +129,8 @@ def variants():
 
 # PTX each kernel family must contain: the barrier's system-scope CAS, the bulk L2 prefetch
 SEQ_PTX = ["sys.release.exch", "sys.acquire"]  # posted system-scope signal, acquiring spin (ld or atom)
-EXPECT = {"ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2": SEQ_PTX,
+EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
+          "ar_residual_norm w2": SEQ_PTX, "latent_tail w2": SEQ_PTX, "gather w2": SEQ_PTX,
           "cas ar_residual_norm w2": ["atom.global.release.sys.cas", "atom.global.acquire.sys.cas"],
           "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
@@ -151,7 +158,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
 QUICK = ("ar_residual_norm w2 nb3 res1", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
-         "gemv pdl", "mma_gemm")
+         "gemv pdl", "mma_gemm", "mla_")
 
 
 def main(argv=None) -> int:

@@ -419,6 +419,50 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     return ids, w
 
 
+MLA_BH, MLA_BS, MLA_PROGRAMS = 16, 32, 132   # heads per program, cache rows per tile, programs aimed at
+
+
+def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
+    """Shapes the Triton MLA decode takes: [M, H, L] / [M, H, R] queries, an [M, S, L + R] cache with
+    unit stride along its last dim, L and R powers of two >= 16, float dtypes."""
+    if q_lat.dim() != 3 or q_rope.dim() != 3 or kv_cache.dim() != 3 or kv_new.dim() != 2:
+        return False
+    L, R = q_lat.shape[-1], q_rope.shape[-1]
+    pow2 = lambda v: v >= 16 and v & (v - 1) == 0  # noqa: E731
+    return (pow2(L) and pow2(R) and kv_cache.shape[-1] == L + R and kv_cache.stride(-1) == 1
+            and q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1
+            and kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
+    """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m],
+    then attention of the M x H queries over positions 0..seq_lens[m] of their row; o [M, H, L] in
+    q_lat's dtype. The caller validated the shapes (attention_ops._validate_mla) and mla_decode_fits."""
+    from . import triton_mla as KA
+    M, H, L = q_lat.shape
+    R, S = q_rope.shape[-1], kv_cache.shape[1]
+    out = torch.empty(M, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if M == 0:
+        return out
+    lens = seq_lens.to(device=kv_cache.device, dtype=torch.long)
+    kv_cache[torch.arange(M, device=kv_cache.device), lens] = kv_new.to(kv_cache.dtype)
+    hb = triton.cdiv(H, MLA_BH)
+    # splits of the cache capacity (the lengths are not known on the host under a CUDA graph):
+    # about MLA_PROGRAMS programs, each at least one tile; a split past its row's length exits at once
+    ch = max(MLA_BS, triton.next_power_of_2(triton.cdiv(S, max(1, MLA_PROGRAMS // (M * hb)))))
+    ns = triton.cdiv(S, ch)
+    part_o = torch.empty(M, H, ns, L, dtype=torch.float32, device=q_lat.device)
+    part_ml = torch.empty(M, H, ns, 2, dtype=torch.float32, device=q_lat.device)
+    KA.mla_split_kernel[(M, hb, ns)](q_lat, q_rope, kv_cache, lens, part_o, part_ml, H, S, ch, ns, float(scale),
+                                     q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+                                     kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH, BS=MLA_BS,
+                                     IEEE=kv_cache.dtype == torch.float32, num_warps=4)
+    KA.mla_combine_kernel[(M, H)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
+                                  BNS=min(16, triton.next_power_of_2(ns)), num_warps=4)
+    return out
+
+
 def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
     residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""

@@ -1,0 +1,99 @@
+"""Triton MLA decode attention over the latent KV cache (the `k3model::mla_decode` op's CUDA path).
+
+The op's reference (model/attention_ops._mla_core) writes the new token's latent + rope key into
+the cache, then attends in fp32 over the whole cache slice it needs: it casts the slice to fp32,
+zeroes the slots past each sequence, and runs two batched GEMMs and a softmax on them. On an H200
+that is most of an MLA layer's attention time at decode (one MLA step at TP=8 widths, context 1024:
+the cache copies, the masked fill, the fp32 bmm's and the softmax, about 40 us of kernels for a
+1.2 MB cache row; bench/layer_bench.py --attribute, BENCHMARKS.md, seventeenth session).
+
+Here (flash-decoding): `mla_split_kernel`, grid (M, head blocks of BH, splits of the cache), reads
+each [BS, L + R] cache tile once for BH heads (the latent cache is shared by every head), computes
+scores = (q_lat . c + q_rope . k_rope) * scale on the tensor cores with fp32 accumulation, keeps an
+online softmax (running max, sum) and o = p @ c for its split, and stores them; `mla_combine_kernel`,
+grid (M, H), rescales the splits' partials to one max and writes o in the query dtype. Positions
+past a sequence (s > seq_lens[m]) are never read: their scores are -inf and their values masked to
+0, as the reference does. A split past the sequence stores an empty partial (max -inf, sum 0).
+The softmax weights are rounded to the cache dtype for the p @ c product (as flash attention does);
+the reference keeps them in fp32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mla_split_kernel(q_lat, q_rope, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
+                     sqm, sqh, srm, srh, scm, scs,
+                     L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """Program (m, hb, sp): heads [hb*BH, +BH) of row m over cache positions [sp*CH, +CH) that are
+    <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum)."""
+    m = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens + m).to(tl.int32) + 1              # positions 0 .. seq_lens[m] (the new token)
+    h = hb * BH + tl.arange(0, BH)
+    hm = h < H
+    ol = tl.arange(0, L)
+    orr = tl.arange(0, R)
+    dt = cache.dtype.element_ty
+    ql = tl.load(q_lat + m * sqm + h[:, None] * sqh + ol[None, :], mask=hm[:, None], other=0.0).to(dt)
+    qr = tl.load(q_rope + m * srm + h[:, None] * srh + orr[None, :], mask=hm[:, None], other=0.0).to(dt)
+    mi = tl.full([BH], float("-inf"), tl.float32)
+    li = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, L], tl.float32)
+    s0 = sp * CH
+    s_end = tl.minimum(s0 + CH, tl.minimum(n, S))
+    row = cache + m * scm
+    for s in range(s0, s_end, BS):
+        os_ = s + tl.arange(0, BS)
+        sm = os_ < s_end
+        c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=sm[:, None], other=0.0)
+        kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=sm[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        else:
+            sc = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+        sc = tl.where(sm[None, :], sc * scale, float("-inf"))
+        mnew = tl.maximum(mi, tl.max(sc, axis=1))      # finite: the tile's first position is < s_end
+        alpha = tl.exp(mi - mnew)
+        p = tl.exp(sc - mnew[:, None])
+        li = li * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(dt), c, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(dt), c)
+        acc = acc * alpha[:, None] + pv
+        mi = mnew
+    base = (m * H + h) * NS + sp
+    tl.store(part_o + base[:, None] * L + ol[None, :], acc, mask=hm[:, None])
+    tl.store(part_ml + base * 2, mi, mask=hm)
+    tl.store(part_ml + base * 2 + 1, li, mask=hm)
+
+
+@triton.jit
+def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, BNS: tl.constexpr):
+    """Program (m, h): o = sum_i exp(max_i - max) o_i / sum_i exp(max_i - max) sum_i over the
+    splits (empty ones, max -inf, weigh 0), in out's dtype."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (m * H + h) * NS
+    ol = tl.arange(0, L)
+    gm = tl.full([BNS], float("-inf"), tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
+    top = tl.max(gm, axis=0)
+    den = tl.zeros([BNS], tl.float32)
+    acc = tl.zeros([L], tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        km = k < NS
+        mk = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
+        w = tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0)
+        den += w * tl.load(part_ml + (base + k) * 2 + 1, mask=km, other=0.0)
+        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    tl.store(out + m * som + h * soh + ol, (acc / tl.sum(den, axis=0)).to(out.dtype.element_ty))
