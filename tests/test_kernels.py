@@ -649,11 +649,13 @@ def _mla_case(M, H, L, R, S, dt, lens, seed=0):
     (2, 16, 32, 16, 40, [5, 38], torch.float16),
     (2, 4, 16, 16, 600, [599, 1], torch.float32),              # splits longer than a tile; most splits empty
 ])
-def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt):
+def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, monkeypatch):
     """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
     output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
-    the same cache after the write, and nothing from the NaN slots past each row's end."""
+    the same cache after the write, and nothing from the NaN slots past each row's end. Splits as
+    short as one tile (MLA_MIN_CH=32), so that these small caches take several."""
     from k3compile.model import attention_ops as A
+    monkeypatch.setattr(launch, "MLA_MIN_CH", 32)
     ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
     c1, c2 = cache.clone(), cache.clone()
     ref = A.mla_decode_reference(ql, qr, kv_new, c1, sl, L ** -0.5)

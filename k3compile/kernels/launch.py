@@ -419,7 +419,10 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     return ids, w
 
 
-MLA_BH, MLA_BS, MLA_PROGRAMS = 16, 32, 132   # heads per program, cache rows per tile, programs aimed at
+# heads per program, cache rows per tile, programs aimed at, fewest cache rows per split (a split's
+# fp32 partial, H x L, costs as much to write and combine as 2 x H / (L + R) of its rows cost to read:
+# at 12 heads and a 1025-row context, splits of 32 rows would write 0.8 MB of partials for 1.2 MB of cache)
+MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH = 16, 32, 132, 128
 
 
 def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
@@ -450,7 +453,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     hb = triton.cdiv(H, MLA_BH)
     # splits of the cache capacity (the lengths are not known on the host under a CUDA graph):
     # about MLA_PROGRAMS programs, each at least one tile; a split past its row's length exits at once
-    ch = max(MLA_BS, triton.next_power_of_2(triton.cdiv(S, max(1, MLA_PROGRAMS // (M * hb)))))
+    ch = max(MLA_MIN_CH, MLA_BS, triton.next_power_of_2(triton.cdiv(S, max(1, MLA_PROGRAMS // (M * hb)))))
     ns = triton.cdiv(S, ch)
     part_o = torch.empty(M, H, ns, L, dtype=torch.float32, device=q_lat.device)
     part_ml = torch.empty(M, H, ns, 2, dtype=torch.float32, device=q_lat.device)
