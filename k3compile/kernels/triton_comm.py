@@ -314,7 +314,7 @@ def ar_residual_norm_kernel(
     VEC: _signal / _wait. PRELOAD: _ar_pre. LEAN: g and the AttnRes query w_norm * w_qk are loaded where
     they are used (each row's _ar_pre and _ar_post) and the residual row is held in the model dtype,
     instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
-    rows beside the 8 peer rows in flight spilled 3.3 KB per thread (ptxas, sm_90a, 8 warps)."""
+    rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
