@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 
 from ..ops import OPS
-from ..patterns.graph import CONVERT_OPS, Fail, aten, describe, is_call, strip
+from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_converts
 from ..patterns.router import match_router_topk
 from .base import K3Pass
 from .common import emit, getitem, replace
@@ -43,10 +43,7 @@ def router_logits(ids):
     sig = [a for a in add.args[:2] if is_call(strip(a), aten.sigmoid.default)]
     if len(sig) != 1:
         return Fail(add, "the biased scores are not `sigmoid(logits) + bias`")
-    x = strip(sig[0]).args[0]
-    while is_call(x) and x.target in CONVERT_OPS:
-        x = x.args[0]
-    return x
+    return strip_converts(strip(sig[0]).args[0])
 
 
 class FuseRouterTopk(K3Pass):
