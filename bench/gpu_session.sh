@@ -76,11 +76,11 @@ for st in "$@"; do
               --blocks 3 --oproj-blocks 3 --out "$R/ar_lean.json"
             step ar_lean_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
               -k "kernels_match_reference_tp1 or simulated_peers" ;;
-    # the Triton MLA decode (K3_MLA_TRITON=1, kernels/model_ops.py): its GPU test, then the MLA layer at
-    # TP=8 widths on one GPU with it in every mode (compare with an mla1 step of the same call)
-    mlatri) step mla_triton_tests 200 env K3_MLA_TRITON=1 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k mla_decode
-            step layer_mla_tp8_w1_triton 300 env K3_MLA_TRITON=1 $LB --world 1 --layer mla --shapes tp8 \
-              --out "$R/layer_mla_tp8_w1_triton.json" ;;
+    # the MLA layer at TP=8 widths on one GPU with the op's PyTorch reference in every mode instead of the
+    # Triton MLA decode (K3_MLA_TRITON=0; compare with an mla1 step of the same call), after its GPU test
+    mlaref) step mla_triton_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k mla_decode
+            step layer_mla_tp8_w1_ref 300 env K3_MLA_TRITON=0 $LB --world 1 --layer mla --shapes tp8 \
+              --out "$R/layer_mla_tp8_w1_ref.json" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)

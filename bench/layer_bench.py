@@ -6,8 +6,8 @@ blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens, and ti
 step of that layer, CUDA-graphed, for:
   eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
               kernel, the model's KDA decode op: fla-core's kernel where importable, else PyTorch;
-              the result's `kda_decode` says which; the MLA decode op: its PyTorch reference, or with
-              K3_MLA_TRITON=1 the Triton kernel of kernels/model_ops.py, `mla_decode` says which)
+              the result's `kda_decode` says which; the MLA decode op: the Triton kernel of
+              kernels/model_ops.py, or with K3_MLA_TRITON=0 its PyTorch reference; `mla_decode` says which)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3"), default options: the passes the profitability gate
               (options.CUDA_PROFITABLE_M) applies at this M
@@ -251,7 +251,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     from k3compile.model import attention_ops
     kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops._fla_fused_recurrent_kda()
                   else "PyTorch reference recurrence")  # what every mode's KDA decode op ran
-    from k3compile.kernels import model_ops   # K3_MLA_TRITON=1: every mode's MLA decode op on Triton
+    from k3compile.kernels import model_ops   # every mode's MLA decode op on Triton unless K3_MLA_TRITON=0
     mla_decode = ("Triton (kernels/triton_mla.py)" if dev.type == "cuda" and model_ops._DONE
                   else "PyTorch reference (attention_ops._mla_core)")
     return dict(rows=rows, ablation_base="k3-prefetch", hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),

@@ -8,7 +8,7 @@ import os as _os
 
 from .report import clear_reports, last_report, reports
 
-if _os.environ.get("K3_MLA_TRITON") == "1":   # the model's MLA decode on Triton (kernels/model_ops.py)
+if _os.environ.get("K3_MLA_TRITON", "1") != "0":   # the model's MLA decode on Triton (kernels/model_ops.py)
     from .kernels import model_ops as _model_ops  # noqa: F401
 
 __version__ = "0.1.0"

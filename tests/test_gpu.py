@@ -339,7 +339,7 @@ def test_gemv_matches_matmul_bf16_graphed(N, K):
 
 @pytest.mark.parametrize("M, H", [(1, 12), (4, 12), (2, 48)])
 def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
-    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel under K3_MLA_TRITON=1)
+    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_MLA_TRITON=0)
     at K3's latent widths (L 512, rope 64), bf16, a 1032-slot cache with NaN past each row's end:
     eagerly against the op's reference (2e-2 relative: bf16 and the softmax weights rounded to bf16),
     then captured in a CUDA graph and replayed with new queries and lengths, the cache written at each

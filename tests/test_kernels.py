@@ -668,7 +668,7 @@ def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, monkeypatc
 
 
 def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
-    """kernels/model_ops.mla_decode (the op's CUDA kernel under K3_MLA_TRITON=1), run here on CPU
+    """kernels/model_ops.mla_decode (the op's CUDA kernel unless K3_MLA_TRITON=0), run here on CPU
     tensors: shapes the Triton kernel cannot take (L not a power of two) run the reference; a full
     cache raises the op's error on either path."""
     from k3compile.kernels import model_ops
@@ -683,6 +683,23 @@ def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
         model_ops.mla_decode(ql, qr, kv_new, cache, torch.tensor([8]), 0.2)
     got = model_ops.mla_decode(ql, qr, kv_new, cache.clone(), sl, 0.2)   # the last free slot: Triton
     torch.testing.assert_close(got, A.mla_decode_reference(ql, qr, kv_new, cache.clone(), sl, 0.2))
+
+
+@pytest.mark.parametrize("env, registered", [(None, True), ("0", False), ("1", True)])
+def test_importing_k3compile_registers_the_mla_decode_cuda_kernel_unless_disabled(env, registered):
+    """`import k3compile` registers kernels/model_ops.mla_decode as k3model::mla_decode's CUDA kernel
+    (the default); K3_MLA_TRITON=0 leaves the op's reference on every device. A fresh interpreter each:
+    the registration happens once per process."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, k3compile; from k3compile.model import attention_ops; "
+            "print(torch._C._dispatch_has_kernel_for_dispatch_key('k3model::mla_decode', 'CUDA'))")
+    e = {k: v for k, v in os.environ.items() if k != "K3_MLA_TRITON"}
+    if env is not None:
+        e["K3_MLA_TRITON"] = env
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == str(registered), out.stdout + out.stderr
 
 
 def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value():
