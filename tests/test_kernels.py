@@ -38,14 +38,18 @@ def _weights(N, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("world,rank,nb,M,programs,vec", [
     (1, 0, 0, 3, 0, 1), (1, 0, 2, 2, 0, 1), (2, 1, 0, 3, 0, 1), (2, 0, 3, 2, 0, 1), (4, 2, 1, 1, 0, 1), (2, 1, 3, 5, 2, 1),
-    (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1), (1, 0, 6, 2, 0, 1), (2, 1, 5, 2, 0, 0)])
+    (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1), (1, 0, 6, 2, 0, 1), (2, 1, 5, 2, 0, 0),
+    (1, 0, 3, 1, 0, 1), (1, 0, 4, 2, 0, 1), (1, 0, 8, 1, 0, 1), (2, 0, 8, 1, 0, 1), (1, 0, 3, 2, 0, 0)])
 def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
     45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0) and
     each block row loaded just before it is reduced (AR_PRELOAD=0), g, the AttnRes query and the
-    residual held in fp32 for the whole kernel (AR_LEAN=0); nb > 4: blocks past the four preloaded ones."""
+    residual held in fp32 for the whole kernel (AR_LEAN=0), the AttnRes sources one by one (AR_JOINT=0);
+    nb > 4: blocks past the four preloaded ones (a second group of four with AR_JOINT; at world 1 the
+    updated row joins a group, or comes after full groups at nb = 4 and 8)."""
     monkeypatch.setattr(launch, "AR_LEAN", bool(vec))
+    monkeypatch.setattr(launch, "AR_JOINT", bool(vec))
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
     monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))
@@ -237,7 +241,7 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("world,rank,M,programs,vec", [(1, 0, 3, 0, 1), (2, 1, 2, 0, 1), (4, 3, 5, 0, 1), (2, 0, 5, 2, 1),
+@pytest.mark.parametrize("world,rank,M,programs,vec", [(1, 0, 3, 0, 1), (1, 0, 5, 2, 1), (2, 1, 2, 0, 1), (4, 3, 5, 0, 1), (2, 0, 5, 2, 1),
                                                        (4, 3, 5, 0, 0), (8, 5, 3, 2, 1)])
 def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows; vec=0: the 45ff89b order (launch.COMM_VEC=0, the
@@ -254,6 +258,8 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
     w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
     sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
     progs = programs or M
+    if programs and not sim:
+        monkeypatch.setattr(launch, "MAX_PROGRAMS", programs)   # TP=1: a program's rows in a loop
     if sim:
         sim.peers.programs = progs
         for p in range(world):  # the peers' finalized partials, written by their own kernels

@@ -72,10 +72,15 @@ def variants():
                 dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
     # seven blocks (four loaded together, launch.AR_PRELOAD), and each block row loaded just before its
     # reduction (K3_AR_PRELOAD=0)
-    for nb, pre in ((7, 1), (3, 0)):
+    for nb, pre in ((7, 1), (3, 0), (8, 1)):
         out.append((f"preload{pre} ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=8, NB=nb, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PRELOAD=pre)))
+    # the AttnRes sources one after another (K3_AR_JOINT=0), at group sizes 1 and 8
+    for world in (1, 8):
+        out.append((f"seq ar_residual_norm w{world} nb3", K.ar_residual_norm_kernel, ints,
+                    dict(RANK=0, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
+                         JOINT=0)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))

@@ -45,6 +45,10 @@ AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 # AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
 # layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4).
 AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
+# AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
+# their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
+# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). K3_AR_JOINT=0: one source after another.
+AR_JOINT = os.environ.get("K3_AR_JOINT", "1") == "1"
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 16
 
 
@@ -111,7 +115,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, num_warps=warps, **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=AR_JOINT, num_warps=warps, **_comm())
     return upd, nrm
 
 
@@ -123,7 +127,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
     dt = y.dtype
     ln = torch.empty(M, L, dtype=dt, device=y.device)
     out = torch.empty_like(shared_partial)
-    local = torch.empty(M, L, dtype=dt, device=y.device) if peers is None else ln
+    local = ln   # unread (the kernel's WORLD == 1 path norms from registers)
     BLOCK = triton.next_power_of_2(L)
     K.latent_tail_kernel[(_programs(M, peers),)](
         y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local,

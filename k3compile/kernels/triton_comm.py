@@ -164,6 +164,43 @@ def _mix_source(src, mask, wmix, N, eps, m, s, acc, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _mix4(x0, x1, x2, x3, V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, wmix, N, eps,
+          m, s, acc, DTYPE: tl.constexpr):
+    """Up to four AttnRes sources (those with V* set) into the softmax state (max, sum, weighted acc)
+    at once: their sums of squares in one reduction, their logits in a second (one pass of the
+    block's shared-memory exchange each, where _mix_source one after another takes two per source).
+    The same per-source math as _mix_source (each RMS-normed row rounded to the model dtype, dotted with
+    the query); the softmax sums in another order (the reference's torch.softmax is no online one
+    either). Masked lanes must be zero in every x."""
+    q0, q1, q2, q3 = tl.reduce((x0 * x0, x1 * x1, x2 * x2, x3 * x3), 0, _add4)
+    l0, l1, l2, l3 = tl.reduce(((x0 * (1.0 / tl.sqrt(q0 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
+                                (x1 * (1.0 / tl.sqrt(q1 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
+                                (x2 * (1.0 / tl.sqrt(q2 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
+                                (x3 * (1.0 / tl.sqrt(q3 / N + eps))).to(DTYPE).to(tl.float32) * wmix), 0, _add4)
+    ninf = float("-inf")
+    if not V0:
+        l0 = ninf
+    if not V1:
+        l1 = ninf
+    if not V2:
+        l2 = ninf
+    if not V3:
+        l3 = ninf
+    m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
+    scale = tl.exp(m - m_new)
+    e0 = tl.exp(l0 - m_new)
+    e1 = tl.exp(l1 - m_new)
+    e2 = tl.exp(l2 - m_new)
+    e3 = tl.exp(l3 - m_new)
+    return m_new, s * scale + ((e0 + e1) + (e2 + e3)), acc * scale + ((e0 * x0 + e1 * x1) + (e2 * x2 + e3 * x3))
+
+
+@triton.jit
 def _wmix(w_norm, w_qk, offs, mask):
     """The AttnRes query w_norm * w_qk in fp32 (each source's logit is its RMS-normed row . this)."""
     return tl.load(w_norm + offs, mask=mask, other=0.0).to(tl.float32) * \
@@ -173,6 +210,16 @@ def _wmix(w_norm, w_qk, offs, mask):
 @triton.jit
 def _block_row(b, row, offs, mask, N):
     return tl.load(b + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _src_row(b, I: tl.constexpr, NB: tl.constexpr, row, offs, mask, N, BLOCK_N: tl.constexpr):
+    """Block I's row (fp32), or zeros where there is no block I."""
+    if I < NB:
+        x = _block_row(b, row, offs, mask, N)
+    else:
+        x = tl.zeros([BLOCK_N], tl.float32)
+    return x
 
 
 @triton.jit
@@ -187,14 +234,15 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 @triton.jit
 def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB: tl.constexpr,
             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-            PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True):
+            PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = False):
     """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
     state (running max, sum, weighted sum). Done before the barrier wait for a program's first row.
     PRELOAD: the first four block rows are loaded before the first of them is reduced (one memory
     latency instead of one per block: 0.2-2.1 us per call at decode, where one program holds the
     whole row; the chain of reductions is most of the rest); the same values, bit for bit.
     LEAN (ar_residual_norm_kernel): the residual is returned in the model dtype and the AttnRes query
-    is loaded here (not held by the caller): fewer registers live across the barrier wait."""
+    is loaded here (not held by the caller): fewer registers live across the barrier wait.
+    JOINT: the blocks four at a time through _mix4 (two reductions per four blocks, not two per block)."""
     if LEAN:
         r = tl.zeros([BLOCK_N], DTYPE)
         if HAS_RES:
@@ -208,7 +256,17 @@ def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, 
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if HAS_NORM:
+    if HAS_NORM and JOINT and NB > 0:
+        m, s, acc = _mix4(_src_row(b0, 0, NB, row, offs, mask, N, BLOCK_N), _src_row(b1, 1, NB, row, offs, mask, N, BLOCK_N),
+                          _src_row(b2, 2, NB, row, offs, mask, N, BLOCK_N), _src_row(b3, 3, NB, row, offs, mask, N, BLOCK_N),
+                          NB > 0, NB > 1, NB > 2, NB > 3, wmix, N, eps, m, s, acc, DTYPE)
+        if NB > 4:
+            m, s, acc = _mix4(_src_row(b4, 4, NB, row, offs, mask, N, BLOCK_N),
+                              _src_row(b5, 5, NB, row, offs, mask, N, BLOCK_N),
+                              _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N),
+                              _src_row(b7, 7, NB, row, offs, mask, N, BLOCK_N),
+                              NB > 4, NB > 5, NB > 6, NB > 7, wmix, N, eps, m, s, acc, DTYPE)
+    elif HAS_NORM:
         x0 = tl.zeros([BLOCK_N], tl.float32)
         x1 = tl.zeros([BLOCK_N], tl.float32)
         x2 = tl.zeros([BLOCK_N], tl.float32)
@@ -294,6 +352,50 @@ def _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK: tl.constexpr, WORLD: tl
 
 
 @triton.jit
+def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
+               NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+               DTYPE: tl.constexpr):
+    """One row at WORLD == 1 with JOINT: the same outputs as _ar_pre + _ar_row_sum + _ar_post, but the
+    updated row (no peers to wait for) joins the blocks' _mix4 groups: with up to 3 blocks, 3
+    reductions in all (sums of squares, logits, the post-norm) instead of 2 * (NB + 1) + 1."""
+    y = tl.load(local + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
+    tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
+    if HAS_NORM:
+        gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        mixed = y
+        if NB > 0:
+            wmix = _wmix(w_norm, w_qk, offs, mask)
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            if NB < 4:
+                m, s, acc = _mix4(_src_row(b0, 0, NB, row, offs, mask, N, BLOCK_N),
+                                  _src_row(b1, 1, NB, row, offs, mask, N, BLOCK_N),
+                                  _src_row(b2, 2, NB, row, offs, mask, N, BLOCK_N), y,
+                                  NB > 0, NB > 1, NB > 2, True, wmix, N, eps, m, s, acc, DTYPE)
+            else:
+                m, s, acc = _mix4(_block_row(b0, row, offs, mask, N), _block_row(b1, row, offs, mask, N),
+                                  _block_row(b2, row, offs, mask, N), _block_row(b3, row, offs, mask, N),
+                                  True, True, True, True, wmix, N, eps, m, s, acc, DTYPE)
+                if NB == 4 or NB == 8:
+                    if NB == 8:
+                        m, s, acc = _mix4(_block_row(b4, row, offs, mask, N), _block_row(b5, row, offs, mask, N),
+                                          _block_row(b6, row, offs, mask, N), _block_row(b7, row, offs, mask, N),
+                                          True, True, True, True, wmix, N, eps, m, s, acc, DTYPE)
+                    m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
+                else:
+                    m, s, acc = _mix4(_src_row(b4, 4, NB, row, offs, mask, N, BLOCK_N),
+                                      _src_row(b5, 5, NB, row, offs, mask, N, BLOCK_N),
+                                      _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N), y,
+                                      NB > 4, NB > 5, NB > 6, True, wmix, N, eps, m, s, acc, DTYPE)
+            mixed = (acc / s).to(DTYPE).to(tl.float32)
+        out = _rms(mixed, mask, N, eps) * gw
+        tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
+
+
+@triton.jit
 def ar_residual_norm_kernel(
     ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk,
     b0, b1, b2, b3, b4, b5, b6, b7,
@@ -301,7 +403,7 @@ def ar_residual_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
-    PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True,
+    PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -314,11 +416,30 @@ def ar_residual_norm_kernel(
     VEC: _signal / _wait. PRELOAD: _ar_pre. LEAN: g and the AttnRes query w_norm * w_qk are loaded where
     they are used (each row's _ar_pre and _ar_post) and the residual row is held in the model dtype,
     instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
-    rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps)."""
+    rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps).
+    JOINT: the AttnRes blocks' reductions four blocks at a time (_mix4); at WORLD == 1 the updated row
+    joins them (_ar_row_w1)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
+    if WORLD == 1 and JOINT:
+        for row in range(pid, M, npid):
+            _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
+                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE)
+    else:
+        _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0, b1, b2, b3, b4, b5, b6, b7,
+                 M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK, WORLD, NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE,
+                 SEQ, PUSHED, EARLY, VEC, PRELOAD, LEAN, JOINT)
+
+
+@triton.jit
+def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0, b1, b2, b3, b4, b5, b6, b7,
+             M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
+             NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+             DTYPE: tl.constexpr, SEQ: tl.constexpr, PUSHED: tl.constexpr, EARLY: tl.constexpr, VEC: tl.constexpr,
+             PRELOAD: tl.constexpr, LEAN: tl.constexpr, JOINT: tl.constexpr):
+    """ar_residual_norm_kernel's program: copy + barrier (WORLD > 1), then its rows."""
     gw = tl.zeros([BLOCK_N], tl.float32)
     wmix = tl.zeros([BLOCK_N], tl.float32)
     if HAS_NORM and not LEAN:
@@ -337,7 +458,7 @@ def ar_residual_norm_kernel(
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
     r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, w_norm, w_qk, N, eps, NB,
-                           HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN)
+                           HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT)
     if WORLD > 1 and EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
@@ -345,7 +466,7 @@ def ar_residual_norm_kernel(
              DTYPE, LEAN)
     for row in range(pid + npid, M, npid):
         r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB,
-                               HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN)
+                               HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT)
         y = _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD, DTYPE, PUSHED)
         _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_qk, N, eps, NB, HAS_NORM, HAS_RES,
                  DTYPE, LEAN)
@@ -364,42 +485,60 @@ def latent_tail_kernel(
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
-    `local` is scratch [M, N] at WORLD == 1. EARLY: the shared partial is copied between the
-    barrier's signal and its wait (else before the signal). VEC: _signal / _wait."""
+    EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
+    signal). VEC: _signal / _wait. WORLD == 1: each row is normed from registers (no peers: nothing
+    goes through memory between the finalize and the norm), `local` is unused."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
-    base = _half(epoch, HALF, WORLD)
     if WORLD == 1:
-        mine = local
+        gw1 = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+        for row in range(pid, M, npid):
+            acc1 = tl.zeros([BLOCK_N], tl.float32)
+            for k in tl.static_range(TOPK):
+                wk = tl.load(w + row * TOPK + k).to(tl.float32)
+                acc1 += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+            for c in tl.static_range(0, BLOCK_SP, 1024):
+                o2 = c + tl.arange(0, 1024)
+                m2 = o2 < SP
+                tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
+            r1 = acc1.to(DTYPE).to(tl.float32)
+            tl.store(ln + row * N + offs, (_rms(r1, mask, N, eps) * gw1).to(DTYPE), mask=mask)
     else:
-        mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
+        _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask, TOPK, RANK,
+                   WORLD, BLOCK_N, BLOCK_SP, DTYPE, SEQ, EARLY, VEC)
+
+
+@triton.jit
+def _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask,
+               TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr, EARLY: tl.constexpr,
+               VEC: tl.constexpr):
+    """latent_tail_kernel's program at WORLD > 1."""
+    base = _half(epoch, HALF, WORLD)
+    mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
     for row in range(pid, M, npid):
         acc = tl.zeros([BLOCK_N], tl.float32)
         for k in tl.static_range(TOPK):
             wk = tl.load(w + row * TOPK + k).to(tl.float32)
             acc += wk * tl.load(y + (row * TOPK + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(mine + row * N + offs, acc.to(DTYPE), mask=mask)
-    if WORLD > 1 and EARLY:
+    if EARLY:
         _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
     for row in range(pid, M, npid):
         for c in tl.static_range(0, BLOCK_SP, 1024):  # the shared partial's row, copied
             o2 = c + tl.arange(0, 1024)
             m2 = o2 < SP
             tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
-    if WORLD > 1 and not EARLY:
+    if not EARLY:
         _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
-    if WORLD > 1:
-        _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
-    else:
-        tl.debug_barrier()
+    _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
     gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
-        r = _sum_peers(ptrs, base, local, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
+        r = _sum_peers(ptrs, base, ptrs, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
         tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
-    if WORLD > 1:
-        _epoch_end(epoch)
+    _epoch_end(epoch)
 
 
 @triton.jit
