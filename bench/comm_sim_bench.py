@@ -35,7 +35,8 @@ VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": 
             "k3_before": {"COMM_EARLY": False, "COMM_VEC": False}}
 # the all-reduce + norm kernel's register footprint and warps (both ops that run it: oproj, resnorm)
 AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w8": {"AR_WARPS": 8},
-               "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32}, "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16}}
+               "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32}, "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16},
+               "k3_seq": {"AR_JOINT": False}, "k3_seq_w16": {"AR_JOINT": False, "AR_WARPS": 16}}
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}

@@ -81,6 +81,13 @@ for st in "$@"; do
     mlaref) step mla_triton_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k mla_decode
             step layer_mla_tp8_w1_ref 300 env K3_MLA_TRITON=0 $LB --world 1 --layer mla --shapes tp8 \
               --out "$R/layer_mla_tp8_w1_ref.json" ;;
+    # the all-reduce / norm kernel's joint AttnRes reductions (AR_VARIANTS k3_seq: one source after another)
+    # and the latent tail at group sizes 1 and 8 (simulated peers), 3 blocks on both ops; then the GPU
+    # tests of those kernels and of the K3_OPS_PDL chain
+    joint) step ar_joint 200 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 --ms ${K3_MS:-1,16} \
+             --blocks 3 --oproj-blocks 3 --out "$R/ar_joint.json"
+           step joint_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
+             -k "kernels_match_reference_tp1 or simulated_peers or ops_pdl or mma_gemm" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)

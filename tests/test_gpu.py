@@ -238,6 +238,71 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
             assert err <= 1e-2, (M, err)
 
 
+@pytest.mark.parametrize("M", [1, 4])
+def test_ops_pdl_chain_matches_reference_graphed(M, monkeypatch):
+    """K3_OPS_PDL=1 (launch.ops_pdl): the MMA GEMM launched with PDL (weights prefetched into L2 before
+    it waits) right after the all-reduce / norm kernel and the latent-tail kernel (both triggering
+    their dependents once their inputs are loaded) and after another PDL GEMM whose output it reads:
+    layer-input norm -> GEMM -> GEMM -> latent tail -> GEMM accumulating into a column slice, at
+    TP=8 widths, world 1, eagerly and as one CUDA graph replayed with new inputs, every stage against
+    PyTorch. With the defaults (K3_OPS_PDL unset) the same chain gives the same results."""
+    import torch.nn.functional as F
+    from k3compile.kernels import launch
+    from k3compile.kernels.launch import MmaCfg
+    from k3compile.model.functional import attnres_mix, rms_norm
+    g = torch.Generator("cuda").manual_seed(M)
+    H, L, Q, TOPK = 7168, 3584, 1536, 16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+    w1, w2, w_up = rnd(L, H, scale=H ** -0.5), rnd(Q, L, scale=L ** -0.5), rnd(H, L, scale=L ** -0.5)
+    w_norm, w_qk, gam, g_lat = (torch.rand(n, device="cuda", generator=g).bfloat16() + 0.5 for n in (H, H, H, L))
+    ins = [rnd(M, H), rnd(M, H)] + [rnd(M, H) for _ in range(3)] + [rnd(M, TOPK, L)]
+    tw = torch.softmax(torch.randn(M, TOPK, device="cuda", generator=g), -1)
+    cfg1, cfg2 = MmaCfg(32, 256, 4), MmaCfg(64, 128, 8, stages=4, swap=True)
+
+    def chain():
+        delta, res, b0, b1, b2, y = ins
+        upd, nrm = launch.residual_norm(delta, None, res, [b0, b1, b2], w_norm, w_qk, gam, 1e-5)
+        a = launch.gemv(nrm, w1, cfg=cfg1)
+        b = launch.gemv(a, w2, cfg=cfg2)
+        ln, out = launch.latent_tail(y, tw, None, g_lat, upd, 1e-5)
+        launch.gemv(ln, w_up[:H // 2], out=out[:, H // 2:], accumulate=True, cfg=cfg1)
+        return upd, nrm, a, b, out
+
+    def check(outs):
+        delta, res, b0, b1, b2, y = ins
+        rn, ru = attnres_mix(res, delta, [b0, b1, b2], w_norm, w_qk, gam, 1e-5)
+        ra = F.linear(outs[1], w1).float()
+        rb = F.linear(outs[2], w2).float()
+        routed = (y.float() * tw.unsqueeze(-1)).sum(1).bfloat16()
+        ro = outs[0].float().clone()
+        ro[:, H // 2:] += F.linear(rms_norm(routed, g_lat, 1e-5), w_up[:H // 2]).float()
+        for got, want in zip(outs, (ru, rn, ra, rb, ro)):
+            want = want.float()
+            assert ((got.float() - want).abs().max() / want.abs().max()).item() < 2e-2
+    plain = chain()
+    check(plain)
+    monkeypatch.setenv("K3_OPS_PDL", "1")
+    assert launch.ops_pdl()
+    outs = chain()
+    check(outs)
+    for p, o in zip(plain, outs):
+        assert torch.equal(p, o)   # the same kernels' arithmetic, launched with PDL
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain()
+    for _ in range(3):
+        for t in ins:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g).bfloat16())
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(outs)
+
+
 @pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (6284, 7168), (1536, 7168)])
 def test_mma_gemm_matches_matmul_bf16_graphed_on_two_streams(N, K):
     """The tensor-core split-K decode GEMM at the layer's weight shapes, bf16, M = 1 / 5 / 16, in
