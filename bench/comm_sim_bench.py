@@ -15,6 +15,9 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3_w8/_w16/_w32  (oproj, resnorm) that kernel with 8 / 16 / 32 warps (launch.AR_WARPS; the default
                by width, 16 at group size >= 8 and M=1)
   k3_fat_w16   both
+  k3_seq / k3_seq_w16 / k3_seq_w32  the AttnRes sources one after another (launch.AR_JOINT=False; the
+               default: joint at group size 1 only), with the warps by width / 16 / 32
+  k3_joint / k3_joint_w32  the joint reductions at every group size (AR_JOINT=True)
   (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world;
   the o-proj op with `--oproj-blocks` (default 0: a plain RMSNorm after the all-reduce))
 `--worlds` may include 1: the same ops at TP=1 (no buffer, no barrier), the kernels' local work.
@@ -36,7 +39,9 @@ VARIANTS = {"k3": {}, "k3_late": {"COMM_EARLY": False}, "k3_loop": {"COMM_VEC": 
 # the all-reduce + norm kernel's register footprint and warps (both ops that run it: oproj, resnorm)
 AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w8": {"AR_WARPS": 8},
                "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32}, "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16},
-               "k3_seq": {"AR_JOINT": False}, "k3_seq_w16": {"AR_JOINT": False, "AR_WARPS": 16}}
+               "k3_seq": {"AR_JOINT": False}, "k3_seq_w16": {"AR_JOINT": False, "AR_WARPS": 16},
+               "k3_seq_w32": {"AR_JOINT": False, "AR_WARPS": 32}, "k3_joint": {"AR_JOINT": True},
+               "k3_joint_w32": {"AR_JOINT": True, "AR_WARPS": 32}}
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}

@@ -187,15 +187,18 @@ def test_workspace_halves_leave_the_flag_region_out():
 
 def test_all_reduce_norm_kernel_form_by_group_size_and_rows(monkeypatch):
     """launch._ar_form: the lean kernel from group size 4, 16 warps at group size >= 8 for one row of
-    7168 (BLOCK 8192), else the warps by width; K3_AR_LEAN / K3_AR_WARPS (module values) override."""
+    7168 (BLOCK 8192), else the warps by width, the joint AttnRes reductions at group size 1 only;
+    K3_AR_LEAN / K3_AR_WARPS / K3_AR_JOINT (module values) override."""
     monkeypatch.setattr(launch, "AR_LEAN", None)
     monkeypatch.setattr(launch, "AR_WARPS", 0)
-    assert launch._ar_form(1, 1, 8192) == (False, 8) and launch._ar_form(2, 1, 8192) == (False, 8)
-    assert launch._ar_form(4, 1, 8192) == (True, 8) and launch._ar_form(8, 16, 8192) == (True, 8)
-    assert launch._ar_form(8, 1, 8192) == (True, 16) and launch._ar_form(8, 1, 4096) == (True, 8)
+    monkeypatch.setattr(launch, "AR_JOINT", None)
+    assert launch._ar_form(1, 1, 8192) == (False, 8, True) and launch._ar_form(2, 1, 8192) == (False, 8, False)
+    assert launch._ar_form(4, 1, 8192) == (True, 8, False) and launch._ar_form(8, 16, 8192) == (True, 8, False)
+    assert launch._ar_form(8, 1, 8192) == (True, 16, False) and launch._ar_form(8, 1, 4096) == (True, 8, False)
     monkeypatch.setattr(launch, "AR_LEAN", False)
     monkeypatch.setattr(launch, "AR_WARPS", 32)
-    assert launch._ar_form(8, 1, 8192) == (False, 32)
+    monkeypatch.setattr(launch, "AR_JOINT", True)
+    assert launch._ar_form(8, 1, 8192) == (False, 32, True)
 
 
 def test_oproj_without_norm_and_plain_all_reduce():

@@ -47,17 +47,23 @@ AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
 # their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
-# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). K3_AR_JOINT=0: one source after another.
-AR_JOINT = os.environ.get("K3_AR_JOINT", "1") == "1"
+# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_AR_JOINT=1 /
+# 0: always / never. One H200, simulated peers, 3 AttnRes blocks, 679bc84 (comm_sim_bench AR_VARIANTS k3_seq;
+# bench/results/comm_sim_ar_joint_h200_679bc84.json), us, joint / one by one: group size 1, layer-input op
+# M = 1 / 4 / 16: 5.47 / 6.63, 5.77 / 6.77, 5.81 / 6.76; o-proj op 13.25 / 14.60 at M=1. Group size 8 (lean):
+# M=1 22.4 / 22.7, but M = 4 / 16 26.0 / 15.9 and 26.7 / 16.6 (o-proj 38.7 / 24.7 at M=4): slower there.
+AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 16
 
 
-def _ar_form(world: int, M: int, block: int) -> tuple[bool, int]:
-    """(LEAN, num_warps) of ar_residual_norm_kernel for a group size, rows and row width (AR_LEAN)."""
+def _ar_form(world: int, M: int, block: int) -> tuple[bool, int, bool]:
+    """(LEAN, num_warps, JOINT) of ar_residual_norm_kernel for a group size, rows and row width
+    (AR_LEAN, AR_WARPS, AR_JOINT)."""
     lean = AR_LEAN if AR_LEAN is not None else world >= AR_LEAN_MIN_WORLD
+    joint = AR_JOINT if AR_JOINT is not None else world == 1
     if AR_WARPS:
-        return lean, AR_WARPS
-    return lean, AR_WARPS_M1 if world >= 8 and M == 1 and block == 8192 else _warps(block)
+        return lean, AR_WARPS, joint
+    return lean, AR_WARPS_M1 if world >= 8 and M == 1 and block == 8192 else _warps(block), joint
 
 
 def _comm() -> dict:
@@ -106,7 +112,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
     bs = list(blocks) + [upd] * (8 - len(blocks))
     BLOCK = triton.next_power_of_2(N)
-    lean, warps = _ar_form(peers.world if peers else 1, M, BLOCK)
+    lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -115,7 +121,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=AR_JOINT, TRIGGER=upd.is_cuda and ops_pdl(),
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, TRIGGER=upd.is_cuda and ops_pdl(),
         num_warps=warps, **_comm())
     return upd, nrm
 
