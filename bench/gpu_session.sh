@@ -88,6 +88,8 @@ for st in "$@"; do
              --blocks 3 --oproj-blocks 3 --out "$R/ar_joint.json"
            step joint_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
              -k "kernels_match_reference_tp1 or simulated_peers or ops_pdl or mma_gemm" ;;
+    # the MLA decode alone: the op's reference and the Triton kernel's split / tile / warp settings
+    mlasweep) step mla_sweep 200 python3 bench/mla_bench.py --ms ${K3_MS:-1,4,16} --out "$R/mla_sweep.json" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)

@@ -113,7 +113,7 @@ def variants():
                 dict(BM=16, BN=64, BK=256, SPLIT=4, SWAP=0, EVEN_K=1, ACC=0, PDL=1, PF=1024)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
-               scm="i32", scs="i32", som="i32", soh="i32")
+               scm="i32", scs="i32", som="i32", soh="i32", snm="i32")
     out.append(("mla_split L512", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",

@@ -448,7 +448,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
 # heads per program, cache rows per tile, programs aimed at, fewest cache rows per split (a split's
 # fp32 partial, H x L, costs as much to write and combine as 2 x H / (L + R) of its rows cost to read:
 # at 12 heads and a 1025-row context, splits of 32 rows would write 0.8 MB of partials for 1.2 MB of cache)
-MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH = 16, 32, 132, 128
+MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 128, 4
 
 
 def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
@@ -465,9 +465,10 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
 
 
 def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
-    """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m],
-    then attention of the M x H queries over positions 0..seq_lens[m] of their row; o [M, H, L] in
-    q_lat's dtype. The caller validated the shapes (attention_ops._validate_mla) and mla_decode_fits."""
+    """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m]
+    (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
+    their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
+    (attention_ops._validate_mla) and mla_decode_fits."""
     from . import triton_mla as KA
     M, H, L = q_lat.shape
     R, S = q_rope.shape[-1], kv_cache.shape[1]
@@ -475,7 +476,6 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     if M == 0:
         return out
     lens = seq_lens.to(device=kv_cache.device, dtype=torch.long)
-    kv_cache[torch.arange(M, device=kv_cache.device), lens] = kv_new.to(kv_cache.dtype)
     hb = triton.cdiv(H, MLA_BH)
     # splits of the cache capacity (the lengths are not known on the host under a CUDA graph):
     # about MLA_PROGRAMS programs, each at least one tile; a split past its row's length exits at once
@@ -483,10 +483,12 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     ns = triton.cdiv(S, ch)
     part_o = torch.empty(M, H, ns, L, dtype=torch.float32, device=q_lat.device)
     part_ml = torch.empty(M, H, ns, 2, dtype=torch.float32, device=q_lat.device)
-    KA.mla_split_kernel[(M, hb, ns)](q_lat, q_rope, kv_cache, lens, part_o, part_ml, H, S, ch, ns, float(scale),
+    if kv_new.stride(-1) != 1:
+        kv_new = kv_new.contiguous()
+    KA.mla_split_kernel[(M, hb, ns)](q_lat, q_rope, kv_new, kv_cache, lens, part_o, part_ml, H, S, ch, ns, float(scale),
                                      q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
-                                     kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH, BS=MLA_BS,
-                                     IEEE=kv_cache.dtype == torch.float32, num_warps=4)
+                                     kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH,
+                                     BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32, num_warps=MLA_WARPS)
     KA.mla_combine_kernel[(M, H)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
                                   BNS=min(16, triton.next_power_of_2(ns)), num_warps=4)
     return out

@@ -7,7 +7,8 @@ that is most of an MLA layer's attention time at decode (one MLA step at TP=8 wi
 the cache copies, the masked fill, the fp32 bmm's and the softmax, about 40 us of kernels for a
 1.2 MB cache row; bench/layer_bench.py --attribute, BENCHMARKS.md, seventeenth session).
 
-Here (flash-decoding): `mla_split_kernel`, grid (M, head blocks of BH, splits of the cache), reads
+Here (flash-decoding): `mla_split_kernel`, grid (M, head blocks of BH, splits of the cache), writes
+the new token's row into the cache (one program) and takes it from kv_new everywhere else, reads
 each [BS, L + R] cache tile once for BH heads (the latent cache is shared by every head), computes
 scores = (q_lat . c + q_rope . k_rope) * scale on the tensor cores with fp32 accumulation, keeps an
 online softmax (running max, sum) and o = p @ c for its split, and stores them; `mla_combine_kernel`,
@@ -24,16 +25,20 @@ import triton.language as tl
 
 
 @triton.jit
-def mla_split_kernel(q_lat, q_rope, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
-                     sqm, sqh, srm, srh, scm, scs,
+def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
+                     sqm, sqh, srm, srh, snm, scm, scs,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
                      IEEE: tl.constexpr):
     """Program (m, hb, sp): heads [hb*BH, +BH) of row m over cache positions [sp*CH, +CH) that are
-    <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum)."""
+    <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum).
+    The new token's row kv_new[m] (at position seq_lens[m]) is taken from kv_new, not from the cache,
+    and the program of head block 0 whose split holds that position writes it into the cache (no
+    separate scatter kernel; no program reads that cache row)."""
     m = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens + m).to(tl.int32) + 1              # positions 0 .. seq_lens[m] (the new token)
+    newp = n - 1
     h = hb * BH + tl.arange(0, BH)
     hm = h < H
     ol = tl.arange(0, L)
@@ -41,17 +46,26 @@ def mla_split_kernel(q_lat, q_rope, cache, lens, part_o, part_ml, H, S, CH, NS, 
     dt = cache.dtype.element_ty
     ql = tl.load(q_lat + m * sqm + h[:, None] * sqh + ol[None, :], mask=hm[:, None], other=0.0).to(dt)
     qr = tl.load(q_rope + m * srm + h[:, None] * srh + orr[None, :], mask=hm[:, None], other=0.0).to(dt)
+    cn = tl.load(kv_new + m * snm + ol).to(dt)
+    krn = tl.load(kv_new + m * snm + L + orr).to(dt)
     mi = tl.full([BH], float("-inf"), tl.float32)
     li = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, L], tl.float32)
     s0 = sp * CH
     s_end = tl.minimum(s0 + CH, tl.minimum(n, S))
     row = cache + m * scm
+    if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
+        tl.store(row + newp.to(tl.int64) * scs + ol, cn)
+        tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
     for s in range(s0, s_end, BS):
         os_ = s + tl.arange(0, BS)
         sm = os_ < s_end
-        c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=sm[:, None], other=0.0)
-        kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=sm[:, None], other=0.0)
+        isnew = os_ == newp
+        rd = sm & (os_ != newp)
+        c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=rd[:, None], other=0.0)
+        kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=rd[:, None], other=0.0)
+        c = tl.where(isnew[:, None], cn[None, :], c)
+        kr = tl.where(isnew[:, None], krn[None, :], kr)
         if IEEE:
             sc = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
         else:

@@ -1,0 +1,82 @@
+"""The MLA decode op alone (`k3model::mla_decode` at K3's latent widths), one GPU, graphed: the op's
+PyTorch reference against the Triton kernel (kernels/triton_mla.py) with its split / tile / warp
+settings (launch.MLA_MIN_CH, MLA_BS, MLA_WARPS), every variant in the same run and checked against
+the reference (output and the cache after the write). TP=8 per-rank heads (12), L 512, rope 64, a
+cache of --ctx positions + 8 free slots, every row at the full context (the layer bench's case).
+
+    python bench/mla_bench.py [--ms 1,4,16] [--ctx 1024] [--out F]
+
+A variant named chCH_bsBS_wW runs MLA_MIN_CH=CH, MLA_BS=BS, MLA_WARPS=W; "triton" the defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import GraphTimer, median, save, with_attrs  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--chs", default="32,64,128")
+    ap.add_argument("--bss", default="32,64")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from k3compile.kernels import launch
+    from k3compile.model import attention_ops as A
+    t0 = time.time()
+    L, R, H, S = 512, 64, a.heads, a.ctx + 8
+    rows = []
+    for M in (int(m) for m in a.ms.split(",")):
+        g = torch.Generator("cuda").manual_seed(M)
+        ql = torch.randn(M, H, L, device="cuda", generator=g).bfloat16()
+        qr = torch.randn(M, H, R, device="cuda", generator=g).bfloat16()
+        kv_new = torch.randn(M, L + R, device="cuda", generator=g).bfloat16()
+        cache0 = torch.randn(M, S, L + R, device="cuda", generator=g).bfloat16()
+        lens = torch.full((M,), a.ctx, device="cuda", dtype=torch.long)
+        c_ref = cache0.clone()
+        ref = A.mla_decode_reference(ql, qr, kv_new, c_ref, lens, L ** -0.5)
+        variants = {"reference": {}, "triton": {}}
+        for ch, bs, w in itertools.product(*(map(int, v.split(",")) for v in (a.chs, a.bss, a.warps))):
+            variants[f"ch{ch}_bs{bs}_w{w}"] = {"MLA_MIN_CH": ch, "MLA_BS": bs, "MLA_WARPS": w}
+        timers, err, bad = {}, {}, {}
+        for name, attrs in variants.items():
+            cache = cache0.clone()
+            if name == "reference":
+                fn = lambda c=cache: A.mla_decode_reference(ql, qr, kv_new, c, lens, L ** -0.5)  # noqa: E731
+            else:
+                fn = with_attrs(launch, lambda c=cache: launch.mla_decode(ql, qr, kv_new, c, lens, L ** -0.5), attrs)
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                err[name] = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                if not torch.equal(cache, c_ref):
+                    bad[name] = "cache differs from the reference's after the write"
+                timers[name] = GraphTimer(fn)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is recorded
+                bad[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        us = {n: [t.time()] for n, t in timers.items()}
+        for _ in range(a.rounds - 1):
+            for n, t in timers.items():
+                us[n].append(t.time())
+        row = dict(M=M, H=H, ctx=a.ctx, us={n: median(v) for n, v in us.items()}, err=err, failed=bad)
+        rows.append(row)
+        best = min((n for n in row["us"] if n != "reference"), key=row["us"].get, default=None)
+        print(f"M={M} " + " ".join(f"{n}={v:.2f}" for n, v in row["us"].items())
+              + f"  best {best}; max err {max(err.values()):.2e}; failed {bad or 'none'}", flush=True)
+    save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__), t0)
+
+
+if __name__ == "__main__":
+    main()
