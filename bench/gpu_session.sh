@@ -90,6 +90,10 @@ for st in "$@"; do
              -k "kernels_match_reference_tp1 or simulated_peers or ops_pdl or mma_gemm" ;;
     # the MLA decode alone: the op's reference and the Triton kernel's split / tile / warp settings
     mlasweep) step mla_sweep 200 python3 bench/mla_bench.py --ms ${K3_MS:-1,4,16} --out "$R/mla_sweep.json" ;;
+    # the all-reduce / norm kernel at group size 8, one row: joint or one by one, by warps (simulated peers)
+    arw8) step ar_w8 150 python3 bench/comm_sim_bench.py --ops resnorm,oproj --worlds 8 --ms 1 --blocks 3 \
+            --oproj-blocks 3 --out "$R/ar_w8.json" ;;
+    mlatests) step mla_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mla or reduce_overhead or tp1" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)

@@ -445,10 +445,14 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     return ids, w
 
 
-# heads per program, cache rows per tile, programs aimed at, fewest cache rows per split (a split's
-# fp32 partial, H x L, costs as much to write and combine as 2 x H / (L + R) of its rows cost to read:
-# at 12 heads and a 1025-row context, splits of 32 rows would write 0.8 MB of partials for 1.2 MB of cache)
-MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 128, 4
+# heads per program, cache rows per tile, programs aimed at, fewest cache rows per split, warps. A split's
+# fp32 partial (H x L) costs as much to write and combine as 2 x H / (L + R) of its rows cost to read (at
+# 12 heads and a 1025-row context, splits of 32 rows write 0.8 MB of partials for 1.2 MB of cache), yet
+# more programs win at decode: one H200, 12 heads, context 1024, 917d221 (bench/mla_bench.py,
+# bench/results/mla_sweep_h200_917d221.json), us at M = 1 / 4 / 16, fewest rows 32 / 64 / 128 (4 warps):
+# 10.0 / 11.0 / 14.3, 10.6 / 11.4 / 15.1, 24.4 / 24.4 / 24.1 (the op's PyTorch reference 61.2, 80.8,
+# 184.2); 8 warps no better; tiles of 64 rows do not fit in shared memory.
+MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
 
 
 def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
