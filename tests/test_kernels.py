@@ -39,7 +39,8 @@ def _weights(N, dtype, g):
 @pytest.mark.parametrize("world,rank,nb,M,programs,vec", [
     (1, 0, 0, 3, 0, 1), (1, 0, 2, 2, 0, 1), (2, 1, 0, 3, 0, 1), (2, 0, 3, 2, 0, 1), (4, 2, 1, 1, 0, 1), (2, 1, 3, 5, 2, 1),
     (1, 0, 2, 3, 2, 1), (4, 2, 1, 3, 0, 0), (8, 7, 0, 2, 0, 1), (1, 0, 6, 2, 0, 1), (2, 1, 5, 2, 0, 0),
-    (1, 0, 3, 1, 0, 1), (1, 0, 4, 2, 0, 1), (1, 0, 8, 1, 0, 1), (2, 0, 8, 1, 0, 1), (1, 0, 3, 2, 0, 0)])
+    (1, 0, 3, 1, 0, 1), (1, 0, 4, 2, 0, 1), (1, 0, 8, 1, 0, 1), (2, 0, 8, 1, 0, 1), (1, 0, 3, 2, 0, 0),
+    (8, 3, 3, 1, 0, 1)])
 def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
@@ -186,15 +187,15 @@ def test_workspace_halves_leave_the_flag_region_out():
 
 
 def test_all_reduce_norm_kernel_form_by_group_size_and_rows(monkeypatch):
-    """launch._ar_form: the lean kernel from group size 4, 16 warps at group size >= 8 for one row of
-    7168 (BLOCK 8192), else the warps by width, the joint AttnRes reductions at group size 1 only;
+    """launch._ar_form: the lean kernel from group size 4, the joint AttnRes reductions with 32 warps at
+    group size >= 8 for one row of 7168 (BLOCK 8192), else the warps by width and joint at group size 1;
     K3_AR_LEAN / K3_AR_WARPS / K3_AR_JOINT (module values) override."""
     monkeypatch.setattr(launch, "AR_LEAN", None)
     monkeypatch.setattr(launch, "AR_WARPS", 0)
     monkeypatch.setattr(launch, "AR_JOINT", None)
     assert launch._ar_form(1, 1, 8192) == (False, 8, True) and launch._ar_form(2, 1, 8192) == (False, 8, False)
     assert launch._ar_form(4, 1, 8192) == (True, 8, False) and launch._ar_form(8, 16, 8192) == (True, 8, False)
-    assert launch._ar_form(8, 1, 8192) == (True, 16, False) and launch._ar_form(8, 1, 4096) == (True, 8, False)
+    assert launch._ar_form(8, 1, 8192) == (True, 32, True) and launch._ar_form(8, 1, 4096) == (True, 8, False)
     monkeypatch.setattr(launch, "AR_LEAN", False)
     monkeypatch.setattr(launch, "AR_WARPS", 32)
     monkeypatch.setattr(launch, "AR_JOINT", True)

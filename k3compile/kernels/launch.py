@@ -43,7 +43,8 @@ AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 # session), us, lean / not: group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
 # 38.3 / 37.9, 25.4 / 44.1; group size 2 and 1 it was 0.2-1.0 us slower (10.5 / 10.1, 7.3 / 6.6 at M=1).
 # AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
-# layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4).
+# layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4). Since
+# a57f020 32, with the joint reductions (AR_JOINT below).
 AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
 # their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
@@ -52,18 +53,23 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # bench/results/comm_sim_ar_joint_h200_679bc84.json), us, joint / one by one: group size 1, layer-input op
 # M = 1 / 4 / 16: 5.47 / 6.63, 5.77 / 6.77, 5.81 / 6.76; o-proj op 13.25 / 14.60 at M=1. Group size 8 (lean):
 # M=1 22.4 / 22.7, but M = 4 / 16 26.0 / 15.9 and 26.7 / 16.6 (o-proj 38.7 / 24.7 at M=4): slower there.
+# At group size 8 and one row, joint with 32 warps (AR_WARPS_M1) was faster than any other form: a57f020
+# (comm_sim_ar_w8_h200_a57f020.json), us, layer-input op / o-proj op: 15.5 / 23.7 against 22.4 / 31.3 (lean,
+# 16 warps, one by one: the form before), 23.3 / 31.2 one by one with 32 warps, 22.5 / 31.2 joint with 16;
+# the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
 AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
-AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 16
+AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 
 
 def _ar_form(world: int, M: int, block: int) -> tuple[bool, int, bool]:
     """(LEAN, num_warps, JOINT) of ar_residual_norm_kernel for a group size, rows and row width
     (AR_LEAN, AR_WARPS, AR_JOINT)."""
     lean = AR_LEAN if AR_LEAN is not None else world >= AR_LEAN_MIN_WORLD
-    joint = AR_JOINT if AR_JOINT is not None else world == 1
+    one_row_w8 = world >= 8 and M == 1 and block == 8192
+    joint = AR_JOINT if AR_JOINT is not None else world == 1 or one_row_w8
     if AR_WARPS:
         return lean, AR_WARPS, joint
-    return lean, AR_WARPS_M1 if world >= 8 and M == 1 and block == 8192 else _warps(block), joint
+    return lean, AR_WARPS_M1 if one_row_w8 else _warps(block), joint
 
 
 def _comm() -> dict:
