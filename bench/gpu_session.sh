@@ -93,6 +93,10 @@ for st in "$@"; do
     # the all-reduce / norm kernel at group size 8, one row: joint or one by one, by warps (simulated peers)
     arw8) step ar_w8 150 python3 bench/comm_sim_bench.py --ops resnorm,oproj --worlds 8 --ms 1 --blocks 3 \
             --oproj-blocks 3 --out "$R/ar_w8.json" ;;
+    # the KDA short conv pass: its kernel's GPU test, then the KDA layer with its ablation rows
+    kdaconv) step kda_conv_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "kda_conv or tp1"
+             step layer_kda_tp8_w1_conv 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
+               --ablate-passes fold_kda_conv --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_conv.json" ;;
     mlatests) step mla_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mla or reduce_overhead or tp1" ;;
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past

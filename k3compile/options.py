@@ -17,6 +17,7 @@ PASS_ORDER = (
     "fuse_oproj_allreduce",
     "fuse_residual_norm",     # after fuse_oproj_allreduce: the mixers that pass leaves
     "fold_kda_gate",
+    "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # last: the GEMMs every other pass left (overlap_shared_expert matches mm)
 )
@@ -72,7 +73,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # BENCHMARKS.md, seventeenth session
     "fuse_router_topk": (1, 16),
 }
-CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = {"fold_kda_conv"}  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)

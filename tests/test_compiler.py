@@ -60,6 +60,9 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     n_moe = len(cfg.moe_layers)
     assert res["all"]["passes"]["fuse_router_topk"][:2] == (n_moe, n_moe)
     assert res["fuse_router_topk"]["passes"]["fuse_router_topk"][:2] == (n_moe, n_moe)
+    # the KDA short conv of every KDA layer's decode step, exact against eager over the steps (the state)
+    n_kda = len(cfg.kda_layers)
+    assert n_kda > 0 and res["fold_kda_conv"]["passes"]["fold_kda_conv"][:2] == (n_kda, n_kda)
 
 
 def test_tp2_each_pass_and_all():

@@ -402,6 +402,41 @@ def test_gemv_matches_matmul_bf16_graphed(N, K):
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
+    """k3::kda_conv_decode's CUDA path (kernels/triton_conv.py) at TP=8 KDA widths (12 heads of 128, width
+    4), bf16, q / k / v read as column slices of one projection output: eagerly against the op's
+    reference (one bf16 ulp of the conv sum apart at most: 2e-2), then captured in a CUDA graph and
+    replayed with new inputs and state."""
+    from k3compile.kernels import registry
+    from k3compile.ops import reference as ref
+    cq, kw = 12 * 128, 4
+    g = torch.Generator("cuda").manual_seed(M)
+    proj = torch.randn(M, 3 * cq + 1548, device="cuda", generator=g).bfloat16()
+    state = torch.randn(M, 3 * cq, kw - 1, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(3 * cq, kw, device="cuda", generator=g) / 2).bfloat16()
+    args = (proj[:, :cq], proj[:, cq:2 * cq], proj[:, 2 * cq:3 * cq], state, w)
+    k = registry.pick("kda_conv_decode", "cuda", *args)
+    assert k is not None and k.name == "triton_short_conv"
+
+    def check(got):
+        want = ref.kda_conv_decode(*args)
+        for a, b in zip(got, want):
+            assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
+        assert torch.equal(got[3], want[3])
+    check(k.fn(*args))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = k.fn(*args)
+    for _ in range(2):
+        proj.copy_(torch.randn(proj.shape, device="cuda", generator=g).bfloat16())
+        state.copy_(torch.randn(state.shape, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        check(outs)
+
+
 @pytest.mark.parametrize("M, H", [(1, 12), (4, 12), (2, 48)])
 def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
     """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_MLA_TRITON=0)

@@ -712,6 +712,30 @@ def test_importing_k3compile_registers_the_mla_decode_cuda_kernel_unless_disable
     assert out.stdout.strip().splitlines()[-1] == str(registered), out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("M, cq, kw, dt", [(1, 40, 4, torch.float32), (3, 24, 4, torch.float16),
+                                           (2, 16, 3, torch.bfloat16), (2, 700, 4, torch.float32)])
+def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
+    """launch.kda_conv_decode (triton_conv) against the op's reference: q, k, v and the new state,
+    with q, k, v read as column slices of one wider projection output (the in_proj GEMM's split);
+    700 channels per part: several channel blocks, one straddling two parts."""
+    from k3compile.ops import reference as ref
+    g = torch.Generator().manual_seed(M * cq + kw)
+    proj = torch.randn(M, 3 * cq + 5, generator=g).to(dt)
+    xq, xk, xv = proj[:, :cq], proj[:, cq:2 * cq], proj[:, 2 * cq:3 * cq]
+    state = torch.randn(M, 3 * cq, kw - 1, generator=g).to(dt)
+    w = (torch.randn(3 * cq, kw, generator=g) / 2).to(dt)
+    assert launch.kda_conv_decode_fits(xq, xk, xv, state, w)
+    got, want = launch.kda_conv_decode(xq, xk, xv, state, w), ref.kda_conv_decode(xq, xk, xv, state, w)
+    # 16-bit: the kernel sums the rounded products in fp32 and rounds once (as CUDA's sum does); PyTorch's
+    # CPU sum over the 3-4 bf16 products can round a partial sum: one ulp of the sum apart at most
+    tol = dict(atol=1e-6, rtol=1e-6) if dt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)   # the shifted window: copied values
+    assert not launch.kda_conv_decode_fits(xq, xk, xv, state, w[:, :2])   # state / width mismatch
+
+
 def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value():
     """The packed (score, index) key: biased scores below zero order as floats do (the sign trick),
     equal scores go to the lower expert index, and a NaN logit is selected first, as torch.topk

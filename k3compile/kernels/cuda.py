@@ -22,6 +22,7 @@
 - decode_gemm: the Triton tensor-core split-K GEMM (or the CUDA-core GEMV) with the config of the
   tuned table (choose.GEMV_TABLE) where it has this weight shape and M, else torch.mm (cuBLAS). The
   GEMMs inside the ops above go through the same table (choose.gemm).
+- kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 
@@ -201,6 +202,15 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
 @register("kda_decode_gated", "cuda", "fla_fused_recurrent_kda", _ok_kda_gated)
 def _kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return launch.kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower, scale)
+
+
+def _ok_conv(xq, xk, xv, state, w):
+    return launch.kda_conv_decode_fits(xq, xk, xv, state, w)
+
+
+@register("kda_conv_decode", "cuda", "triton_short_conv", _ok_conv)
+def _kda_conv(xq, xk, xv, state, w):
+    return launch.kda_conv_decode(xq, xk, xv, state, w)
 
 
 def _ok_gemm(x, w):

@@ -504,6 +504,34 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     return out
 
 
+def kda_conv_decode_fits(xq, xk, xv, state, w) -> bool:
+    """Calls the Triton short conv takes: 2-D [M, C/3] inputs of one float dtype with unit stride
+    along channels, state [M, C, KW - 1] and w [C, KW] (contiguous), 2 <= KW <= 8."""
+    if xq.dim() != 2 or state.dim() != 3 or w.dim() != 2:
+        return False
+    M, cq = xq.shape
+    C, kw = w.shape
+    return (xk.shape == xq.shape == xv.shape and C == 3 * cq and 2 <= kw <= 8
+            and tuple(state.shape) == (M, C, kw - 1) and w.is_contiguous()
+            and all(t.stride(-1) == 1 for t in (xq, xk, xv))
+            and xq.dtype in _TL and xk.dtype == xq.dtype == xv.dtype == state.dtype == w.dtype)
+
+
+def kda_conv_decode(xq, xk, xv, state, w):
+    """k3::kda_conv_decode by triton_conv (the caller checked kda_conv_decode_fits)."""
+    from . import triton_conv as KC
+    M, cq = xq.shape
+    kw = w.shape[1]
+    q, k, v = (torch.empty(M, cq, dtype=xq.dtype, device=xq.device) for _ in range(3))
+    new_state = torch.empty(state.shape, dtype=state.dtype, device=state.device)
+    BLOCK = 1024
+    if M:
+        KC.kda_conv_decode_kernel[(M, triton.cdiv(3 * cq, BLOCK))](
+            xq, xk, xv, state, w, q, k, v, new_state, cq, xq.stride(0), xk.stride(0), xv.stride(0),
+            state.stride(0), state.stride(1), state.stride(2), KW=kw, BLOCK=BLOCK, num_warps=4)
+    return q, k, v, new_state
+
+
 def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
     residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""

@@ -165,6 +165,22 @@ def _(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return v.new_empty(v.shape)
 
 
+# ----------------------------------------------------------------- KDA short conv at decode (fold_kda_conv)
+@torch.library.custom_op("k3::kda_conv_decode", mutates_args=())
+def kda_conv_decode(xq: Tensor, xk: Tensor, xv: Tensor, state: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, new_state): the KDA depthwise causal conv + SiLU for one new token over channels
+    [xq | xk | xv] ([M, C/3] each) with the last KW - 1 inputs in `state` [M, C, KW - 1] and weights
+    w [C, KW]; q, k, v contiguous [M, C/3]; new_state [M, C, KW - 1] (written back into the state by
+    the graph's own copy). One Triton kernel on CUDA."""
+    return _run("kda_conv_decode", ref.kda_conv_decode, xq, xk, xv, state, w)
+
+
+@kda_conv_decode.register_fake
+def _(xq, xk, xv, state, w):
+    M, cq = xq.shape
+    return (xq.new_empty(M, cq), xq.new_empty(M, cq), xq.new_empty(M, cq), state.new_empty(state.shape))
+
+
 # ----------------------------------------------------------------- decode GEMMs (lower_decode_gemm)
 @torch.library.custom_op("k3::decode_gemm", mutates_args=())
 def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
@@ -190,5 +206,6 @@ OPS = {
     "stream_join": torch.ops.k3.stream_join.default,
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
+    "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
 }

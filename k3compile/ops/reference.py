@@ -81,6 +81,21 @@ def router_topk(logits, bias, k, scale):
     return ids, w / w.sum(-1, keepdim=True) * scale
 
 
+def kda_conv_decode(xq, xk, xv, state, w):
+    """The KDA short convolution at decode (one new token), the model's math (layers.KDA.forward):
+    the window [state | x] per channel of x = [xq | xk | xv], out = SiLU(sum_t window_t * w_t)
+    (products in the model dtype, as the model's bf16 `cols * w`), split back into q, k, v
+    (contiguous [M, C / 3] each); new_state = the window's last KW - 1 inputs. The state is not
+    changed here (the caller writes new_state back)."""
+    M, cq = xq.shape
+    kw = w.shape[-1]
+    qkv = torch.cat([xq, xk, xv], -1).view(M, 1, -1).transpose(1, 2)  # [M, C, 1]
+    window = torch.cat([state, qkv], dim=-1)                          # [M, C, KW]
+    y = F.silu((window.unfold(-1, kw, 1) * w.unsqueeze(1)).sum(-1)).transpose(1, 2).reshape(M, -1)
+    q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in y.split(cq, dim=-1))
+    return q, k, v, window[..., 1:].clone(memory_format=torch.contiguous_format)
+
+
 def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     """The KDA decode step from its raw inputs (patterns.kda): q, k L2-normalised per head (x /
     clamp_min(||x||, eps)), q scaled, both cast to qk_dtype; decay = lower * sigmoid(exp(A_log) *

@@ -160,4 +160,94 @@ def match_kda_prologue(node: Node) -> KdaPrologueSite | Fail:
     return KdaPrologueSite(q=q, k=k, qk_dtype=qd, f=f, a_log=a_log, dt_bias=dt_bias, lower=lower, beta=b)
 
 
-__all__ = ["KdaPrologueSite", "L2NormSite", "match_gate", "match_kda_prologue", "match_l2norm"]
+@dataclass
+class KdaConvSite:
+    xq: Node          # the conv's inputs: the q, k, v projection slices [M, C/3] (before the concatenation)
+    xk: Node
+    xv: Node
+    state: Node       # the conv state [M, C, KW - 1] (a graph input: the model's cache)
+    w: Node           # the depthwise weights [C, KW]
+    parts: tuple      # the getitem nodes of the conv output's split into q, k, v
+    new_state: Node   # slice(window, -1, -(KW - 1)): the value written back into the state
+
+
+def _silu_input(n: Any) -> Any:
+    """x of silu(x), decomposed (x / (1 + exp(-x))) or not; None if n is neither."""
+    if is_call(n, aten.silu.default):
+        return n.args[0]
+    if is_call(n, aten.div.Tensor) and is_call(n.args[1], aten.add.Tensor):
+        x, add = n.args
+        e = next((a for a in add.args if is_call(a, aten.exp.default)), None)
+        one = next((a for a in add.args if scalar(a) == 1.0), None)
+        if e is not None and one is not None and is_call(e.args[0], aten.neg.default) and e.args[0].args[0] is x:
+            return x
+    return None
+
+
+def _strip_perm(n: Any) -> Any:
+    """Through views, a permute / transpose of the last two dims, and views again."""
+    n = strip(n)
+    if is_call(n, aten.permute.default, aten.transpose.int):
+        n = strip(n.args[0])
+    return n
+
+
+def match_kda_conv(core: Node) -> KdaConvSite | Fail:
+    """The short conv (+ SiLU) whose output a KDA decode core's v (and q, k) are slices of, for one
+    new token (layers.KDA.forward):
+        window = cat([state, [xq | xk | xv] as [M, C, 1]], -1)
+        new_state = window[..., -(KW - 1):]
+        y = silu(sum(unfold(window, -1, KW, 1) * w[:, None, :], -1)) as [M, C]
+        q, k, v = split(y, C / 3, -1)
+    Walks back from the core's v (q and k may be normalised: fold_kda_gate or not)."""
+    import operator
+    v = core.kwargs.get("v")
+    g = strip(v, converts=True)
+    if not (is_call(g, operator.getitem) and is_call(g.args[0], aten.split.Tensor, aten.split_with_sizes.default)):
+        return Fail(v if isinstance(v, Node) else core, "v is not a slice of a split (no conv output to fold)")
+    split = g.args[0]
+    parts = {u.args[1]: u for u in split.users if is_call(u, operator.getitem)}
+    if sorted(parts) != [0, 1, 2] or g.args[1] != 2:
+        return Fail(split, "the conv output is not split into exactly q, k, v (v third)")
+    sil = strip(_strip_perm(split.args[0]), converts=True)
+    x = _silu_input(sil)
+    if x is None:
+        return Fail(sil, f"the conv output is not SiLU(...) (found {describe(sil)})")
+    sm = strip_converts(x)
+    if not (is_call(sm, aten.sum.dim_IntList) and list(sm.args[1]) in ([-1], [3])):
+        return Fail(sm, f"the conv is not a sum over the window (found {describe(sm)})")
+    mul = sm.args[0]
+    if not is_call(mul, aten.mul.Tensor):
+        return Fail(mul, f"the conv is not window * weights (found {describe(mul)})")
+    unf = next((a for a in mul.args if is_call(a, aten.unfold.default)), None)
+    wn = next((a for a in mul.args if a is not unf), None)
+    if unf is None or not is_weight_like(wn):
+        return Fail(mul, "the conv is not unfold(window) * a weight")
+    w = strip(wn)
+    win = unf.args[0]
+    kw = unf.args[2]
+    if unf.args[1] not in (-1, 2) or unf.args[3] != 1 or shape(w) is None or len(shape(w)) != 2 or shape(w)[1] != kw:
+        return Fail(unf, "the window is not unfolded along time with step 1 by the weights' width")
+    if not (is_call(win, aten.cat.default) and len(win.args[0]) == 2 and (len(win.args) < 2 or win.args[1] in (-1, 2))):
+        return Fail(win, f"the window is not cat([state, x], -1) (found {describe(win)})")
+    state, xt = win.args[0]
+    if not (isinstance(state, Node) and state.op == "placeholder"):
+        return Fail(win, "the window's first part is not the conv state (a graph input)")
+    if shape(xt) is None or len(shape(xt)) != 3 or shape(xt)[2] != 1:
+        return Fail(win, "more than one new token (prefill): the decode conv takes one")
+    cat = _strip_perm(xt)
+    if not (is_call(cat, aten.cat.default) and len(cat.args[0]) == 3):
+        return Fail(xt, f"the new token is not cat([xq, xk, xv]) (found {describe(cat)})")
+    xq, xk, xv = cat.args[0]
+    if not (len(shape(xq) or ()) == 2 and shape(xq) == shape(xk) == shape(xv)):
+        return Fail(cat, "q, k and v inputs of the conv differ in shape")
+    others = [u for u in win.users if u is not unf]
+    if len(others) != 1 or not is_call(others[0], aten.slice.Tensor) or others[0].args[1] not in (-1, 2) \
+            or others[0].args[2] not in (1, -(kw - 1)):
+        return Fail(win, "the window is used other than by the conv and the state update")
+    return KdaConvSite(xq=xq, xk=xk, xv=xv, state=state, w=w, parts=(parts[0], parts[1], parts[2]),
+                       new_state=others[0])
+
+
+__all__ = ["KdaConvSite", "KdaPrologueSite", "L2NormSite", "match_gate", "match_kda_conv", "match_kda_prologue",
+           "match_l2norm"]

@@ -1,0 +1,51 @@
+"""fold_kda_conv: the KDA short convolution of one decode token -> one k3::kda_conv_decode.
+
+Matches, once per KDA layer at decode (anchored on each auto-functionalized KDA decode core,
+k3model::kda_decode or fold_kda_gate's k3::kda_decode_gated, walking back from its v):
+    window    = cat([conv_state, cat([Xq, Xk, Xv], -1) as [M, C, 1]], -1)      # [M, C, KW]
+    new_state = window[..., -(KW - 1):]                  (the graph writes it back into conv_state)
+    y         = silu(sum(unfold(window, -1, KW, 1) * w[:, None, :], -1)) as [M, C]
+    q, k, v   = split(y, C / 3, -1)
+(`patterns.kda.match_kda_conv` has the ATen forms: SiLU decomposed or not, permutes and views
+looked through.)
+Emits:
+    q, k, v, new_state = k3::kda_conv_decode(Xq, Xk, Xv, conv_state, w)
+whose CUDA path is one Triton kernel (kernels/triton_conv.py) instead of Inductor's window
+concatenation, the state slice, the conv + SiLU and the contiguous copies of q, k, v the
+recurrence op takes; its reference is the model's math (ops/reference.kda_conv_decode),
+bit-identical on CPU.
+Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
+Inductor, M outside options.CUDA_PROFITABLE_M. Near-miss: a core whose v is not a slice of such a
+conv (the step where the chain differs: not SiLU, not a sum over the window, more than one new
+token, a window used elsewhere). Prefill (kda_prefill, T > 1 tokens) is left as it is.
+"""
+from __future__ import annotations
+
+from ..ops import OPS
+from ..patterns.kda import match_kda_conv
+from ..patterns.structure import op_name
+from .base import K3Pass
+from .common import emit, getitem, last_of, replace
+
+_CORES = ("k3model::kda_decode", "k3::kda_decode_gated")
+
+
+class FoldKdaConv(K3Pass):
+    name = "fold_kda_conv"
+    description = "KDA short conv + SiLU of one decode token (window, state slice, conv, q/k/v copies) -> k3::kda_conv_decode"
+    pattern = "split(silu(sum(unfold(cat([state, cat(Xq, Xk, Xv)])) * w)), C/3) -> the KDA decode core (per KDA decode layer)"
+    emits = "k3::kda_conv_decode"
+
+    def expected(self, info):
+        return sum(op_name(n) in _CORES for n in info.attention)
+
+    def run(self, graph, info, opts, report):
+        cores = [n for n in info.attention if op_name(n) in _CORES]
+        for s in self.collect(cores, match_kda_conv, report):
+            op = emit(graph, last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w]), OPS["kda_conv_decode"],
+                      (s.xq, s.xk, s.xv, s.state, s.w))
+            outs = [getitem(graph, op, i) for i in range(4)]
+            for part, new in zip(s.parts, outs[:3]):
+                replace(graph, part, new)
+            replace(graph, s.new_state, outs[3])
+            report.matched += 1

@@ -1,0 +1,79 @@
+"""fold_kda_conv: the KDA short conv + SiLU of one decode token folded into k3::kda_conv_decode.
+
+CPU: on the model's conv math (layers.KDA.forward) the pass fires and the compiled step equals
+eager exactly, the conv state included, over two steps; each way the conv can differ stops the
+match with a reason naming it, and the step stays correct. (The whole-model site counts at TP 1 / 2
+are in test_compiler.py; the Triton kernel against the op's reference in test_kernels.py.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3compile
+import k3compile.ops  # noqa: F401  (registers k3::)
+
+H, K, KW = 2, 16, 4
+
+
+def _step(variant):
+    """Projection slices -> the model's conv -> kda_decode (layers.KDA.forward at T=1), or one
+    changed part of it."""
+    def fn(x, conv_state, conv_w, g, b, state):
+        M = x.shape[0]
+        q, k, v = x.split(H * K, -1)
+        qkv = torch.cat([q, k, v], -1).view(M, 1, -1).transpose(1, 2)
+        window = torch.cat([conv_state, qkv], dim=-1)
+        conv_state.copy_(window[..., -(KW - 1):])
+        cols = window.unfold(-1, KW, 1)
+        act = F.gelu if variant == "gelu" else F.silu
+        y = act((cols * conv_w.unsqueeze(1)).sum(-1)).transpose(1, 2).reshape(M, -1)
+        q, k, v = y.split(H * K, dim=-1)
+        extra = window.float().mean() if variant == "window reused" else 0.0
+        q = F.normalize(q.view(-1, H, K).float(), dim=-1) * K ** -0.5
+        k = F.normalize(k.view(-1, H, K).float(), dim=-1)
+        o = torch.ops.k3model.kda_decode(q.to(v.dtype), k.to(v.dtype), v.view(-1, H, K), g, b, state)
+        return o + extra
+    return fn
+
+
+def _inputs(M=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = rn(M, 3 * H * K).bfloat16()
+    conv_state = rn(M, 3 * H * K, KW - 1).bfloat16()
+    conv_w = (rn(3 * H * K, KW) / 2).bfloat16()
+    g = -torch.rand(M, H, K, generator=gen)
+    b = torch.rand(M, H, generator=gen)
+    state = 0.5 * rn(M, H, K, K)
+    return x, conv_state, conv_w, g, b, state
+
+
+@pytest.mark.parametrize("variant, why", [
+    ("model", None),
+    ("gelu", "is not SiLU"),
+    ("window reused", "the window is used other than by the conv and the state update"),
+])
+def test_fold_kda_conv_matches_the_conv_or_says_why(variant, why):
+    x, cs, w, g, b, st = _inputs()
+    cs_e, st_e, cs_c, st_c = cs.clone(), st.clone(), cs.clone(), st.clone()
+    torch._dynamo.reset()
+    k3compile.clear_reports()
+    fn = torch.compile(_step(variant), backend=k3compile.backend(mode="eager", passes=["fold_kda_conv"]),
+                       fullgraph=True, dynamic=False)
+    for _ in range(2):   # the second step reads the state the first wrote back
+        want = _step(variant)(x, cs_e, w, g, b, st_e)
+        got = fn(x, cs_c, w, g, b, st_c)
+        x = x.roll(1, 0)
+    p = next(p for p in k3compile.last_report().passes if p.name == "fold_kda_conv")
+    assert p.expected == 1 and p.error is None and p.skipped is None
+    if why is None:
+        assert p.matched == 1 and not p.near_misses
+        tol = dict(rtol=0, atol=0)       # the op's reference is the model's math
+    else:
+        assert p.matched == 0 and len(p.near_misses) == 1 and why in p.near_misses[0].reason, p.near_misses
+        tol = {}                         # unrewritten: AOT's decompositions may round a little differently
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(cs_c, cs_e, **tol)
+    torch.testing.assert_close(st_c, st_e, **tol)
