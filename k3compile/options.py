@@ -72,8 +72,14 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # bench/router_bench.py): 5.4 us vs Inductor's 17.9-20.6 us at M = 1..64; the layer rows:
     # BENCHMARKS.md, seventeenth session
     "fuse_router_topk": (1, 16),
+    # the KDA short conv in one kernel. KDA layer at TP=8 widths on ONE H200, 02711a2
+    # (bench/results/layer_kda_tp8_w1_h200_02711a2_conv.json), medians of 3 rounds, every pass vs every
+    # pass but this one: -3.4 / +1.2 / +0.2 us at M = 1 / 4 / 16 (kernels 26 -> 22 at M=1); alone
+    # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
+    # fold_kda_gate, whose raw q / k inputs it produces
+    "fold_kda_conv": (1, 1),
 }
-CUDA_UNMEASURED: set[str] = {"fold_kda_conv"}  # passes with no per-layer GPU run yet: the gate's reason says so
+CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 
 
 @dataclass(frozen=True)
