@@ -439,6 +439,12 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
+# keys selected per round of the router's top-k kernel: 1 (measured, 5.4 us at M=1 on an H200) or 4
+# (triton_router's PER=4: a quarter of the rounds, each merging four-key lists; not yet timed on a GPU,
+# K3_ROUTER_PER=4 to try it)
+ROUTER_PER = int(os.environ.get("K3_ROUTER_PER", "1"))
+
+
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     """(ids int64 [M, k], weights fp32 [M, k]) of the K3 router (triton_router's docstring)."""
     from . import triton_router as KR
@@ -447,7 +453,8 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
     w = torch.empty(M, k, dtype=torch.float32, device=logits.device)
     if M:
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
-                                    BLOCK=triton.next_power_of_2(E), num_warps=4 if E <= 1024 else 8)
+                                    BLOCK=triton.next_power_of_2(E), PER=ROUTER_PER,
+                                    num_warps=4 if E <= 1024 else 8)
     return ids, w
 
 
