@@ -83,11 +83,11 @@ for st in "$@"; do
               --out "$R/layer_mla_tp8_w1_ref.json" ;;
     # the all-reduce / norm kernel's joint AttnRes reductions (AR_VARIANTS k3_seq: one source after another)
     # and the latent tail at group sizes 1 and 8 (simulated peers), 3 blocks on both ops; then the GPU
-    # tests of those kernels and of the K3_OPS_PDL chain
+    # tests of those kernels and of the decode GEMM
     joint) step ar_joint 200 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 --ms ${K3_MS:-1,16} \
              --blocks 3 --oproj-blocks 3 --out "$R/ar_joint.json"
            step joint_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
-             -k "kernels_match_reference_tp1 or simulated_peers or ops_pdl or mma_gemm" ;;
+             -k "kernels_match_reference_tp1 or simulated_peers or mma_gemm" ;;
     # the MLA decode alone: the op's reference and the Triton kernel's split / tile / warp settings
     mlasweep) step mla_sweep 200 python3 bench/mla_bench.py --ms ${K3_MS:-1,4,16} --out "$R/mla_sweep.json" ;;
     # the all-reduce / norm kernel at group size 8, one row: joint or one by one, by warps (simulated peers)

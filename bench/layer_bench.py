@@ -22,8 +22,6 @@ step of that layer, CUDA-graphed, for:
               commit d4e7aeb they had it, which mixed its cost into every pass's row);
               --ablate-passes P,Q keeps only those passes' rows (with k3none, k3-prefetch, k3-gemv)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
-  k3_opspdl - (--extra k3_opspdl) k3 with K3_OPS_PDL=1: the decode GEMMs launched with PDL, weights
-              prefetched into L2 before they wait, after kernels that trigger once their inputs are read
   k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_CUTE_PUSH=1:
               partials stored into every rank's buffer, flags instead of a barrier)
   k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
@@ -60,9 +58,7 @@ from k3compile.options import PASS_ORDER as PASSES  # noqa: E402  (an ablation r
 # on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
 # other variants take the default)
 ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_push": {"K3_CUTE_PUSH": "1"},
-       "k3-gemv": {"K3_GEMV": "0"}, "k3_opspdl": {"K3_OPS_PDL": "1"}}
-# --extra NAME[,NAME]: more k3 variants (the default options under ENV[NAME])
-EXTRA = ("k3_opspdl",)
+       "k3-gemv": {"K3_GEMV": "0"}}
 # Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
@@ -121,7 +117,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
 
 
 def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3,
-        push=False, ablate_passes=(), extra=()):
+        push=False, ablate_passes=()):
     import torch
 
     import k3compile
@@ -182,8 +178,6 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             variants["k3_pdl"] = k3c(gate="measured")
         if push:  # k3 with the CuTe push-epilogue o-proj GEMM (ENV below)
             variants["k3_push"] = k3c(gate="measured")
-        for name in extra:   # EXTRA: k3 under ENV[name]
-            variants[name] = k3c(gate="measured")
         if gemv_table:  # k3 with the Triton GEMV in its ops where that sweep found it faster (ENV below)
             variants["k3_gemv"] = k3c(gate="measured")
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
@@ -360,7 +354,6 @@ def main():
     ap.add_argument("--gemv-table", default="", help="a bench/gemv_bench.py result: adds the k3_gemv variant")
     ap.add_argument("--pdl", action="store_true", help="also time Inductor and k3 with Inductor's PDL (CFG)")
     ap.add_argument("--push", action="store_true", help="also time k3 with the CuTe push-epilogue o-proj (k3_push)")
-    ap.add_argument("--extra", default="", help=f"more k3 variants, of {', '.join(EXTRA)} (ENV says what each sets)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="times every variant's kept graph this many times, in turn; the median is reported")
     ap.add_argument("--out", default=None)
@@ -371,13 +364,9 @@ def main():
     ms = [int(m) for m in a.ms.split(",")]
     world = 1 if a.smoke else a.world
     ablate = {int(m) for m in a.ablate.split(",") if m}
-    extra = tuple(n for n in a.extra.split(",") if n)
-    if set(extra) - set(EXTRA):
-        ap.error(f"--extra: unknown {sorted(set(extra) - set(EXTRA))}; known: {', '.join(EXTRA)}")
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
                     os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds), a.push,
-                    tuple(p for p in a.ablate_passes.split(",") if p), extra,
-                    **({} if a.smoke else {"backend": "nccl"}))
+                    tuple(p for p in a.ablate_passes.split(",") if p), **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

@@ -82,15 +82,6 @@ def variants():
         out.append((f"seq ar_residual_norm w{world} nb3", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          JOINT=0)))
-    # K3_OPS_PDL=1: the kernels let the next one launch once their inputs are loaded
-    for world in (1, 8):
-        for nb in (0, 3):
-            out.append((f"trigger ar_residual_norm w{world} nb{nb}", K.ar_residual_norm_kernel, ints,
-                        dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16,
-                             SEQ=1, TRIGGER=1)))
-        out.append((f"trigger latent_tail w{world}", K.latent_tail_kernel, ints,
-                    dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1,
-                         TRIGGER=1)))
     # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
@@ -113,8 +104,6 @@ def variants():
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
                         dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
-    out.append(("mma_gemm pdl split4", KG.mma_gemm_kernel, mg,   # K3_OPS_PDL=1
-                dict(BM=16, BN=64, BK=256, SPLIT=4, SWAP=0, EVEN_K=1, ACC=0, PDL=1, PF=1024)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32")
@@ -165,14 +154,10 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "mma_gemm split": ["mma.sync", "cp.async"], "mma_gemm swap": ["wgmma", "cp.async"],
           "mma_gemm split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
           "mma_gemm swap split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
-          "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX,
-          "trigger ": ["griddepcontrol.launch_dependents"],
-          "mma_gemm pdl": ["cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait", "griddepcontrol.launch_dependents"]}
+          "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
 ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
-         # the weight prefetch before the wait; nothing read from x before it
-         "mma_gemm pdl": [("cp.async.bulk.prefetch.L2", "griddepcontrol.wait"), ("griddepcontrol.wait", "cp.async.cg")],
          # the CTA barrier after the partial stores comes before the counting atomic
          "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
@@ -184,7 +169,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "trigger ", "kda_conv", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl", "mma_gemm", "mla_")
 
 

@@ -127,8 +127,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, TRIGGER=upd.is_cuda and ops_pdl(),
-        num_warps=warps, **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, num_warps=warps, **_comm())
     return upd, nrm
 
 
@@ -148,7 +147,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        TRIGGER=y.is_cuda and ops_pdl(), num_warps=_warps(BLOCK), **_comm())
+        num_warps=_warps(BLOCK), **_comm())
     return ln, out
 
 
@@ -322,17 +321,6 @@ class MmaCfg:
 
 MMA_MAX_M = 16          # one MMA tile of tokens
 
-
-def ops_pdl() -> bool:
-    """K3_OPS_PDL=1 (read at each launch, so a benchmark variant can set it while it compiles and
-    captures): the MMA GEMM is launched with Programmatic Dependent Launch and prefetches
-    MMA_PDL_PF weight elements of each row into L2 before it waits for the kernel before it, and
-    the all-reduce / norm and latent-tail kernels let the kernel after them launch once they have
-    loaded their inputs (triton_comm._trigger). Off by default until measured."""
-    return os.environ.get("K3_OPS_PDL", "0") == "1"
-
-
-MMA_PDL_PF = 1024   # weight elements per row prefetched before the wait (2 KB of bf16)
 SPLIT_SLOTS, SPLIT_STREAMS = 8192, 8   # split-K counters per stream (tiles of one GEMM), streams per device
 _SPLIT: dict[str, tuple[torch.Tensor, dict]] = {}
 
@@ -380,13 +368,10 @@ def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | 
     if cnt is None:   # no counters for this call (split_counters): the same product unsplit
         split, cnt = 1, out
     part = torch.empty(tiles * split * MMA_MAX_M * cfg.bn, dtype=torch.float32, device=x.device) if split > 1 else out
-    es = w.element_size()
-    pdl = x.is_cuda and ops_pdl() and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, PDL=pdl, PF=MMA_PDL_PF if pdl else 0,
-                                       num_warps=cfg.warps, num_stages=cfg.stages,
-                                       **({"launch_pdl": True} if pdl else {}))
+                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, num_warps=cfg.warps,
+                                       num_stages=cfg.stages)
     return out
 
 

@@ -223,15 +223,6 @@ def _src_row(b, I: tl.constexpr, NB: tl.constexpr, row, offs, mask, N, BLOCK_N: 
 
 
 @triton.jit
-def _trigger(ON):
-    """Let the next kernel launch (Programmatic Dependent Launch) once this program has issued its loads
-    of activations (inputs another kernel may write next: the protocol Inductor's PDL kernels follow,
-    which trigger after their loads); ON is a constexpr or a run-time condition (CUDA only)."""
-    if ON:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def _half(epoch, HALF, WORLD: tl.constexpr):
     """Element offset of the buffer half this call uses."""
     h = tl.zeros((), tl.int64)
@@ -363,7 +354,7 @@ def _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK: tl.constexpr, WORLD: tl
 @triton.jit
 def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
                NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-               DTYPE: tl.constexpr, TRIG):
+               DTYPE: tl.constexpr):
     """One row at WORLD == 1 with JOINT: the same outputs as _ar_pre + _ar_row_sum + _ar_post, but the
     updated row (no peers to wait for) joins the blocks' _mix4 groups: with up to 3 blocks, 3
     reductions in all (sums of squares, logits, the post-norm) instead of 2 * (NB + 1) + 1."""
@@ -380,7 +371,6 @@ def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, 
             x1 = _src_row(b1, 1, NB, row, offs, mask, N, BLOCK_N)
             x2 = _src_row(b2, 2, NB, row, offs, mask, N, BLOCK_N)
             x3 = _src_row(b3, 3, NB, row, offs, mask, N, BLOCK_N)
-            _trigger(TRIG and NB <= 4)
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -400,12 +390,8 @@ def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, 
                                       _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N), y,
                                       NB > 4, NB > 5, NB > 6, True, wmix, N, eps, m, s, acc, DTYPE)
             mixed = (acc / s).to(DTYPE).to(tl.float32)
-        else:
-            _trigger(TRIG)
         out = _rms(mixed, mask, N, eps) * gw
         tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
-    else:
-        _trigger(TRIG)
 
 
 @triton.jit
@@ -417,7 +403,6 @@ def ar_residual_norm_kernel(
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
     PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = True,
-    TRIGGER: tl.constexpr = False,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -432,9 +417,7 @@ def ar_residual_norm_kernel(
     instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
     rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps).
     JOINT: the AttnRes blocks' reductions four blocks at a time (_mix4); at WORLD == 1 the updated row
-    joins them (_ar_row_w1). TRIGGER (launch.ops_pdl): _trigger once a program that has one row has
-    loaded its inputs (at WORLD > 1: its residual, blocks and partial; the peers' buffers are
-    symmetric memory no other kernel writes)."""
+    joins them (_ar_row_w1)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -442,11 +425,11 @@ def ar_residual_norm_kernel(
     if WORLD == 1 and JOINT:
         for row in range(pid, M, npid):
             _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
-                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE, TRIGGER and M <= npid)
+                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE)
     else:
         _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0, b1, b2, b3, b4, b5, b6, b7,
                  M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK, WORLD, NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE,
-                 SEQ, PUSHED, EARLY, VEC, PRELOAD, LEAN, JOINT, TRIGGER)
+                 SEQ, PUSHED, EARLY, VEC, PRELOAD, LEAN, JOINT)
 
 
 @triton.jit
@@ -454,7 +437,7 @@ def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0,
              M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
              NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
              DTYPE: tl.constexpr, SEQ: tl.constexpr, PUSHED: tl.constexpr, EARLY: tl.constexpr, VEC: tl.constexpr,
-             PRELOAD: tl.constexpr, LEAN: tl.constexpr, JOINT: tl.constexpr, TRIGGER: tl.constexpr):
+             PRELOAD: tl.constexpr, LEAN: tl.constexpr, JOINT: tl.constexpr):
     """ar_residual_norm_kernel's program: copy + barrier (WORLD > 1), then its rows."""
     gw = tl.zeros([BLOCK_N], tl.float32)
     wmix = tl.zeros([BLOCK_N], tl.float32)
@@ -475,8 +458,6 @@ def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0,
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
     r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, w_norm, w_qk, N, eps, NB,
                            HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT)
-    if WORLD > 1:
-        _trigger(TRIGGER and M <= npid)   # at WORLD == 1 `local` is read below: the end's implicit trigger
     if WORLD > 1 and EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
@@ -498,15 +479,14 @@ def latent_tail_kernel(
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    EARLY: tl.constexpr = True, VEC: tl.constexpr = True, TRIGGER: tl.constexpr = False,
+    EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
     EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
     signal). VEC: _signal / _wait. WORLD == 1: each row is normed from registers (no peers: nothing
-    goes through memory between the finalize and the norm), `local` is unused. TRIGGER
-    (launch.ops_pdl): _trigger once a program that has one row has loaded y and the shared partial."""
+    goes through memory between the finalize and the norm), `local` is unused."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -522,19 +502,18 @@ def latent_tail_kernel(
                 o2 = c + tl.arange(0, 1024)
                 m2 = o2 < SP
                 tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
-            _trigger(TRIGGER and M <= npid)
             r1 = acc1.to(DTYPE).to(tl.float32)
             tl.store(ln + row * N + offs, (_rms(r1, mask, N, eps) * gw1).to(DTYPE), mask=mask)
     else:
         _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask, TOPK, RANK,
-                   WORLD, BLOCK_N, BLOCK_SP, DTYPE, SEQ, EARLY, VEC, TRIGGER)
+                   WORLD, BLOCK_N, BLOCK_SP, DTYPE, SEQ, EARLY, VEC)
 
 
 @triton.jit
 def _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask,
                TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr, EARLY: tl.constexpr,
-               VEC: tl.constexpr, TRIGGER: tl.constexpr):
+               VEC: tl.constexpr):
     """latent_tail_kernel's program at WORLD > 1."""
     base = _half(epoch, HALF, WORLD)
     mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
@@ -551,7 +530,6 @@ def _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid
             o2 = c + tl.arange(0, 1024)
             m2 = o2 < SP
             tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
-    _trigger(TRIGGER and M <= npid)   # y and the shared partial are read; the peers' buffers are symmetric memory
     if not EARLY:
         _signal(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
     _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)

@@ -77,27 +77,13 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, MP: tl.constexpr, BLOCK_N: tl
     tl.store(op, acc.to(out.dtype.element_ty), mask=om)
 
 
-@triton.jit
-def l2_prefetch_rows(rows, nbytes):
-    """One bulk L2 prefetch (Hopper `cp.async.bulk.prefetch.L2`) of nbytes (a multiple of 16, from a
-    16-byte aligned address; 0: none) at each pointer of `rows`."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                              "mov.u32 $0, 0; }", "=r,l,r", [rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
 def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                    ACC: tl.constexpr, PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+                    ACC: tl.constexpr):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
-    `cnt` are unused when SPLIT == 1.
-    PDL (launched with launch_pdl=True, CUDA only): the first PF elements of each of the program's
-    weight rows (of its K slice) are requested into L2 (l2_prefetch_rows), then the program waits
-    for the previous kernel (gdc_wait: x, out, part and cnt are touched only after it) and lets
-    the next one launch (gdc_launch_dependents). The weights stream while the kernel before this
-    one finishes (a latency-bound norm, top-k or all-reduce kernel at decode). The caller checks
-    the 16-byte alignment of W's rows."""
+    `cnt` are unused when SPLIT == 1."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     rn = pid * BN + tl.arange(0, BN)
@@ -107,11 +93,6 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, BM: tl.constex
     ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # K per split, a multiple of BK
     k_lo = sid * ks
     k_hi = tl.minimum(k_lo + ks, K)
-    if PDL:
-        nb = (tl.minimum(k_hi - k_lo, PF) * (w.dtype.element_ty.primitive_bitwidth // 8)) // 16 * 16
-        l2_prefetch_rows(w + rn.to(tl.int64) * swn + k_lo, tl.where(nmask & (k_lo < k_hi), nb, 0))
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     wp = w + rn.to(tl.int64)[:, None] * swn
     xp = x + rm[:, None] * sxm
     if SWAP:
