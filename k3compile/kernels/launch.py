@@ -139,11 +139,10 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
     dt = y.dtype
     ln = torch.empty(M, L, dtype=dt, device=y.device)
     out = torch.empty_like(shared_partial)
-    local = ln   # unread (the kernel's WORLD == 1 path norms from registers)
     BLOCK = triton.next_power_of_2(L)
     K.latent_tail_kernel[(_programs(M, peers),)](
-        y, topk_w.contiguous(), peers.ptrs if peers else local, peers.pads if peers else local,
-        peers.epoch if peers else local, peers.half(dt) if peers else 0, local,
+        y, topk_w.contiguous(), peers.ptrs if peers else ln, peers.pads if peers else ln,   # ln: unread at TP=1
+        peers.epoch if peers else ln, peers.half(dt) if peers else 0,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,

@@ -475,7 +475,7 @@ def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0,
 
 @triton.jit
 def latent_tail_kernel(
-    y, w, ptrs, pads, epoch, HALF, local, g, ln, sp, out,
+    y, w, ptrs, pads, epoch, HALF, g, ln, sp, out,
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
@@ -486,7 +486,7 @@ def latent_tail_kernel(
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
     EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
     signal). VEC: _signal / _wait. WORLD == 1: each row is normed from registers (no peers: nothing
-    goes through memory between the finalize and the norm), `local` is unused."""
+    goes through memory between the finalize and the norm), and ptrs / pads / epoch are unread."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
