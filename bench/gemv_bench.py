@@ -43,6 +43,9 @@ SHAPES = {  # name: (N, K)
     # TP=1 with TP=8 per-rank head widths (layer_bench --world 1 --shapes tp8): the router, latent
     # down- and up-projections are whole there (nothing shards them at TP=1)
     "w1 router": (896, 7168), "w1 latent": (3584, 7168), "w1 latent_up": (7168, 3584),
+    # the two stacked (shard_router_latent at TP=1: one launch of launch.mma_gemm2 over both weights;
+    # swept here as one [4480, 7168] weight, the same bytes and grid)
+    "w1 router_latent": (4480, 7168),
 }
 CONFIGS = [(2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4),
            (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 8, 3)]

@@ -26,6 +26,7 @@ step of that layer, CUDA-graphed, for:
               partials stored into every rank's buffer, flags instead of a barrier)
   k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
               bench/gemv_bench.py) found it faster than cuBLAS, with that sweep's best configs
+  NAME      - (--env NAME:K=V,...) k3 with those environment variables (e.g. a kernel's setting)
 Every compile is static (dynamic=False): after two sizes Dynamo would otherwise compile a dynamic
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 Timing: each variant's step is captured 10 times in one CUDA graph and timed over 20 replays
@@ -117,7 +118,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
 
 
 def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3,
-        push=False, ablate_passes=()):
+        push=False, ablate_passes=(), envs=None):
     import torch
 
     import k3compile
@@ -145,7 +146,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     if pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         pdl = False
         print(f"--pdl: this torch ({torch.__version__}) has no inductor config triton.enable_pdl", flush=True)
-    env = dict(ENV, k3_gemv={"K3_GEMV_TABLE": gemv_table}) if gemv_table else ENV
+    env = dict(ENV, k3_gemv={"K3_GEMV_TABLE": gemv_table}) if gemv_table else dict(ENV)
+    env.update(envs or {})
 
     for M in ms:
         cache = model.new_cache(M, max_seq=ctx + 8)
@@ -180,6 +182,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             variants["k3_push"] = k3c(gate="measured")
         if gemv_table:  # k3 with the Triton GEMV in its ops where that sweep found it faster (ENV below)
             variants["k3_gemv"] = k3c(gate="measured")
+        for name in envs or {}:  # --env NAME:K=V,...: k3 (the gate's default) under those variables
+            variants[name] = k3c(gate="measured")
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base
@@ -356,8 +360,16 @@ def main():
     ap.add_argument("--push", action="store_true", help="also time k3 with the CuTe push-epilogue o-proj (k3_push)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="times every variant's kept graph this many times, in turn; the median is reported")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME:K=V[,K=V]",
+                    help="one more k3 variant NAME, compiled, run and captured with these environment variables")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    envs = {}
+    for spec in a.env:
+        name, _, kvs = spec.partition(":")
+        if not name or not kvs or name in ENV or any("=" not in kv for kv in kvs.split(",")):
+            ap.error(f"--env {spec!r}: want NAME:K=V[,K=V] with a new NAME")
+        envs[name] = dict(kv.split("=", 1) for kv in kvs.split(","))
     from bench.common import save
     from k3compile.distributed import run_ranks
     t = time.time()
@@ -366,7 +378,7 @@ def main():
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
                     os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds), a.push,
-                    tuple(p for p in a.ablate_passes.split(",") if p), **({} if a.smoke else {"backend": "nccl"}))
+                    tuple(p for p in a.ablate_passes.split(",") if p), envs, **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Rank functions for the multi-rank compiler tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 PASS_SETS = {
@@ -59,6 +61,7 @@ def rewritten_graph_ops(rank, world):
     from k3compile.patterns.graph import c10d, is_call, orphan_collectives
     cfg = K3Config.tiny(dtype="bfloat16")
     model = K3Model(cfg, TPInfo.current())
+    EXPERTS = (torch.ops.k3.mxfp4_experts.default, torch.ops.k3model.mxfp4_experts.default)
     out = {}
     for name, passes in (("none", ()), ("all", None)):
         opts = K3Options.make(mode="eager", **({} if passes is None else {"passes": passes}))
@@ -75,6 +78,15 @@ def rewritten_graph_ops(rank, world):
                              mm=sum(is_call(n, torch.ops.aten.mm.default) for n in g.nodes),
                              topk=sum(is_call(n, torch.ops.aten.topk.default) for n in g.nodes),
                              router_topk=sum(is_call(n, torch.ops.k3.router_topk.default) for n in g.nodes),
+                             # expert ops reading int32 ids straight from k3::router_topk (no conversion)
+                             experts_i32_ids=sum(is_call(n, *EXPERTS) and n.args[1].meta["val"].dtype == torch.int32
+                                                 and is_call(n.args[1].args[0], torch.ops.k3.router_topk.default)
+                                                 for n in g.nodes),
+                             id_converts=sum(is_call(n, torch.ops.prims.convert_element_type.default,
+                                                     torch.ops.aten._to_copy.default)
+                                             and is_call(n.args[0], operator.getitem)
+                                             and is_call(n.args[0].args[0], torch.ops.k3.router_topk.default)
+                                             for n in g.nodes),
                              residual_norm_ar=sum(is_call(n, torch.ops.k3.residual_norm.default) and bool(n.args[7])
                                                   for n in g.nodes))
             return compiled

@@ -85,13 +85,16 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
         rb = torch.randn(E, generator=torch.Generator(device=dev).manual_seed(14), device=dev) * 0.1
         case(f"router_topk M={M}",  # ids compared as numbers too: one different expert is a large error
              lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5), lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
+        case(f"router_topk int32 M={M}",
+             lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5, True),
+             lambda *a: ref.router_topk(*a, TOPK, 2.5, True), (lg, rb))
+        xr = rnd(M, H, seed=8)
+        wr, wd = rnd(E, H, seed=9, scale=H ** -0.5), rnd(L, H, seed=11, scale=H ** -0.5)
+        case(f"router_latent M={M}",  # at TP=1: both GEMMs in one op (no gather)
+             lambda *a: torch.ops.k3.router_latent_sharded(*a, rank, world, group),
+             lambda *a: ref.router_latent_sharded(*a, rank, world, group),
+             (xr, wr, wd))
         if world > 1:
-            xr = rnd(M, H, seed=8)
-            wr, wd = rnd(E, H, seed=9, scale=H ** -0.5), rnd(L, H, seed=11, scale=H ** -0.5)
-            case(f"router_latent M={M}",
-                 lambda *a: torch.ops.k3.router_latent_sharded(*a, rank, world, group),
-                 lambda *a: ref.router_latent_sharded(*a, rank, world, group),
-                 (xr, wr, wd))
             xa = rnd(M, H, seed=12, shared=False)
             pre = [w]
             case(f"all_reduce M={M}",

@@ -108,10 +108,6 @@ def test_run_tp1_table_matches_report_and_dump_has_every_file(tiny_dump):
     assert row(out, "(no K3 pass)")[-2:] == ["0", "0"]
     for i, p in enumerate(rep["passes"], 1):
         cells = row(out, p["name"])
-        if p["name"] == "shard_router_latent":  # TP=1: nothing is replicated
-            assert cells[2] == "skipped" and "TP=1" in p["skipped"]
-            assert not (d / f"{i:02d}_{p['name']}.before.py").exists()
-            continue
         assert p["matched"] == p["expected"] > 0
         assert cells[2] == f"{p['matched']}/{p['expected']}"
         assert cells[3] == f"{p['nodes_before']} → {p['nodes_after']}" and p["nodes_after"] < p["nodes_before"]
@@ -224,7 +220,7 @@ def test_one_layer_models(model, attention):
 
 
 # ------------------------------------------------------------------------------------ diff
-def test_diff_is_coloured_and_names_the_new_ops(tiny_dump):
+def test_diff_is_coloured_and_names_the_new_ops(tiny_dump, tmp_path):
     _, d = tiny_dump
     plain = ok(k3c("diff", d, "fold_moe_finalize"))
     header = plain.splitlines()[0]
@@ -236,8 +232,10 @@ def test_diff_is_coloured_and_names_the_new_ops(tiny_dump):
     assert re.search(r"\x1b\[32m\+ .*torch\.ops\.k3\.moe_latent_tail\.default\(", out)  # green additions
     assert re.search(r"\x1b\[31m- .*torch\.ops\.aten\.sum\.dim_IntList", out)         # red removals
     assert "# File:" in ok(k3c("diff", d, "fold_moe_finalize", "--comments"))
-    r = k3c("diff", d, "shard_router_latent")
-    assert r.exit_code == 1 and "did not change the graph in this dump (TP=1" in r.stderr
+    assert "k3::router_latent_sharded ×" in ok(k3c("diff", d, "shard_router_latent")).splitlines()[0]
+    ok(k3c("run", "--tp", 1, "--skip", "shard_router_latent", "--dump", tmp_path / "d2"))
+    r = k3c("diff", tmp_path / "d2", "shard_router_latent")
+    assert r.exit_code == 1 and "did not change the graph in this dump (disabled by options" in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------------ explain
@@ -373,7 +371,8 @@ def test_passes_log_before_and_after_graphs_to_the_structured_trace():
         assert "class GraphModule" in arts[f"k3_{p}_before"] and "class GraphModule" in arts[f"k3_{p}_after"]
     assert "torch.ops.k3.oproj_allreduce_residual" in arts["k3_fuse_oproj_allreduce_after"]
     assert "torch.ops.k3.oproj_allreduce_residual" not in arts["k3_fuse_oproj_allreduce_before"]
-    assert "k3_shard_router_latent_before" not in arts  # skipped at TP=1: nothing to log
+    # at TP=1 the router and latent GEMMs become one op (no gather)
+    assert "torch.ops.k3.router_latent_sharded" in arts["k3_shard_router_latent_after"]
 
 
 # ------------------------------------------------------------------------------------ TP=2, console script

@@ -333,6 +333,56 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
         assert launch.split_counters(x.device).abs().max() == 0
 
 
+@pytest.mark.parametrize("M, N1, N2, K, cfg, dt", [(1, 32, 40, 96, launch.MmaCfg(16, 32, 1), torch.float32),
+                                                   (3, 64, 37, 130, launch.MmaCfg(32, 32, 3), torch.float16),
+                                                   (16, 64, 70, 256, launch.MmaCfg(64, 64, 2, swap=True), torch.float16),
+                                                   # w1's rows not a multiple of BN: two launches
+                                                   (2, 40, 24, 64, launch.MmaCfg(16, 16, 4), torch.float32)])
+def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
+    """launch.mma_gemm2 (the TP=1 router + latent GEMM): x @ w1^T and x @ w2^T of two separate
+    weights (neither copied), into fresh outputs and into two column ranges of one NaN-poisoned
+    buffer (every element written, nothing outside); the split counters left zero."""
+    g = torch.Generator().manual_seed(M * 1000 + N1 + N2)
+    x = torch.randn(M, K, generator=g).to(dt)
+    w1, w2 = torch.randn(N1, K, generator=g).to(dt), torch.randn(N2, K, generator=g).to(dt)
+    r1, r2 = x.float() @ w1.float().t(), x.float() @ w2.float().t()
+    big = max(r1.abs().max().item(), r2.abs().max().item())
+    tol = dict(atol=2e-2 * big, rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    o1, o2 = launch.mma_gemm2(x, w1, w2, cfg)
+    torch.testing.assert_close(o1.float(), r1, **tol)
+    torch.testing.assert_close(o2.float(), r2, **tol)
+    buf = torch.full((M, N1 + N2 + 8), float("nan"), dtype=dt)
+    launch.mma_gemm2(x, w1, w2, cfg, out1=buf[:, 4:4 + N1], out2=buf[:, 4 + N1:4 + N1 + N2])
+    torch.testing.assert_close(buf[:, 4:4 + N1 + N2].float(), torch.cat([r1, r2], 1), **tol)
+    assert buf[:, :4].isnan().all() and buf[:, 4 + N1 + N2:].isnan().all()
+    if cfg.split > 1:
+        assert launch.split_counters(x.device).abs().max() == 0
+    with pytest.raises(ValueError, match="share K"):
+        launch.mma_gemm2(x, w1, w2[:, :-1], cfg)
+
+
+def test_router_latent_one_takes_the_stacked_config_or_the_single_gemms(monkeypatch):
+    """The TP=1 router + latent op's launcher: the stacked shape's tuned MMA config -> one mma_gemm2
+    launch; no config for it -> each GEMM through choose.gemm (what lower_decode_gemm would run)."""
+    from k3compile.kernels import choose
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, generator=g).half()
+    wr, wd = torch.randn(32, 64, generator=g).half(), torch.randn(48, 64, generator=g).half()
+    calls = []
+    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: calls.append(rows)
+                        or launch.MmaCfg(16, 32, 2))
+    r, lat = launch.router_latent_one(x, wr, wd)
+    assert calls == [80]
+    tol = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(r.float(), x.float() @ wr.float().t(), **tol)
+    torch.testing.assert_close(lat.float(), x.float() @ wd.float().t(), **tol)
+    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: None)
+    monkeypatch.setattr(choose, "gemm", lambda op, x, w: calls.append(op) or x @ w.t())
+    r, lat = launch.router_latent_one(x, wr, wd)
+    assert calls[1:] == ["router", "latent"]
+    torch.testing.assert_close(lat, x @ wd.t())
+
+
 def test_mma_gemm_refuses_more_than_16_tokens_and_splits_only_with_counters(monkeypatch):
     """More tokens than one MMA tile is an error, not a wrong answer; a split call that gets no
     counters (first use inside a CUDA graph capture, too many streams) runs unsplit, still exact."""
@@ -645,6 +695,9 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt, per, monkeypatch):
     rid, rw = ref.router_topk(logits, bias, k, 2.5)
     assert torch.equal(ids, rid), (ids, rid)
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+    ids32, w32 = launch.router_topk(logits, bias, k, 2.5, torch.int32)  # what the expert kernels read
+    assert ids32.dtype == torch.int32 and torch.equal(ids32, ref.router_topk(logits, bias, k, 2.5, True)[0])
+    assert torch.equal(ids32.long(), rid) and torch.equal(w32, w)
 
 
 def _mla_case(M, H, L, R, S, dt, lens, seed=0):

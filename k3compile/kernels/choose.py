@@ -175,6 +175,9 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (896, 7168): {1: "mmas 64/128/8/4/4", 4: "mmas 64/128/8/4/4", 16: "mmas 64/128/8/4/4"},   # router, TP=1
     (3584, 7168): {1: "mmas 64/128/4/4/4", 4: None, 16: None},                                # latent down, TP=1
     (7168, 3584): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # latent up, TP=1
+    # the router and latent down stacked (launch.mma_gemm2, shard_router_latent at TP=1): latent down's
+    # M=1 config, not yet swept for this shape
+    (4480, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},
 }
 _TABLES: dict[str, dict] = {}
 
@@ -204,8 +207,9 @@ def gemv_table_from(path: str) -> dict:
     return _TABLES[path]
 
 
-def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None):
-    """The GEMV config for x @ w.t() (into out), or None where cuBLAS runs it."""
+def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, rows: int | None = None):
+    """The GEMV config for x @ w.t() (into out), or None where cuBLAS runs it. rows: look up the
+    table for a weight of that many rows instead of w's (two stacked weights: launch.mma_gemm2)."""
     from .launch import GEMV_DEFAULT, GEMV_MAX_M, MMA_MAX_M
     m = x.shape[0]
     flag = os.environ.get("K3_GEMV", "")
@@ -216,10 +220,12 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None)
     if out is not None and (out.dtype != x.dtype or out.stride(-1) != 1):
         return None
     path = os.environ.get("K3_GEMV_TABLE")
-    by_m = (gemv_table_from(path) if path else GEMV_TABLE).get((w.shape[0], w.shape[1]), {})
+    by_m = (gemv_table_from(path) if path else GEMV_TABLE).get((rows or w.shape[0], w.shape[1]), {})
     fit = [mm for mm in sorted(by_m) if mm >= m]
     if fit:
         return parse_cfg(by_m[fit[0]])
+    if rows is not None:
+        return None
     return GEMV_DEFAULT if flag not in ("", "0") and m <= GEMV_MAX_M else None
 
 

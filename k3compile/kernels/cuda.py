@@ -13,7 +13,8 @@
 - router_latent_sharded: one cuBLAS GEMM on this rank's rows of [W_r; W_down] (a view of one
   weight, or for the one rank whose rows straddle both a copy made once, `launch.rank_rows`), then
   one Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
-  Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did).
+  Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did). At TP=1:
+  both GEMMs in one launch of the decode GEMM over the stacked weights (`launch.router_latent_one`).
 - router_topk: one Triton kernel per call (sigmoid, biased top-k, renormalised weights).
 - all_reduce_prefetch: one Triton kernel (copy in, one-shot all-reduce).
 - L2 prefetch: on the side stream, started before the communication kernel, joined after it.
@@ -148,6 +149,16 @@ def _ok_router(x, w_router, w_down, rank, tp, group):
             and bool(group) and (w_router.shape[0] + w_down.shape[0]) % tp == 0)
 
 
+def _ok_router1(x, w_router, w_down, rank, tp, group):
+    return (tp == 1 and not group and x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype
+            and w_down.dtype == x.dtype and w_router.shape[1] == w_down.shape[1] == x.shape[1])
+
+
+@register("router_latent_sharded", "cuda", "one_gemm_triton", _ok_router1)
+def _router1(x, w_router, w_down, rank, tp, group):
+    return launch.router_latent_one(x, w_router, w_down)
+
+
 @register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
 def _router(x, w_router, w_down, rank, tp, group):
     S = (w_router.shape[0] + w_down.shape[0]) // tp
@@ -158,15 +169,15 @@ def _router(x, w_router, w_down, rank, tp, group):
     return launch.router_latent(x, w_router, w_down, peers)
 
 
-def _ok_topk(logits, bias, k, scale):
+def _ok_topk(logits, bias, k, scale, ids_int32=False):
     return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype in _FLOAT and bias.dim() == 1
             and bias.is_contiguous() and bias.dtype in _FLOAT and bias.shape[0] == logits.shape[1]
             and 0 < k <= min(64, logits.shape[1]) and logits.shape[1] <= launch.ROUTER_TOPK_MAX_E)
 
 
 @register("router_topk", "cuda", "triton_router_topk", _ok_topk)
-def _router_topk(logits, bias, k, scale):
-    return launch.router_topk(logits, bias, k, scale)
+def _router_topk(logits, bias, k, scale, ids_int32=False):
+    return launch.router_topk(logits, bias, k, scale, torch.int32 if ids_int32 else torch.int64)
 
 
 def _ok_ar(x, group, prefetch):

@@ -283,6 +283,16 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
     return torch.cat([torch.mm(x, w_router[a:].t()), torch.mm(x, w_down[:S - S1].t())], 1).view(-1)
 
 
+def router_latent_one(x, w_router, w_down):
+    """TP=1: (x @ W_r.T, x @ W_down.T) in one launch of the MMA decode GEMM over the stacked rows
+    (mma_gemm2) where the tuned table has the stacked shape [E + L, K] at this M; else each GEMM
+    through choose.gemm (its own tuned config, or cuBLAS)."""
+    cfg = choose.gemv_plan(x, w_router, rows=w_router.shape[0] + w_down.shape[0])
+    if isinstance(cfg, MmaCfg) and x.stride(1) == 1 and w_router.stride(1) == 1 and w_down.stride(1) == 1:
+        return mma_gemm2(x, w_router, w_down, cfg)
+    return choose.gemm("router", x, w_router), choose.gemm("latent", x, w_down)
+
+
 def router_latent(x, w_router, w_down, peers: Peers):
     """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
     shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
@@ -352,26 +362,56 @@ def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | 
              accumulate: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it) by triton_gemv.mma_gemm_kernel, M <= MMA_MAX_M; x [M, K]
     and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
-    from . import triton_gemv as KG
-    M, K = x.shape
-    N = w.shape[0]
-    if M > MMA_MAX_M:
-        raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
+    M, N = x.shape[0], w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _mma(x, w, out, None, None, cfg, accumulate)
+    return out
+
+
+def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: MmaCfg,
+              out1: torch.Tensor | None = None, out2: torch.Tensor | None = None):
+    """(x @ w1.t(), x @ w2.t()) in ONE launch of the MMA GEMM over the stacked rows [w1; w2] (no copy
+    of either weight; `cfg` is the stacked shape's); both weights [*, K] of x's dtype with unit stride
+    along K, the outputs [M, N1] / [M, N2] (given: unit stride along N; e.g. two column ranges of one
+    buffer). Returns (out1, out2). Where w1's rows are not a multiple of the config's BN (a program's
+    rows must lie in one weight), two launches of the same config instead."""
+    M = x.shape[0]
+    if w1.shape[1] != w2.shape[1] or w1.dtype != w2.dtype:
+        raise ValueError(f"mma_gemm2: weights {tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype} "
+                         "must share K and dtype")
+    out1 = torch.empty(M, w1.shape[0], dtype=x.dtype, device=x.device) if out1 is None else out1
+    out2 = torch.empty(M, w2.shape[0], dtype=x.dtype, device=x.device) if out2 is None else out2
+    if w1.shape[0] % cfg.bn:
+        _mma(x, w1, out1, None, None, cfg, False)
+        _mma(x, w2, out2, None, None, cfg, False)
+    else:
+        _mma(x, w1, out1, w2, out2, cfg, False)
+    return out1, out2
+
+
+def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
+    from . import triton_gemv as KG
+    M, K = x.shape
+    N1 = w.shape[0]
+    N = N1 + (w2.shape[0] if w2 is not None else 0)
+    if M > MMA_MAX_M:
+        raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
     if not M:
-        return out
+        return
     tiles = triton.cdiv(N, cfg.bn)
     split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
     cnt = split_counters(x.device) if split > 1 and tiles <= SPLIT_SLOTS else None
     if cnt is None:   # no counters for this call (split_counters): the same product unsplit
         split, cnt = 1, out
     part = torch.empty(tiles * split * MMA_MAX_M * cfg.bn, dtype=torch.float32, device=x.device) if split > 1 else out
+    two = w2 is not None
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                       w2 if two else w, out2 if two else out, N1,
+                                       w2.stride(0) if two else 0, out2.stride(0) if two else 0,
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, num_warps=cfg.warps,
+                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, num_warps=cfg.warps,
                                        num_stages=cfg.stages)
-    return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
@@ -425,19 +465,21 @@ ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 # keys selected per round of the router's top-k kernel: 1 (measured, 5.4 us at M=1 on an H200) or 4
 # (triton_router's PER=4: a quarter of the rounds, each merging four-key lists; not yet timed on a GPU,
-# K3_ROUTER_PER=4 to try it)
-ROUTER_PER = int(os.environ.get("K3_ROUTER_PER", "1"))
+# K3_ROUTER_PER=4 to try it; read at each call)
+ROUTER_PER = 1
 
 
-def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float):
-    """(ids int64 [M, k], weights fp32 [M, k]) of the K3 router (triton_router's docstring)."""
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64):
+    """(ids [M, k] of ids_dtype (int64 or int32), weights fp32 [M, k]) of the K3 router
+    (triton_router's docstring)."""
     from . import triton_router as KR
     M, E = logits.shape
-    ids = torch.empty(M, k, dtype=torch.int64, device=logits.device)
+    ids = torch.empty(M, k, dtype=ids_dtype, device=logits.device)
     w = torch.empty(M, k, dtype=torch.float32, device=logits.device)
     if M:
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
-                                    BLOCK=triton.next_power_of_2(E), PER=ROUTER_PER,
+                                    BLOCK=triton.next_power_of_2(E),
+                                    PER=int(os.environ.get("K3_ROUTER_PER", ROUTER_PER)),
                                     num_warps=4 if E <= 1024 else 8)
     return ids, w
 
@@ -495,6 +537,10 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     return out
 
 
+# channels per program of the KDA short conv (K3_CONV_BLOCK overrides; a power of two >= 32)
+CONV_BLOCK = 1024
+
+
 def kda_conv_decode_fits(xq, xk, xv, state, w) -> bool:
     """Calls the Triton short conv takes: 2-D [M, C/3] inputs of one float dtype with unit stride
     along channels, state [M, C, KW - 1] and w [C, KW] (contiguous), 2 <= KW <= 8."""
@@ -515,11 +561,11 @@ def kda_conv_decode(xq, xk, xv, state, w):
     kw = w.shape[1]
     q, k, v = (torch.empty(M, cq, dtype=xq.dtype, device=xq.device) for _ in range(3))
     new_state = torch.empty(state.shape, dtype=state.dtype, device=state.device)
-    BLOCK = 1024
+    BLOCK = int(os.environ.get("K3_CONV_BLOCK", CONV_BLOCK))
     if M:
         KC.kda_conv_decode_kernel[(M, triton.cdiv(3 * cq, BLOCK))](
             xq, xk, xv, state, w, q, k, v, new_state, cq, xq.stride(0), xk.stride(0), xv.stride(0),
-            state.stride(0), state.stride(1), state.stride(2), KW=kw, BLOCK=BLOCK, num_warps=4)
+            state.stride(0), state.stride(1), state.stride(2), KW=kw, BLOCK=BLOCK, num_warps=max(1, min(4, BLOCK // 32)))
     return q, k, v, new_state
 
 

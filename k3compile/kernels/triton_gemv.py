@@ -78,17 +78,34 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, MP: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
-def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr,
-                    ACC: tl.constexpr):
+def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                    SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
-    `cnt` are unused when SPLIT == 1."""
+    `cnt` are unused when SPLIT == 1. TWO: W is two weights stacked, [w; w2] (rows [0, N1) of W are
+    w's, rows [N1, N) w2's rows [0, N - N1)), and so is out: columns [0, N1) go to `out`, the rest
+    to `out2` (row strides som / som2): one launch streams both, neither is copied. N1 must be a
+    multiple of BN (each program's rows lie in one weight: it picks that weight's base as a scalar,
+    so its loads stay 16-byte vectors; a per-row select of the two bases made them 2-byte loads).
+    w2, out2, N1, swn2 and som2 are unused otherwise."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rn = pid * BN + tl.arange(0, BN)
+    r0 = pid * BN
+    nlim = N
+    if TWO:
+        if r0 >= N1:        # this program's rows are w2's
+            w = w2
+            swn = swn2
+            out = out2
+            som = som2
+            r0 = r0 - N1
+            nlim = N - N1
+        else:
+            nlim = N1
+    rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
-    nmask = rn < N
+    nmask = rn < nlim
     mmask = rm < M
     ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # K per split, a multiple of BK
     k_lo = sid * ks

@@ -70,5 +70,5 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
     ws = tl.sigmoid(tl.load(logits + r * E + sel, mask=ok, other=0.0).to(tl.float32))
     ws = tl.where(ok, ws, 0.0)
     tot = tl.sum(ws, 0)
-    tl.store(ids + r * K + kk, sel.to(tl.int64), mask=ok)
+    tl.store(ids + r * K + kk, sel.to(ids.dtype.element_ty), mask=ok)
     tl.store(w + r * K + kk, ws / tot * scale, mask=ok)

@@ -98,16 +98,19 @@ def _(x, w_router, w_down, rank, tp, group):
 
 
 @torch.library.custom_op("k3::router_topk", mutates_args=())
-def router_topk(logits: Tensor, bias: Tensor, k: int, scale: float) -> tuple[Tensor, Tensor]:
-    """(ids int64 [M, k], weights fp32 [M, k]): sigmoid router scores, top-k by score + bias, the
-    selected scores renormalised to sum 1 times `scale` (one kernel on CUDA)."""
-    return _run("router_topk", ref.router_topk, logits, bias, k, scale)
+def router_topk(logits: Tensor, bias: Tensor, k: int, scale: float,
+                ids_int32: bool = False) -> tuple[Tensor, Tensor]:
+    """(ids [M, k], weights fp32 [M, k]): sigmoid router scores, top-k by score + bias, the
+    selected scores renormalised to sum 1 times `scale` (one kernel on CUDA). ids are int64 (as
+    torch.topk's), or int32 with ids_int32 (what the expert kernels read: no conversion kernel)."""
+    return _run("router_topk", ref.router_topk, logits, bias, k, scale, ids_int32)
 
 
 @router_topk.register_fake
-def _(logits, bias, k, scale):
+def _(logits, bias, k, scale, ids_int32=False):
     M = logits.shape[0]
-    return (logits.new_empty(M, k, dtype=torch.int64), logits.new_empty(M, k, dtype=torch.float32))
+    return (logits.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64),
+            logits.new_empty(M, k, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------- 4. side stream + prefetch

@@ -58,6 +58,8 @@ def router_latent_sharded(x, w_router, w_down, rank, tp, group):
     """Rows [rank*s, (rank+1)*s) of [W_r; W_down] times x on each rank, all-gathered.
 
     Returns (router logits in x.dtype [M, E], latent [M, L]) equal to the replicated GEMMs."""
+    if tp == 1:
+        return F.linear(x, w_router), F.linear(x, w_down)
     E, n = w_router.shape[0], w_router.shape[0] + w_down.shape[0]
     s = n // tp
     a, b = rank * s, (rank + 1) * s
@@ -72,13 +74,14 @@ def router_latent_sharded(x, w_router, w_down, rank, tp, group):
     return full[:, :E].clone(), full[:, E:].clone()  # fresh tensors: outputs may not alias
 
 
-def router_topk(logits, bias, k, scale):
+def router_topk(logits, bias, k, scale, ids_int32=False):
     """The K3 router's selection (K3-SPEC: sigmoid scores of the fp32 logits, top-k by score +
-    correction bias, weights = the selected scores renormalised to sum 1, times the scale)."""
+    correction bias, weights = the selected scores renormalised to sum 1, times the scale); the ids
+    as int32 with ids_int32."""
     scores = torch.sigmoid(logits.float())
     _, ids = torch.topk(scores + bias, k, dim=-1)
     w = scores.gather(-1, ids)
-    return ids, w / w.sum(-1, keepdim=True) * scale
+    return ids.to(torch.int32) if ids_int32 else ids, w / w.sum(-1, keepdim=True) * scale
 
 
 def kda_conv_decode(xq, xk, xv, state, w):

@@ -9,7 +9,9 @@ GEMM + all-gather shard_router_latent emits):
     w      = w / w.sum(-1, keepdim=True) (* scale)
 (`patterns.router.match_router_topk` checks the chain.)
 Emits:
-    ids, w = k3::router_topk(logits, bias, k, scale)
+    ids, w = k3::router_topk(logits, bias, k, scale, ids_int32)
+(ids_int32 where only expert ops read the ids: the kernel writes int32 ids, which the expert kernels
+read, instead of int64 ids and a conversion kernel before the experts: 1.1 us at M=1 on an H200.)
 On CUDA one Triton kernel (kernels/triton_router.py) instead of Inductor's sigmoid + add kernel,
 torch.topk's two (a radix select and a sort: 8.6 + 3.9 us at M=1, E=896 on an H200) and the
 renormalisation: 5.2-5.4 us at M = 1..64 (bench/router_bench.py, BENCHMARKS.md). Its reference is
@@ -23,11 +25,15 @@ from __future__ import annotations
 
 import operator
 
+import torch
+
 from ..ops import OPS
 from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_converts
 from ..patterns.router import match_router_topk
 from .base import K3Pass
 from .common import emit, getitem, replace
+
+_EXPERT_OPS = (torch.ops.k3model.mxfp4_experts.default, torch.ops.k3.mxfp4_experts.default)
 
 
 def router_logits(ids):
@@ -57,9 +63,18 @@ class FuseRouterTopk(K3Pass):
 
     def run(self, graph, info, opts, report):
         for site in self.collect(info.experts, self.match, report):
-            sel = emit(graph, site.logits, OPS["router_topk"], (site.logits, site.bias, site.k, site.scale))
+            # int32 ids where only expert ops read them (their kernels take int32: no conversion kernel);
+            # the selection's own gather dies with the weights it computed
+            i32 = all(u is site.gather or (is_call(u, *_EXPERT_OPS) and u.args[1] is site.ids
+                                           and site.ids not in u.args[2:]) for u in site.ids.users)
+            sel = emit(graph, site.logits, OPS["router_topk"], (site.logits, site.bias, site.k, site.scale, i32))
             w = getitem(graph, sel, 1)
-            replace(graph, site.ids, getitem(graph, sel, 0))
+            ids = getitem(graph, sel, 0)
+            if i32:
+                for u in list(site.ids.users):
+                    u.replace_input_with(site.ids, ids)
+            else:
+                replace(graph, site.ids, ids)
             replace(graph, site.weights, w)
             report.matched += 1
 

@@ -27,6 +27,7 @@ class RouterTopkSite:
     scale: float
     ids: Node      # getitem(topk, 1)
     weights: Node  # the renormalised (scaled) weights
+    gather: Node   # gather(scores, -1, ids): the selection's own use of the ids
 
 
 def _only(users, *targets) -> list[Node]:
@@ -73,4 +74,4 @@ def match_router_topk(logits: Any) -> RouterTopkSite | Fail:
     muls = _only(out.users, aten.mul.Tensor)
     if len(out.users) == 1 and len(muls) == 1 and scalar(muls[0].args[1]) is not None:
         out, scale = muls[0], scalar(muls[0].args[1])
-    return RouterTopkSite(logits=n, bias=bias, k=k, scale=scale, ids=ids, weights=out)
+    return RouterTopkSite(logits=n, bias=bias, k=k, scale=scale, ids=ids, weights=out, gather=g)
