@@ -109,6 +109,16 @@ for st in "$@"; do
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
+    # where the shared expert forks (K3_SHARED_AT=topk: after the router's selection) and the router's four
+    # keys per round, in both layers beside the default; the GPU tests of the side stream and the TP=1 ops
+    shared) step shared_tests 300 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
+              -k "tp1 or side_stream or reduce_overhead or overlaps or mma_gemm"
+            for L in kda mla; do
+              step layer_${L}_tp8_w1_shared 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1} \
+                --ablate-passes shard_router_latent --env at_topk:K3_SHARED_AT=topk --env per4:K3_ROUTER_PER=4 \
+                --env at_topk_per4:K3_SHARED_AT=topk,K3_ROUTER_PER=4 --world 1 --layer $L --shapes tp8 \
+                --out "$R/layer_${L}_tp8_w1_shared.json"
+            done ;;
     # the router + latent down-projection as one GEMM at TP=1 (shard_router_latent), the KDA conv's block,
     # the router's four keys per round and int32 ids: GPU tests, the stacked shape's sweep beside the two
     # alone, then both layers with the pass's ablation rows and env variants

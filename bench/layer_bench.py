@@ -183,7 +183,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         if gemv_table:  # k3 with the Triton GEMV in its ops where that sweep found it faster (ENV below)
             variants["k3_gemv"] = k3c(gate="measured")
         for name in envs or {}:  # --env NAME:K=V,...: k3 (the gate's default) under those variables
-            variants[name] = k3c(gate="measured")
+            with common_env(envs[name]):  # the backend's options read theirs when it is made
+                variants[name] = k3c(gate="measured")
         if M in ablate:  # every ablation row without the L2 prefetch (gated off everywhere), but k3all
             variants["k3none"] = k3c(passes=[])          # the backend with no K3 pass: Inductor + our canonicalisation
             variants["k3-prefetch"] = k3c(prefetch=False)  # every pass, no L2 prefetch: the ablation's base

@@ -457,10 +457,17 @@ def test_backend_registered_by_entry_point_without_import():
 
 def _check_stream_order(code: str, n_moe: int) -> None:
     """In Inductor's generated code, per MoE layer: side-stream start, routed experts (lowered by
-    fold_moe_finalize to k3::mxfp4_experts), join."""
-    calls = re.findall(r"torch\.ops\.(k3\.shared_expert_async|k3(?:model)?\.mxfp4_experts|k3\.stream_join)\.default\(",
-                       code)
-    assert calls == ["k3.shared_expert_async", "k3.mxfp4_experts", "k3.stream_join"] * n_moe, calls
+    fold_moe_finalize to k3::mxfp4_experts), then the join: the latent tail op (fold_moe_finalize's),
+    which waits for the side stream itself and reads the side stream's output directly."""
+    calls = re.findall(r"(\w+) = torch\.ops\.(k3\.shared_expert_async|k3(?:model)?\.mxfp4_experts|k3\.stream_join|"
+                       r"k3\.moe_latent_tail)\.default\(([^,]*, [^,]*, ([^,]*))", code)
+    assert [c[1] for c in calls] == ["k3.shared_expert_async", "k3.mxfp4_experts", "k3.moe_latent_tail"] * n_moe, calls
+    alias = dict(re.findall(r"^\s*(\w+) = (\w+)$", code, re.M))  # Inductor's `buf46 = buf45`
+    for i in range(n_moe):  # shared_partial is the async output
+        arg = calls[3 * i + 2][3]
+        while arg in alias:
+            arg = alias[arg]
+        assert arg == calls[3 * i][0], calls[3 * i:3 * i + 3]
 
 
 def test_inductor_end_to_end_dynamic_batch():
@@ -563,3 +570,36 @@ def test_inductor_cache_hit_is_reported():
     first, second = k3compile.reports()[-2:]
     assert first.cache_hit or first.get("fuse_oproj_allreduce").matched == 2
     assert second.cache_hit and "loaded from Inductor's cache" in second.render()
+
+
+@pytest.mark.parametrize("at", ["input", "topk"])
+def test_shared_expert_fork_point_and_tail_join(at):
+    """overlap_shared_expert forks the shared expert right after its input, or (shared_expert_at="topk")
+    after the router's selection; either way the latent tail op reads the side stream's output
+    directly (it joins the stream itself: no k3::stream_join, no copy) and the step is exact."""
+    from k3compile.compiler import _compile
+    from k3compile.options import K3Options
+    from k3compile.passes.manager import PassManager
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4)
+    m = K3Model(cfg)
+    opts = K3Options.make(mode="eager", shared_expert_at=at)
+    seen = {}
+
+    def be(gm, ex):
+        return _compile(gm, ex, opts, manager=PassManager(opts, observer=lambda st, p, g: seen.update(g=g)))
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    torch._dynamo.reset()
+    out = torch.compile(m, backend=be, fullgraph=True)(ids, m.new_cache(2))
+    assert torch.equal(out, m(ids, m.new_cache(2)))
+    nodes = list(seen["g"].nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    forks = [n for n in nodes if n.target is torch.ops.k3.shared_expert_async.default]
+    topks = [n for n in nodes if n.target is torch.ops.k3.router_topk.default]
+    tails = [n for n in nodes if n.target is torch.ops.k3.moe_latent_tail.default]
+    assert len(forks) == len(topks) == len(tails) == len(cfg.moe_layers) > 0
+    assert not any(n.target is torch.ops.k3.stream_join.default for n in nodes)
+    for f, t, tail in zip(forks, topks, tails):
+        assert (pos[f] > pos[t]) == (at == "topk"), (f, t)
+        assert tail.args[2] is f
+    with pytest.raises(ValueError, match="shared_expert_at"):
+        K3Options.make(shared_expert_at="later")

@@ -175,9 +175,10 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (896, 7168): {1: "mmas 64/128/8/4/4", 4: "mmas 64/128/8/4/4", 16: "mmas 64/128/8/4/4"},   # router, TP=1
     (3584, 7168): {1: "mmas 64/128/4/4/4", 4: None, 16: None},                                # latent down, TP=1
     (7168, 3584): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # latent up, TP=1
-    # the router and latent down stacked (launch.mma_gemm2, shard_router_latent at TP=1): latent down's
-    # M=1 config, not yet swept for this shape
-    (4480, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},
+    # the router and latent down stacked (launch.mma_gemm2, shard_router_latent at TP=1). Sweep at 5f8936e
+    # (bench/results/gemv_w1_stacked_h200_5f8936e.json): 19.2 / 19.4 / 19.5 us at M = 1 / 4 / 16 (cuBLAS
+    # 20.3 / 20.2 / 21.1), where the two alone took 7.4 + 16.2 us
+    (4480, 7168): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},
 }
 _TABLES: dict[str, dict] = {}
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import registry as dispatch
+from ..runtime import streams
 from . import reference as ref
 
 
@@ -60,7 +61,11 @@ def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
 @torch.library.custom_op("k3::moe_latent_tail", mutates_args=())
 def moe_latent_tail(y: Tensor, topk_w: Tensor, shared_partial: Tensor, g_latent: Tensor, w_up: Tensor,
                     eps: float, rank: int, group: Optional[str], prefetch: list[Tensor]) -> Tensor:
-    """final_partial = shared_partial (+ at this rank's columns) up_proj(RMSNorm(all_reduce(sum_k w_k y_k)))."""
+    """final_partial = shared_partial (+ at this rank's columns) up_proj(RMSNorm(all_reduce(sum_k w_k y_k))).
+    shared_partial may come straight from k3::shared_expert_async: the current stream waits for the
+    side stream that computes it before anything reads it."""
+    if shared_partial.is_cuda:
+        streams.join(shared_partial)
     return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8]),
                 y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
 

@@ -5,6 +5,9 @@ Matches, once per MoE layer (anchored on each routed-expert op):
 Emits:
     h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
     s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
+(with options.shared_expert_at="topk" h is placed after the router's expert ids instead; where s's
+only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no stream_join,
+no copy of s)
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
@@ -23,8 +26,8 @@ import operator
 import torch
 
 from ..ops import OPS
-from ..patterns.graph import (Fail, aten, c10d, describe, is_call, is_weight_like, match_all_reduce, match_linear,
-                              scalar, shape, strip, val, weight_out_in)
+from ..patterns.graph import (Fail, aten, c10d, describe, dtype, is_call, is_weight_like, match_all_reduce,
+                              match_linear, scalar, shape, strip, val, weight_out_in)
 from ..patterns.vllm_forms import count_vllm_fused_allreduces
 from .base import K3Pass, gated_off
 from .common import emit, forward_gemm, last_of, replace, users_through_views
@@ -49,15 +52,22 @@ class OverlapSharedExpert(K3Pass):
         for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
-            anchor = last_of(graph, [s["x"], gu, dn])
+            anchor = last_of(graph, [s["x"], gu, dn] + ([s["expert"].args[1]] if opts.shared_expert_at == "topk" else []))
             h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
             order = _order(graph)
             first_user = min(s["down"].out.users, key=lambda u: order[u])
             after = s["expert"]
             if order[after] > order[first_user]:
                 raise RuntimeError(f"{first_user.name} reads the shared expert before the routed experts run")
-            j = emit(graph, first_user.prev, OPS["stream_join"], (h, after))
-            replace(graph, s["down"].out, j)
+            out = s["down"].out
+            if (len(out.users) == 1 and is_call(first_user, OPS["moe_latent_tail"]) and first_user.args[2] is out
+                    and out not in (*first_user.args[:2], *first_user.args[3:]) and dtype(out) == dtype(h)):
+                # the latent tail joins the side stream itself (ops/fused.moe_latent_tail): no join op,
+                # and no copy of the partial (a custom op's output may not alias its input)
+                first_user.replace_input_with(out, h)
+            else:
+                j = emit(graph, first_user.prev, OPS["stream_join"], (h, after))
+                replace(graph, out, j)
             report.matched += 1
         gated = gated_off("prefetch", info, opts) if info.tp > 1 and opts.prefetch else None
         if gated:
