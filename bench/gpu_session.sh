@@ -109,27 +109,24 @@ for st in "$@"; do
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
-    # where the shared expert forks (K3_SHARED_AT=topk: after the router's selection) and the router's four
-    # keys per round, in both layers beside the default; the GPU tests of the side stream and the TP=1 ops
-    shared) step shared_tests 300 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
-              -k "tp1 or side_stream or reduce_overhead or overlaps or mma_gemm"
-            for L in kda mla; do
-              step layer_${L}_tp8_w1_shared 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1} \
-                --ablate-passes shard_router_latent --env at_topk:K3_SHARED_AT=topk --env per4:K3_ROUTER_PER=4 \
-                --env at_topk_per4:K3_SHARED_AT=topk,K3_ROUTER_PER=4 --world 1 --layer $L --shapes tp8 \
-                --out "$R/layer_${L}_tp8_w1_shared.json"
-            done ;;
+    # both layers at M = 1..16 with k3's replay timeline (layer_bench rows' "timeline"), the KDA conv's
+    # block as env variants
+    timeline) step layer_kda_tp8_w1_tl 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+                --env conv256:K3_CONV_BLOCK=256 --env conv128:K3_CONV_BLOCK=128 --world 1 --layer kda --shapes tp8 \
+                --out "$R/layer_kda_tp8_w1_tl.json"
+              step layer_mla_tp8_w1_tl 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 --world 1 \
+                --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_tl.json" ;;
     # the router + latent down-projection as one GEMM at TP=1 (shard_router_latent), the KDA conv's block,
-    # the router's four keys per round and int32 ids: GPU tests, the stacked shape's sweep beside the two
-    # alone, then both layers with the pass's ablation rows and env variants
+    # int32 router ids: GPU tests, the stacked shape's sweep beside the two alone, then both layers with
+    # the pass's ablation rows (and the conv block as env variants)
     onegemm) step onegemm_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "tp1 or mma_gemm or kda_conv"
              step gemv_w1_stacked 240 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                --shapes "w1 router_latent,w1 router,w1 latent" --out "$R/gemv_w1_stacked.json"
              step layer_kda_tp8_w1_onegemm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
                --ablate-passes shard_router_latent --env conv128:K3_CONV_BLOCK=128 --env conv256:K3_CONV_BLOCK=256 \
-               --env per4:K3_ROUTER_PER=4 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_onegemm.json"
+               --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_onegemm.json"
              step layer_mla_tp8_w1_onegemm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
-               --ablate-passes shard_router_latent --env per4:K3_ROUTER_PER=4 --world 1 --layer mla --shapes tp8 \
+               --ablate-passes shard_router_latent --world 1 --layer mla --shapes tp8 \
                --out "$R/layer_mla_tp8_w1_onegemm.json" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;

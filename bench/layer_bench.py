@@ -33,7 +33,8 @@ Timing: each variant's step is captured 10 times in one CUDA graph and timed ove
 (median); every variant's graph is kept and timed again in `--rounds` rounds (default 3, in turn),
 and the median of the rounds is reported (`us`; every round in `us_rounds`). Peak memory leaves
 out the graphs kept from earlier variants.
-plus kernels per step (profiler, one graph replay), the bytes-over-bandwidth floor (weights the
+plus kernels per step (profiler, one graph replay; for k3 its timeline: each kernel's start, length
+and stream), the bytes-over-bandwidth floor (weights the
 step must read: every non-expert weight, the distinct experts' MXFP4 bytes, the KV cache and KDA
 state), and peak memory per variant (the symmetric workspace is reported beside it: it does not
 come from PyTorch's caching allocator).
@@ -195,7 +196,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             for p in ablate_passes or PASSES:
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
-        res, peak, kernels, errs, reports, top_kernels, attribution = {}, {}, {}, {}, {}, {}, {}
+        res, peak, kernels, errs, reports, top_kernels, attribution, timeline = {}, {}, {}, {}, {}, {}, {}, {}
         ref, timers, us_rounds = {}, {}, {}
         base0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
 
@@ -220,9 +221,11 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             timers[name] = GraphTimer(lambda: fn(prefix, delta, *blocks), reps=10)
             us_rounds[name] = [timers[name].time(iters=20)]
             peak[name] = torch.cuda.max_memory_allocated() - held
-            kernels[name], top = _count_kernels(lambda: fn(prefix, delta, *blocks))
+            kernels[name], top, line = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
+            if name == "k3":
+                timeline["k3"] = line
             if attribute and name in ("inductor", "k3"):
                 attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 
@@ -242,6 +245,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct, us_rounds=us_rounds)
         if attribution:
             row["attribution"] = attribution
+        if timeline:
+            row["timeline"] = timeline
         if res:
             base = min(res["eager"], res["inductor"])
             row["speedup_vs_baseline"] = base / res["k3"]
@@ -321,7 +326,7 @@ def _attribute(fn, top=40):
     return sorted(rows, key=lambda r: -r[3])[:top]
 
 
-def _count_kernels(fn) -> int:
+def _count_kernels(fn) -> tuple:
     import torch
     from torch.profiler import ProfilerActivity, profile
     g = torch.cuda.CUDAGraph()
@@ -340,7 +345,13 @@ def _count_kernels(fn) -> int:
     # every kernel name (communication kernels include the wait for the peer, so their times are not
     # their own cost); the sum of the others shows how much of a step is kernels vs gaps
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return len(evs), [[n, c, round(t, 2)] for n, (c, t) in rows]
+    # the replay's timeline: [kernel, start us from the first kernel's start, us, stream], in start order
+    # (which kernels overlap, which wait: the side stream's against the main one's)
+    evs = sorted(evs, key=lambda e: e.time_range.start)
+    t0 = evs[0].time_range.start if evs else 0
+    line = [[e.name[:48], round(e.time_range.start - t0, 2), round(e.device_time, 2),
+             getattr(e, "device_resource_id", None)] for e in evs]
+    return len(evs), [[n, c, round(t, 2)] for n, (c, t) in rows], line
 
 
 def main():

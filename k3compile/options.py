@@ -102,10 +102,6 @@ class K3Options:
     # layer step (KDA / MLA, TP=8 shapes, M=1 and 16), errors unchanged; plain Inductor gained at
     # most 6.2 us and lost up to 8.7 with it
     pdl: str = "auto"
-    # where overlap_shared_expert forks the shared expert onto the side stream: "input" (right after
-    # its input, beside the router + latent GEMM) or "topk" (after the router's selection, beside the
-    # routed experts: the one-program top-k kernel then does not share SMs with its GEMMs) (K3_SHARED_AT)
-    shared_expert_at: str = "input"
     verbose: bool = False  # print the match report after each compile
 
     @classmethod
@@ -139,10 +135,6 @@ class K3Options:
             kw["pdl"] = os.environ["K3_PDL"]
         if kw.get("pdl", "auto") not in ("auto", "on", "off"):
             raise ValueError(f"pdl must be 'auto', 'on' or 'off', got {kw['pdl']!r}")
-        if os.environ.get("K3_SHARED_AT") and "shared_expert_at" not in kw:
-            kw["shared_expert_at"] = os.environ["K3_SHARED_AT"]
-        if kw.get("shared_expert_at", "input") not in ("input", "topk"):
-            raise ValueError(f"shared_expert_at must be 'input' or 'topk', got {kw['shared_expert_at']!r}")
         m_ranges = dict(DEFAULT_M_RANGES)
         m_ranges.update(kw.get("m_ranges", {}))
         kw["m_ranges"] = m_ranges

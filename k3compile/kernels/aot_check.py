@@ -90,9 +90,9 @@ def variants():
                 dict(BLOCK=1024)))
     out.append(("router_topk E896", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32", ids="*i64",
                                                                  scale="fp32"), dict(K=16, KP=16, BLOCK=1024)))
-    out.append(("router_topk E896 per4", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32",
-                                                                      ids="*i64", scale="fp32"),
-                dict(K=16, KP=16, BLOCK=1024, PER=4)))   # K3_ROUTER_PER=4
+    out.append(("router_topk E896 int32 ids", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32",
+                                                                          ids="*i32", scale="fp32"),
+                dict(K=16, KP=16, BLOCK=1024)))   # what fuse_router_topk emits before the expert ops
     gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32")
     for mp, bn, bk in ((1, 8, 512), (4, 4, 1024), (8, 16, 256)):  # M = 1 / 4 / 8 tiles of the sweep
         out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,

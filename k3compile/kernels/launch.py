@@ -463,12 +463,6 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
-# keys selected per round of the router's top-k kernel: 1 (measured, 5.4 us at M=1 on an H200) or 4
-# (triton_router's PER=4: a quarter of the rounds, each merging four-key lists; not yet timed on a GPU,
-# K3_ROUTER_PER=4 to try it; read at each call)
-ROUTER_PER = 1
-
-
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64):
     """(ids [M, k] of ids_dtype (int64 or int32), weights fp32 [M, k]) of the K3 router
     (triton_router's docstring)."""
@@ -479,7 +473,6 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
     if M:
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
                                     BLOCK=triton.next_power_of_2(E),
-                                    PER=int(os.environ.get("K3_ROUTER_PER", ROUTER_PER)),
                                     num_warps=4 if E <= 1024 else 8)
     return ids, w
 

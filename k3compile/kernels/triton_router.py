@@ -21,26 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
-    """The 4 largest of two descending 4-lists, descending: max(a_i, b_(3-i)) is the top half (a
-    bitonic sequence), then a 4-element bitonic sort."""
-    m0 = tl.maximum(a0, b3)
-    m1 = tl.maximum(a1, b2)
-    m2 = tl.maximum(a2, b1)
-    m3 = tl.maximum(a3, b0)
-    c0 = tl.maximum(m0, m2)
-    c2 = tl.minimum(m0, m2)
-    c1 = tl.maximum(m1, m3)
-    c3 = tl.minimum(m1, m3)
-    return tl.maximum(c0, c1), tl.minimum(c0, c1), tl.maximum(c2, c3), tl.minimum(c2, c3)
-
-
-@triton.jit
-def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                       PER: tl.constexpr = 1):
-    """PER=4: each round selects the 4 largest keys at once (one reduction of four int64 lists, merged
-    by _top4), K / 4 rounds instead of K: fewer of the block-wide reductions whose synchronisation is
-    most of a round at decode (an experiment; launch.ROUTER_PER)."""
+def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < E
@@ -51,21 +32,11 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
     key = tl.where(m, (key << 32) | low, -9223372036854775807 - 1)  # int64 min: never selected
     kk = tl.arange(0, KP)
     sel = tl.zeros([KP], tl.int32)
-    if PER == 4:
-        lo = tl.full([BLOCK], -9223372036854775807 - 1, tl.int64)
-        for j in tl.static_range(0, K, 4):
-            t0, t1, t2, t3 = tl.reduce((key, lo, lo, lo), 0, _top4)
-            sel = tl.where(kk == j, BLOCK - 1 - (t0 & 0xFFFFFFFF).to(tl.int32), sel)
-            sel = tl.where(kk == j + 1, BLOCK - 1 - (t1 & 0xFFFFFFFF).to(tl.int32), sel)
-            sel = tl.where(kk == j + 2, BLOCK - 1 - (t2 & 0xFFFFFFFF).to(tl.int32), sel)
-            sel = tl.where(kk == j + 3, BLOCK - 1 - (t3 & 0xFFFFFFFF).to(tl.int32), sel)
-            key = tl.where((key == t0) | (key == t1) | (key == t2) | (key == t3), lo, key)
-    else:
-        for j in tl.static_range(K):
-            top = tl.max(key, 0)
-            i = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
-            sel = tl.where(kk == j, i, sel)
-            key = tl.where(offs == i, -9223372036854775807 - 1, key)
+    for j in tl.static_range(K):
+        top = tl.max(key, 0)
+        i = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+        sel = tl.where(kk == j, i, sel)
+        key = tl.where(offs == i, -9223372036854775807 - 1, key)
     ok = kk < K
     ws = tl.sigmoid(tl.load(logits + r * E + sel, mask=ok, other=0.0).to(tl.float32))
     ws = tl.where(ok, ws, 0.0)

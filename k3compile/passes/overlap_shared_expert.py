@@ -5,9 +5,10 @@ Matches, once per MoE layer (anchored on each routed-expert op):
 Emits:
     h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
     s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
-(with options.shared_expert_at="topk" h is placed after the router's expert ids instead; where s's
-only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no stream_join,
-no copy of s)
+(where s's only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no
+stream_join, no copy of s. Forking after the router's selection instead, beside the routed experts
+only, measured slower: KDA / MLA layer at M=1 138.5 / 151.2 us against 133.6 / 138.0, c46f57b,
+bench/results/layer_*_tp8_w1_h200_c46f57b_shared.json)
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
@@ -52,7 +53,7 @@ class OverlapSharedExpert(K3Pass):
         for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
-            anchor = last_of(graph, [s["x"], gu, dn] + ([s["expert"].args[1]] if opts.shared_expert_at == "topk" else []))
+            anchor = last_of(graph, [s["x"], gu, dn])
             h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
             order = _order(graph)
             first_user = min(s["down"].out.users, key=lambda u: order[u])
