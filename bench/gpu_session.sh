@@ -109,6 +109,16 @@ for st in "$@"; do
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
+    # the shared expert beside the routed path at M=1: inline (the ablation row without
+    # overlap_shared_expert) and its gate-up GEMM on the MMA kernel with 96 / 192 programs instead of
+    # cuBLAS's split-K (which, beside the one-program router top-k, made that kernel 4x slower in KDA)
+    sharedmma) for L in kda mla; do
+                 step layer_${L}_tp8_w1_sharedmma 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
+                   --ablate ${K3_ABLATE:-1} --ablate-passes overlap_shared_expert \
+                   --env "sgu96:K3_GEMV_CFG=1536x7168=mmas 64/128/4/4/4" \
+                   --env "sgu192:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --world 1 --layer $L --shapes tp8 \
+                   --out "$R/layer_${L}_tp8_w1_sharedmma.json"
+               done ;;
     # both layers at M = 1..16 with k3's replay timeline (layer_bench rows' "timeline"), the KDA conv's
     # block as env variants
     timeline) step layer_kda_tp8_w1_tl 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \

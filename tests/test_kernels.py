@@ -885,3 +885,27 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setattr(choose, "_FOUND", {})
     assert describe("cuda", None, (384, 3584, 16, 16, True)).endswith(f"MXFP4 experts: CuTe f16x2 GEMVs ({d})")
     assert "at M in [1, 128], Triton v3g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
+
+
+def test_gemv_cfg_env_forces_one_shape(monkeypatch):
+    """K3_GEMV_CFG overrides the tuned table for the shapes it names (every M), "cublas" included;
+    other shapes keep the table; a bad config name is an error, not a silent cuBLAS."""
+    from k3compile.kernels import choose
+
+    class Fake:  # gemv_plan reads shape, dtype, strides and is_cuda only
+        def __init__(self, *shape):
+            self.shape, self.dtype, self.is_cuda = shape, torch.bfloat16, True
+
+        def dim(self):
+            return len(self.shape)
+
+        def stride(self, i):
+            return 1 if i in (1, -1) else self.shape[1]
+    x, w, w2 = Fake(1, 7168), Fake(1536, 7168), Fake(7168, 1536)
+    monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mmas 64/128/4/4/4; 896x7168=cublas")
+    assert choose.gemv_plan(x, w) == launch.MmaCfg(64, 128, 4, 4, 4, True)
+    assert choose.gemv_plan(x, Fake(896, 7168)) is None
+    assert choose.gemv_plan(Fake(1, 1536), w2) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
+    monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mma 64/x")
+    with pytest.raises(ValueError):
+        choose.gemv_plan(x, w)

@@ -151,7 +151,8 @@ CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = 
 # was >= 1.03x cuBLAS, None below; checked again against cuBLAS at 3dba9ee (other weights, 3
 # alternating repeats, M = 1 / 2 / 4 / 8 / 16): every entry 1.04-1.53x but (6144, 7168) at M=2, 0.99x. These are the per-rank shapes of the layer bench
 # (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_GEMV_TABLE=<gemv_bench
-# JSON> uses a sweep's result instead; K3_GEMV=1 forces the CUDA-core GEMV (tuned config or
+# JSON> uses a sweep's result instead; K3_GEMV_CFG="NxK=config;NxK=cublas" forces one weight
+# shape's config at every M (an experiment: kernels/choose._forced); K3_GEMV=1 forces the CUDA-core GEMV (tuned config or
 # launch.GEMV_DEFAULT) for every shape without an entry at M <= launch.GEMV_MAX_M, K3_GEMV=0
 # turns every decode GEMM off (cuBLAS everywhere).
 GEMV_TABLE: dict[tuple[int, int], dict] = {
@@ -208,6 +209,19 @@ def gemv_table_from(path: str) -> dict:
     return _TABLES[path]
 
 
+@functools.lru_cache(maxsize=8)
+def _forced(text: str) -> dict:
+    """K3_GEMV_CFG="NxK=config;NxK=cublas": the config for a weight shape at every M, over the table
+    (a tuning experiment: "cublas" runs torch.mm)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        shape, _, cfg = item.partition("=")
+        n, _, k = shape.partition("x")
+        out[(int(n), int(k))] = None if cfg.strip() == "cublas" else cfg.strip()
+        parse_cfg(out[(int(n), int(k))])  # a bad name fails here, at the first call
+    return out
+
+
 def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, rows: int | None = None):
     """The GEMV config for x @ w.t() (into out), or None where cuBLAS runs it. rows: look up the
     table for a weight of that many rows instead of w's (two stacked weights: launch.mma_gemm2)."""
@@ -221,7 +235,11 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if out is not None and (out.dtype != x.dtype or out.stride(-1) != 1):
         return None
     path = os.environ.get("K3_GEMV_TABLE")
-    by_m = (gemv_table_from(path) if path else GEMV_TABLE).get((rows or w.shape[0], w.shape[1]), {})
+    shape = (rows or w.shape[0], w.shape[1])
+    forced = _forced(os.environ.get("K3_GEMV_CFG", ""))
+    if shape in forced:
+        return parse_cfg(forced[shape])
+    by_m = (gemv_table_from(path) if path else GEMV_TABLE).get(shape, {})
     fit = [mm for mm in sorted(by_m) if mm >= m]
     if fit:
         return parse_cfg(by_m[fit[0]])

@@ -530,8 +530,11 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     return out
 
 
-# channels per program of the KDA short conv (K3_CONV_BLOCK overrides; a power of two >= 32)
-CONV_BLOCK = 1024
+# channels per program of the KDA short conv (K3_CONV_BLOCK overrides; a power of two >= 32). KDA layer
+# at TP=8 widths on one H200, k3 with 1024 / 256 / 128, us at M=1: 139.5 / 137.1 / 138.2 (5f8936e),
+# 141.6 / 138.7 / 138.7 (6d00e84); M=4, 16 within 1 us (bench/results/layer_kda_tp8_w1_h200_*_{onegemm,tl}.json).
+# 1024 gave a TP=8 rank's 4608 channels 5 programs at M=1, 256 gives 18
+CONV_BLOCK = 256
 
 
 def kda_conv_decode_fits(xq, xk, xv, state, w) -> bool:
