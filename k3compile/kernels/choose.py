@@ -159,7 +159,13 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (7168, 1536): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # o-proj, TP=8
     (2240, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},  # router + latent shard
     (3584, 3584): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},  # latent up shard
-    (1536, 7168): {1: None, 4: None, 16: "mma 32/128/4/4/6"},                                 # shared gate-up, TP=8
+    # shared gate-up, TP=8: alone cuBLAS (split-K + a reduce kernel) was as fast at M = 1 / 4, but on the
+    # side stream beside the routed path the MMA kernel with 96 programs leaves SMs to the one-program
+    # router top-k (which ran 4x slower beside cuBLAS's): k3 per layer step at world 1 (30bb50b,
+    # bench/results/layer_*_tp8_w1_h200_30bb50b_sharedmma.json), us at M = 1 / 4 / 16, cuBLAS -> this:
+    # KDA 144.2 / 188.6 / 280.0 -> 133.6 / 178.1 / 278.8, MLA 149.0 / 172.3 / 278.1 -> 140.0 / 167.1 / 277.8
+    # (192 programs, "mma 32/128/4/4/6": 136.6 / 180.4 / 279.7 and 143.7 / 168.2 / 275.1)
+    (1536, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},
     (7168, 768): {1: "mmas 64/128/1/4/4", 4: "mmas 64/128/1/4/4", 16: "mmas 64/128/1/4/4"},   # shared down, TP=8
     (6284, 7168): {1: "mma 32/256/1/4/4", 4: "mma 32/128/1/4/6", 16: "mma 32/256/1/4/4"},     # KDA in_proj, TP=8
     (3648, 7168): {1: "mma 32/128/2/4/6", 4: "mmas 64/256/2/4/3", 16: "mmas 64/256/2/4/3"},   # MLA qkv_a, TP=8
