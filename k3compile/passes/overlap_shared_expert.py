@@ -6,12 +6,13 @@ Emits:
     h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
     s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
 (where s's only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no
-stream_join, no copy of s. At TP=1, after shard_router_latent's one router + latent GEMM: beside that
-GEMM the shared gate-up slowed it by 4.1 us (MLA at M=1, 140a20f, where Inductor happened to order
-the fork first), beside the router's top-k it costs nothing (KDA, the same run); at TP > 1 right
-after x, where it can overlap the all-gather. Forking after the router's selection instead, beside the routed experts
+stream_join, no copy of s. Forking after the router's selection instead, beside the routed experts
 only, measured slower: KDA / MLA layer at M=1 138.5 / 151.2 us against 133.6 / 138.0, c46f57b,
-bench/results/layer_*_tp8_w1_h200_c46f57b_shared.json)
+bench/results/layer_*_tp8_w1_h200_c46f57b_shared.json). Placing it after the router + latent GEMM in
+the graph (6218490, TP=1) did not pin the order either: Inductor then launched it after the router's
+top-k, beside the routed experts, and the KDA step took 137.6 us against 125.6 at 140a20f, where it
+ran beside the top-k; so it stays right after x. Which neighbour it gets is Inductor's extern-kernel
+order, not this pass's: KDA got the top-k (fine), MLA the router + latent GEMM (+4.1 us on it).)
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
@@ -56,11 +57,7 @@ class OverlapSharedExpert(K3Pass):
         for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
-            after_gemm = []
-            lat = s["expert"].args[0]
-            if info.tp == 1 and is_call(lat, operator.getitem) and is_call(lat.args[0], OPS["router_latent_sharded"]):
-                after_gemm = [lat.args[0]]  # TP=1: fork after the one router + latent GEMM (docstring)
-            anchor = last_of(graph, [s["x"], gu, dn, *after_gemm])
+            anchor = last_of(graph, [s["x"], gu, dn])
             h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
             order = _order(graph)
             first_user = min(s["down"].out.users, key=lambda u: order[u])
