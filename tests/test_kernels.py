@@ -453,6 +453,27 @@ def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
     assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) is None
 
 
+@pytest.mark.parametrize("E, bn, copies", [(32, 16, False), (24, 16, True)])
+def test_router_latent_shard_straddling_rank_without_a_copy(E, bn, copies, monkeypatch):
+    """The TP rank whose rows straddle [W_r; W_down] runs one two-weight MMA launch (no copy of its
+    rows) where the tuned config's BN divides its router rows; otherwise the kept copy (rank_rows).
+    Both equal x @ [W_r; W_down][rows].T; the ranks with rows in one weight are unchanged."""
+    from k3compile.kernels import choose
+    g = torch.Generator().manual_seed(E)
+    M, H, L, tp = 3, 32, 128 - E, 2
+    x = torch.randn(M, H, generator=g)
+    wr, wd = torch.randn(E, H, generator=g), torch.randn(L, H, generator=g)
+    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: launch.MmaCfg(bn, 16, 2))
+    copied = []
+    real = launch.rank_rows
+    monkeypatch.setattr(launch, "rank_rows", lambda *a: copied.append(a[2:]) or real(*a))
+    full = x @ torch.cat([wr, wd]).t()
+    for rank in range(tp):
+        got = launch.router_latent_shard(x, wr, wd, tp, rank).view(M, -1)
+        torch.testing.assert_close(got, full[:, rank * 64:(rank + 1) * 64], atol=1e-4, rtol=1e-4)
+    assert ((tp, 0) in copied) == copies and (tp, 1) in copied  # rank 1's rows are all W_down's: a view
+
+
 def test_rank_rows_one_weight_per_rank_views_or_one_kept_copy():
     """The sharded router's rows for one GEMM: ranks inside one weight get views (no copy), the
     straddling rank a copy made once, reused, remade after an in-place weight update, and dropped

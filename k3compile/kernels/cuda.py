@@ -10,8 +10,9 @@
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns.
-- router_latent_sharded: one cuBLAS GEMM on this rank's rows of [W_r; W_down] (a view of one
-  weight, or for the one rank whose rows straddle both a copy made once, `launch.rank_rows`), then
+- router_latent_sharded: one GEMM on this rank's rows of [W_r; W_down] (a view of one weight, or
+  for the one rank whose rows straddle both one launch over both (`launch.mma_gemm2`) where the
+  tuned config's tile divides its router rows, else a copy made once, `launch.rank_rows`), then
   one Triton kernel: copy into the symmetric buffer, all-gather, write router logits and latent.
   Above its one-shot range it runs the replicated GEMMs (what the unrewritten graph did). At TP=1:
   both GEMMs in one launch of the decode GEMM over the stacked weights (`launch.router_latent_one`).

@@ -275,11 +275,21 @@ def _off_thread(make, device: torch.device):
 
 
 def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
-    """This rank's rows of [W_r; W_down] times x: [M*S], row-major [M, S] (router columns first)."""
+    """This rank's rows of [W_r; W_down] times x: [M*S], row-major [M, S] (router columns first).
+    The rank whose rows straddle both weights runs one launch of the MMA GEMM over its rows of each
+    (mma_gemm2, no copy) where the tuned table has [S, K] at this M and its router rows are a multiple
+    of the config's BN; otherwise one GEMM over the kept copy (rank_rows)."""
+    S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
+    if 0 < S1 < S:
+        cfg = choose.gemv_plan(x, w_router, rows=S)
+        if isinstance(cfg, MmaCfg) and S1 % cfg.bn == 0 and x.stride(1) == 1 and w_router.stride(1) == 1 \
+                and w_down.stride(1) == 1:
+            out = torch.empty(x.shape[0], S, dtype=x.dtype, device=x.device)
+            mma_gemm2(x, w_router[a:], w_down[:S - S1], cfg, out1=out[:, :S1], out2=out[:, S1:])
+            return out.view(-1)
     w = rank_rows(w_router, w_down, tp, rank)
     if w is not None:
         return choose.gemm("router_shard", x, w).view(-1)
-    S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
     return torch.cat([torch.mm(x, w_router[a:].t()), torch.mm(x, w_down[:S - S1].t())], 1).view(-1)
 
 
