@@ -539,23 +539,36 @@ def test_pdl_choice_by_option_device_and_torch(monkeypatch):
         k3compile.backend()
 
 
+_COMPILE_93 = """
+import json, time, torch, k3compile
+from k3compile.model import K3Config, K3Model
+cfg = K3Config.tiny(dtype="bfloat16", num_layers=93, attnres_block=12, max_seq=8)
+m = K3Model(cfg)
+f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
+t = time.perf_counter()
+f(torch.zeros(2, 1, dtype=torch.long), m.new_cache(2))
+total = time.perf_counter() - t
+rep = k3compile.last_report()
+print(json.dumps(dict(total=total, seconds=rep.seconds, structure=rep.structure, render=rep.render(),
+                      passes={p.name: [p.matched, p.expected] for p in rep.passes})))
+"""
+
+
 def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
     """The real layer pattern (93 layers, AttnRes block 12) at tiny widths: every site matches, and
-    the pass manager (canonicalise, analyse, four passes with snapshots) is <= 20% of compile time.
+    the pass manager (canonicalise, analyse, the passes with snapshots) is <= 20% of compile time.
+    Timed in a fresh process: inside the suite, after the earlier tests, the pass manager took 3.8x
+    as long and the whole compile 1.24x (9.1 of 43.5 s, against 2.4 of 35.2 s alone, d445e38).
     (`bench/compile_time_93.py` also times a compile without the passes.)"""
-    import time
-    cfg = K3Config.tiny(dtype="bfloat16", num_layers=93, attnres_block=12, max_seq=8)
-    m = K3Model(cfg)
-    f = torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)
-    t = time.perf_counter()
-    f(torch.zeros(2, 1, dtype=torch.long), m.new_cache(2))
-    total = time.perf_counter() - t
-    rep = k3compile.last_report()
-    assert rep.structure["attention_layers"] == 93 and rep.structure["moe_layers"] == 92
-    for name in ("fold_moe_finalize", "overlap_shared_expert"):
-        assert rep.get(name).matched == rep.get(name).expected == 92, rep.render()
-    assert rep.get("fuse_oproj_allreduce").matched == 93, rep.render()
-    assert rep.seconds <= 0.2 * total, (rep.seconds, total)
+    import json
+    p = subprocess.run([sys.executable, "-c", _COMPILE_93], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["structure"]["attention_layers"] == 93 and r["structure"]["moe_layers"] == 92
+    for name in ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "overlap_shared_expert"):
+        assert r["passes"][name] == [92, 92], r["render"]
+    assert r["passes"]["fuse_oproj_allreduce"] == [93, 93], r["render"]
+    assert r["seconds"] <= 0.2 * r["total"], (r["seconds"], r["total"])
 
 
 def test_inductor_cache_hit_is_reported():
