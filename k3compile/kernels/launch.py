@@ -274,6 +274,14 @@ def _off_thread(make, device: torch.device):
     return out[0]
 
 
+def _two_weight_cfg(x, w1, w2, rows: int) -> "MmaCfg | None":
+    """The tuned MMA config of a [rows, K] weight at x's M, for mma_gemm2 over rows of w1 and w2
+    (None: no MMA config, or an operand not unit-stride along K)."""
+    cfg = choose.gemv_plan(x, w1, rows=rows)
+    ok = isinstance(cfg, MmaCfg) and x.stride(1) == 1 and w1.stride(1) == 1 and w2.stride(1) == 1
+    return cfg if ok else None
+
+
 def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
     """This rank's rows of [W_r; W_down] times x: [M*S], row-major [M, S] (router columns first).
     The rank whose rows straddle both weights runs one launch of the MMA GEMM over its rows of each
@@ -281,9 +289,8 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
     of the config's BN; otherwise one GEMM over the kept copy (rank_rows)."""
     S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
     if 0 < S1 < S:
-        cfg = choose.gemv_plan(x, w_router, rows=S)
-        if isinstance(cfg, MmaCfg) and S1 % cfg.bn == 0 and x.stride(1) == 1 and w_router.stride(1) == 1 \
-                and w_down.stride(1) == 1:
+        cfg = _two_weight_cfg(x, w_router, w_down, S)
+        if cfg is not None and S1 % cfg.bn == 0:
             out = torch.empty(x.shape[0], S, dtype=x.dtype, device=x.device)
             mma_gemm2(x, w_router[a:], w_down[:S - S1], cfg, out1=out[:, :S1], out2=out[:, S1:])
             return out.view(-1)
@@ -297,8 +304,8 @@ def router_latent_one(x, w_router, w_down):
     """TP=1: (x @ W_r.T, x @ W_down.T) in one launch of the MMA decode GEMM over the stacked rows
     (mma_gemm2) where the tuned table has the stacked shape [E + L, K] at this M; else each GEMM
     through choose.gemm (its own tuned config, or cuBLAS)."""
-    cfg = choose.gemv_plan(x, w_router, rows=w_router.shape[0] + w_down.shape[0])
-    if isinstance(cfg, MmaCfg) and x.stride(1) == 1 and w_router.stride(1) == 1 and w_down.stride(1) == 1:
+    cfg = _two_weight_cfg(x, w_router, w_down, w_router.shape[0] + w_down.shape[0])
+    if cfg is not None:
         return mma_gemm2(x, w_router, w_down, cfg)
     return choose.gemm("router", x, w_router), choose.gemm("latent", x, w_down)
 

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import operator
 
-import torch
-
 from ..ops import OPS
 from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_converts
 from ..patterns.router import match_router_topk
 from .base import K3Pass
+from ..patterns.structure import EXPERT_OPS, op_name
 from .common import emit, getitem, replace
-
-_EXPERT_OPS = (torch.ops.k3model.mxfp4_experts.default, torch.ops.k3.mxfp4_experts.default)
 
 
 def router_logits(ids):
@@ -65,7 +62,8 @@ class FuseRouterTopk(K3Pass):
         for site in self.collect(info.experts, self.match, report):
             # int32 ids where only expert ops read them (their kernels take int32: no conversion kernel);
             # the selection's own gather dies with the weights it computed
-            i32 = all(u is site.gather or (is_call(u, *_EXPERT_OPS) and u.args[1] is site.ids
+            # (EXPERT_OPS: k3's and the model's MXFP4 expert ops, not names a user adds)
+            i32 = all(u is site.gather or (op_name(u) in EXPERT_OPS and u.args[1] is site.ids
                                            and site.ids not in u.args[2:]) for u in site.ids.users)
             sel = emit(graph, site.logits, OPS["router_topk"], (site.logits, site.bias, site.k, site.scale, i32))
             w = getitem(graph, sel, 1)
