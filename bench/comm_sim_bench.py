@@ -41,7 +41,8 @@ AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w
                "k3_w16": {"AR_WARPS": 16}, "k3_w32": {"AR_WARPS": 32}, "k3_fat_w16": {"AR_LEAN": False, "AR_WARPS": 16},
                "k3_seq": {"AR_JOINT": False}, "k3_seq_w16": {"AR_JOINT": False, "AR_WARPS": 16},
                "k3_seq_w32": {"AR_JOINT": False, "AR_WARPS": 32}, "k3_joint": {"AR_JOINT": True},
-               "k3_joint_w32": {"AR_JOINT": True, "AR_WARPS": 32}}
+               "k3_joint_w32": {"AR_JOINT": True, "AR_WARPS": 32},
+               "k3_w1_late": {"AR_W1_FIRST": False}}  # group size 1: the block rows loaded after the store
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}

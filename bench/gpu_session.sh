@@ -109,6 +109,18 @@ for st in "$@"; do
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
+    # the side-stream fork pinned between the router GEMM and its top-k (the default) against unpinned
+    # (K3_PIN_FORK=0), and the router top-k's bitonic form (K3_ROUTER_SORT=1): the GPU tests of the ops
+    # touched, the top-k alone, the all-reduce / norm kernels at group size 1, then both layers
+    pin) step pin_tests 300 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "tp1 or side_stream or overlaps"
+         step router 90 python3 bench/router_bench.py --ms 1,4,16 --out "$R/router.json"
+         step ar_w1 150 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1 --ms ${K3_MS:-1,16} \
+           --blocks 3 --oproj-blocks 3 --out "$R/ar_w1.json"
+         for L in kda mla; do
+           step layer_${L}_tp8_w1_pin 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+             --env nopin:K3_PIN_FORK=0 --env sort:K3_ROUTER_SORT=1 --world 1 --layer $L --shapes tp8 \
+             --out "$R/layer_${L}_tp8_w1_pin.json"
+         done ;;
     # the shared expert beside the routed path at M=1: inline (the ablation row without
     # overlap_shared_expert) and its gate-up GEMM on the MMA kernel with 96 / 192 programs instead of
     # cuBLAS's split-K (which, beside the one-program router top-k, made that kernel 4x slower in KDA)

@@ -224,8 +224,8 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             kernels[name], top, line = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
-            if name == "k3":
-                timeline["k3"] = line
+            if name == "k3" or name in (envs or {}):
+                timeline[name] = line
             if attribute and name in ("inductor", "k3"):
                 attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 

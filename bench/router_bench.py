@@ -4,6 +4,7 @@ Times at M in --ms (E = 896 experts, top-16, fp32 logits as the router GEMM's ou
   eager     - the model's route(): sigmoid, + bias, torch.topk, gather, sum, div, * scale
   inductor  - the same through torch.compile(backend="inductor")
   k3 wN     - the k3 kernel (one packed-key reduction per round) with num_warps N
+  k3 sort wN - the k3 kernel's SORT form (Triton's bitonic tl.topk over the packed keys)
   v1 w4     - the first kernel (three reductions per round), kept here only as the before-point
 Every variant's ids must equal eager's (random logits: no ties) and its weights match to 1e-5.
 
@@ -61,15 +62,17 @@ def main():
         logits = torch.randn(M, E, device=dev) * 2
         ids, w = torch.empty(M, K, dtype=torch.int64, device=dev), torch.empty(M, K, device=dev)
 
-        def launch(kern, warps):
+        def launch(kern, warps, **kw):
             def f():
-                kern[(M,)](logits, bias, ids, w, E, scale, K=K, KP=16, BLOCK=1024, num_warps=warps)
+                kern[(M,)](logits, bias, ids, w, E, scale, K=K, KP=16, BLOCK=1024, num_warps=warps, **kw)
                 return ids, w
             return f
         variants = {"eager": lambda: ref.router_topk(logits, bias, K, scale),
                     "inductor": torch.compile(lambda: ref.router_topk(logits, bias, K, scale), fullgraph=True)}
         for nw in (1, 2, 4, 8):
             variants[f"k3 w{nw}"] = launch(KR.router_topk_kernel, nw)
+        for nw in (1, 2, 4, 8, 16):
+            variants[f"k3 sort w{nw}"] = launch(KR.router_topk_kernel, nw, SORT=True)
         variants["v1 w4"] = launch(_v1_kernel, 4)
         rid, rw = ref.router_topk(logits, bias, K, scale)
         row = dict(M=M, E=E, K=K, us={}, ok={})

@@ -1,7 +1,8 @@
 """Backend options: one place for every switch (like AutoDeploy's transform config).
 
 Options come from `k3compile.backend(**options)` / `torch.compile(..., options={...})`, then the
-environment: K3_PASSES=a,b (only these), K3_SKIP=a,b, K3_STRICT=1, K3_MODE=inductor|eager.
+environment: K3_PASSES=a,b (only these), K3_SKIP=a,b, K3_STRICT=1, K3_MODE=inductor|eager,
+K3_GATE=measured|off, K3_PDL=auto|on|off, K3_PIN_FORK=0|1.
 """
 from __future__ import annotations
 
@@ -102,6 +103,10 @@ class K3Options:
     # layer step (KDA / MLA, TP=8 shapes, M=1 and 16), errors unchanged; plain Inductor gained at
     # most 6.2 us and lost up to 8.7 with it
     pdl: str = "auto"
+    # overlap_shared_expert pins the side-stream fork between the router GEMM and its top-k (ordering-only
+    # arguments); False leaves it right after the MoE input, where Inductor's scheduler picks its
+    # neighbour (K3_PIN_FORK=0; kept to measure the pin against)
+    pin_shared_fork: bool = True
     verbose: bool = False  # print the match report after each compile
 
     @classmethod
@@ -131,6 +136,8 @@ class K3Options:
             kw["gate"] = os.environ["K3_GATE"]
         if kw.get("gate", "measured") not in ("measured", "off"):
             raise ValueError(f"gate must be 'measured' or 'off', got {kw['gate']!r}")
+        if env.get("K3_PIN_FORK") and "pin_shared_fork" not in kw:
+            kw["pin_shared_fork"] = env["K3_PIN_FORK"] not in ("0", "")
         if os.environ.get("K3_PDL") and "pdl" not in kw:
             kw["pdl"] = os.environ["K3_PDL"]
         if kw.get("pdl", "auto") not in ("auto", "on", "off"):

@@ -36,7 +36,7 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
     import torch.distributed as dist
 
     import k3compile.ops  # noqa: F401
-    from k3compile.kernels import registry
+    from k3compile.kernels import launch, registry
     from k3compile.ops import reference as ref
     from k3compile.runtime import symm
 
@@ -85,6 +85,10 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
         rb = torch.randn(E, generator=torch.Generator(device=dev).manual_seed(14), device=dev) * 0.1
         case(f"router_topk M={M}",  # ids compared as numbers too: one different expert is a large error
              lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5), lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
+        for sort in (False, True):  # both selection forms of the kernel, whichever is the default
+            case(f"router_topk sort={sort} M={M}",
+                 lambda *a, sort=sort: launch.router_topk(*a, TOPK, 2.5, sort=sort),
+                 lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
         case(f"router_topk int32 M={M}",
              lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5, True),
              lambda *a: ref.router_topk(*a, TOPK, 2.5, True), (lg, rb))

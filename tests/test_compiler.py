@@ -456,18 +456,30 @@ def test_backend_registered_by_entry_point_without_import():
 
 
 def _check_stream_order(code: str, n_moe: int) -> None:
-    """In Inductor's generated code, per MoE layer: side-stream start, routed experts (lowered by
-    fold_moe_finalize to k3::mxfp4_experts), then the join: the latent tail op (fold_moe_finalize's),
-    which waits for the side stream itself and reads the side stream's output directly."""
-    calls = re.findall(r"(\w+) = torch\.ops\.(k3\.shared_expert_async|k3(?:model)?\.mxfp4_experts|k3\.stream_join|"
-                       r"k3\.moe_latent_tail)\.default\(([^,]*, [^,]*, ([^,]*))", code)
-    assert [c[1] for c in calls] == ["k3.shared_expert_async", "k3.mxfp4_experts", "k3.moe_latent_tail"] * n_moe, calls
+    """In Inductor's generated code, per MoE layer: side-stream start, the router top-k, the routed
+    experts (lowered by fold_moe_finalize to k3::mxfp4_experts), then the join: the latent tail op
+    (fold_moe_finalize's), which waits for the side stream itself and reads the side stream's output
+    directly. The fork's ordering argument (the router logits) is computed before it, and the top-k's
+    ordering argument is the fork's output: the fork sits between the router GEMM and its top-k
+    whatever order Inductor's scheduler would pick."""
+    calls = re.findall(r"(\w+) = torch\.ops\.(k3\.shared_expert_async|k3\.router_topk|k3(?:model)?\.mxfp4_experts|"
+                       r"k3\.stream_join|k3\.moe_latent_tail)\.default\(([^\n]*)\)\n", code)
+    names = ["k3.shared_expert_async", "k3.router_topk", "k3.mxfp4_experts", "k3.moe_latent_tail"]
+    assert [c[1] for c in calls] == names * n_moe, [c[1] for c in calls]
     alias = dict(re.findall(r"^\s*(\w+) = (\w+)$", code, re.M))  # Inductor's `buf46 = buf45`
-    for i in range(n_moe):  # shared_partial is the async output
-        arg = calls[3 * i + 2][3]
-        while arg in alias:
-            arg = alias[arg]
-        assert arg == calls[3 * i][0], calls[3 * i:3 * i + 3]
+
+    def real(a):
+        a = a.strip()
+        while a in alias:
+            a = alias[a]
+        return a
+    for i in range(n_moe):
+        fork, topk, _, tail = calls[4 * i:4 * i + 4]
+        assert real(tail[2].split(",")[2]) == fork[0], (fork, tail)   # shared_partial is the async output
+        assert re.search(r"after=(\w+)", topk[2]) and real(re.search(r"after=(\w+)", topk[2]).group(1)) == fork[0], topk
+        logits = real(fork[2].split(",")[5])
+        assert re.search(rf"^\s*{logits} = ", code[:code.index(f"{fork[0]} = torch.ops.k3.shared_expert_async")],
+                         re.M), (logits, fork)
 
 
 def test_inductor_end_to_end_dynamic_batch():
@@ -585,16 +597,19 @@ def test_inductor_cache_hit_is_reported():
     assert second.cache_hit and "loaded from Inductor's cache" in second.render()
 
 
-def test_shared_expert_fork_point_and_tail_join():
-    """overlap_shared_expert forks the shared expert right after its input (before the router's
-    selection), and the latent tail op reads the side stream's output directly (it joins the stream
-    itself: no k3::stream_join, no copy); the step is exact."""
+@pytest.mark.parametrize("pin", [True, False])
+def test_shared_expert_fork_point_and_tail_join(pin):
+    """overlap_shared_expert forks the shared expert before the router's selection, pinned (the
+    default) between the router GEMM and the top-k by ordering-only arguments (the fork takes the
+    logits, the top-k `after=` the fork), unpinned with pin_shared_fork=False; the latent tail op
+    reads the side stream's output directly (it joins the stream itself: no k3::stream_join, no
+    copy); the step is exact either way."""
     from k3compile.compiler import _compile
     from k3compile.options import K3Options
     from k3compile.passes.manager import PassManager
     cfg = K3Config.tiny(dtype="bfloat16", num_layers=4)
     m = K3Model(cfg)
-    opts = K3Options.make(mode="eager")
+    opts = K3Options.make(mode="eager", pin_shared_fork=pin)
     seen = {}
 
     def be(gm, ex):
@@ -613,3 +628,7 @@ def test_shared_expert_fork_point_and_tail_join():
     for f, t, tail in zip(forks, topks, tails):
         assert pos[f] < pos[t], (f, t)
         assert tail.args[2] is f
+        if pin:
+            assert f.args[5] is t.args[0] and t.kwargs.get("after") is f, (f.args, t.kwargs)
+        else:
+            assert len(f.args) == 5 and "after" not in t.kwargs, (f.args, t.kwargs)

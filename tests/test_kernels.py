@@ -48,7 +48,10 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     each block row loaded just before it is reduced (AR_PRELOAD=0), g, the AttnRes query and the
     residual held in fp32 for the whole kernel (AR_LEAN=0), the AttnRes sources one by one (AR_JOINT=0);
     nb > 4: blocks past the four preloaded ones (a second group of four with AR_JOINT; at world 1 the
-    updated row joins a group, or comes after full groups at nb = 4 and 8)."""
+    updated row joins a group, or comes after full groups at nb = 4 and 8). At world 1 with AR_JOINT the
+    block rows are loaded before the updated row's store at even nb (AR_W1_FIRST, the default), after it
+    at odd nb."""
+    monkeypatch.setattr(launch, "AR_W1_FIRST", nb % 2 == 0)
     monkeypatch.setattr(launch, "AR_LEAN", bool(vec))
     monkeypatch.setattr(launch, "AR_JOINT", bool(vec))
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
@@ -702,11 +705,14 @@ def test_kernel_path_is_described_for_the_report(monkeypatch):
 @pytest.mark.parametrize("M, E, k, dt", [(1, 896, 16, torch.float32), (5, 896, 16, torch.float16),
                                          (3, 100, 7, torch.float32), (2, 64, 64, torch.float32),
                                          (2, 5, 5, torch.float32), (1, 40, 1, torch.float32)])
-def test_router_topk_kernel_matches_reference(M, E, k, dt):
-    """k3::router_topk's kernel: the same ids in the same order (descending biased score) and the
-    same renormalised weights as the PyTorch reference (the model's own router math), int64 ids and
-    int32 ids (k = E, k = 1 too)."""
+@pytest.mark.parametrize("sort", ["0", "1"])
+def test_router_topk_kernel_matches_reference(M, E, k, dt, sort, monkeypatch):
+    """k3::router_topk's kernel, both selection forms (k max-reduction rounds; SORT: Triton's bitonic
+    top-k): the same ids in the same order (descending biased score) and the same renormalised
+    weights as the PyTorch reference (the model's own router math), int64 ids and int32 ids (k = E,
+    k = 1 too)."""
     from k3compile.ops import reference as ref
+    monkeypatch.setenv("K3_ROUTER_SORT", sort)
     g = torch.Generator().manual_seed(M * 1000 + E)
     logits = (torch.randn(M, E, generator=g) * 2).to(dt)
     bias = torch.randn(E, generator=g) * 0.1
@@ -812,10 +818,12 @@ def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
     assert not launch.kda_conv_decode_fits(xq, xk, xv, state, w[:, :2])   # state / width mismatch
 
 
-def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value():
+@pytest.mark.parametrize("sort", ["0", "1"])
+def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value(sort, monkeypatch):
     """The packed (score, index) key: biased scores below zero order as floats do (the sign trick),
     equal scores go to the lower expert index, and a NaN logit is selected first, as torch.topk
-    ranks NaN above every number."""
+    ranks NaN above every number (both selection forms)."""
+    monkeypatch.setenv("K3_ROUTER_SORT", sort)
     E, k = 96, 12
     logits = torch.randn(2, E, generator=torch.Generator().manual_seed(7))
     logits[:, ::3] = 0.25                    # many exact ties

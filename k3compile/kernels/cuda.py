@@ -170,14 +170,14 @@ def _router(x, w_router, w_down, rank, tp, group):
     return launch.router_latent(x, w_router, w_down, peers)
 
 
-def _ok_topk(logits, bias, k, scale, ids_int32=False):
+def _ok_topk(logits, bias, k, scale, ids_int32=False, after=None):
     return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype in _FLOAT and bias.dim() == 1
             and bias.is_contiguous() and bias.dtype in _FLOAT and bias.shape[0] == logits.shape[1]
             and 0 < k <= min(64, logits.shape[1]) and logits.shape[1] <= launch.ROUTER_TOPK_MAX_E)
 
 
 @register("router_topk", "cuda", "triton_router_topk", _ok_topk)
-def _router_topk(logits, bias, k, scale, ids_int32=False):
+def _router_topk(logits, bias, k, scale, ids_int32=False, after=None):
     return launch.router_topk(logits, bias, k, scale, torch.int32 if ids_int32 else torch.int64)
 
 
@@ -235,7 +235,7 @@ def _decode_gemm(x, w):
 
 
 @register("shared_expert_async", "cuda", "side_stream")
-def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta):
+def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta, after=None):
     return streams.fork(launch.situ_mlp if x.dim() == 2 else situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
 
 

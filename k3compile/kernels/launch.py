@@ -59,6 +59,7 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
 AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
+AR_W1_FIRST = True  # group size 1 (joint): the row's loads all before its store (triton_comm._ar_row_w1)
 
 
 def _ar_form(world: int, M: int, block: int) -> tuple[bool, int, bool]:
@@ -127,7 +128,8 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, num_warps=warps, **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST, num_warps=warps,
+        **_comm())
     return upd, nrm
 
 
@@ -480,7 +482,13 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
-def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64):
+# the router top-k's selection: Triton's bitonic top-k (tl.topk, one pass) instead of k max-reduction
+# rounds (K3_ROUTER_SORT=0/1 overrides)
+ROUTER_SORT = False
+
+
+def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64,
+                sort: bool | None = None):
     """(ids [M, k] of ids_dtype (int64 or int32), weights fp32 [M, k]) of the K3 router
     (triton_router's docstring)."""
     from . import triton_router as KR
@@ -488,8 +496,10 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
     ids = torch.empty(M, k, dtype=ids_dtype, device=logits.device)
     w = torch.empty(M, k, dtype=torch.float32, device=logits.device)
     if M:
+        if sort is None:
+            sort = os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
-                                    BLOCK=triton.next_power_of_2(E),
+                                    BLOCK=triton.next_power_of_2(E), SORT=sort,
                                     num_warps=4 if E <= 1024 else 8)
     return ids, w
 

@@ -352,25 +352,50 @@ def _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK: tl.constexpr, WORLD: tl
 
 
 @triton.jit
-def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
-               NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-               DTYPE: tl.constexpr):
-    """One row at WORLD == 1 with JOINT: the same outputs as _ar_pre + _ar_row_sum + _ar_post, but the
-    updated row (no peers to wait for) joins the blocks' _mix4 groups: with up to 3 blocks, 3
-    reductions in all (sums of squares, logits, the post-norm) instead of 2 * (NB + 1) + 1."""
-    y = tl.load(local + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y = (tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32) + y).to(DTYPE).to(tl.float32)
-    tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
+def _w1_sources(g, w_norm, w_qk, b0, b1, b2, b3, row, offs, mask, N, NB: tl.constexpr, HAS_NORM: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """_ar_row_w1's norm weight, AttnRes query and first four block rows (fp32; zeros where absent)."""
+    gw = tl.zeros([BLOCK_N], tl.float32)
+    wmix = tl.zeros([BLOCK_N], tl.float32)
+    x0 = tl.zeros([BLOCK_N], tl.float32)
+    x1 = tl.zeros([BLOCK_N], tl.float32)
+    x2 = tl.zeros([BLOCK_N], tl.float32)
+    x3 = tl.zeros([BLOCK_N], tl.float32)
     if HAS_NORM:
         gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-        mixed = y
         if NB > 0:
             wmix = _wmix(w_norm, w_qk, offs, mask)
             x0 = _src_row(b0, 0, NB, row, offs, mask, N, BLOCK_N)
             x1 = _src_row(b1, 1, NB, row, offs, mask, N, BLOCK_N)
             x2 = _src_row(b2, 2, NB, row, offs, mask, N, BLOCK_N)
             x3 = _src_row(b3, 3, NB, row, offs, mask, N, BLOCK_N)
+    return gw, wmix, x0, x1, x2, x3
+
+
+@triton.jit
+def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
+               NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+               DTYPE: tl.constexpr, FIRST: tl.constexpr):
+    """One row at WORLD == 1 with JOINT: the same outputs as _ar_pre + _ar_row_sum + _ar_post, but the
+    updated row (no peers to wait for) joins the blocks' _mix4 groups: with up to 3 blocks, 3
+    reductions in all (sums of squares, logits, the post-norm) instead of 2 * (NB + 1) + 1."""
+    # FIRST: every load before the store of `upd` (the compiler may not move a load above a store it
+    # cannot prove disjoint, so loads after it wait for a second round trip to memory)
+    y = tl.load(local + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if FIRST:
+        gw, wmix, x0, x1, x2, x3 = _w1_sources(g, w_norm, w_qk, b0, b1, b2, b3, row, offs, mask, N, NB, HAS_NORM,
+                                               BLOCK_N)
+    if HAS_RES:
+        y = (r + y).to(DTYPE).to(tl.float32)
+    tl.store(upd + row * N + offs, y.to(DTYPE), mask=mask)
+    if not FIRST:
+        gw, wmix, x0, x1, x2, x3 = _w1_sources(g, w_norm, w_qk, b0, b1, b2, b3, row, offs, mask, N, NB, HAS_NORM,
+                                               BLOCK_N)
+    if HAS_NORM:
+        mixed = y
+        if NB > 0:
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             acc = tl.zeros([BLOCK_N], tl.float32)
@@ -403,6 +428,7 @@ def ar_residual_norm_kernel(
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
     PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = True,
+    W1_FIRST: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -417,7 +443,7 @@ def ar_residual_norm_kernel(
     instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
     rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps).
     JOINT: the AttnRes blocks' reductions four blocks at a time (_mix4); at WORLD == 1 the updated row
-    joins them (_ar_row_w1)."""
+    joins them (_ar_row_w1), which with W1_FIRST issues every load before its store of `upd`."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -425,7 +451,7 @@ def ar_residual_norm_kernel(
     if WORLD == 1 and JOINT:
         for row in range(pid, M, npid):
             _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
-                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE)
+                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE, W1_FIRST)
     else:
         _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0, b1, b2, b3, b4, b5, b6, b7,
                  M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK, WORLD, NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE,

@@ -21,7 +21,8 @@ import triton.language as tl
 
 
 @triton.jit
-def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                       SORT: tl.constexpr = False):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < E
@@ -31,12 +32,15 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
     low = (BLOCK - 1 - offs).to(tl.int64)
     key = tl.where(m, (key << 32) | low, -9223372036854775807 - 1)  # int64 min: never selected
     kk = tl.arange(0, KP)
-    sel = tl.zeros([KP], tl.int32)
-    for j in tl.static_range(K):
-        top = tl.max(key, 0)
-        i = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
-        sel = tl.where(kk == j, i, sel)
-        key = tl.where(offs == i, -9223372036854775807 - 1, key)
+    if SORT:  # the KP largest keys at once, in order (Triton's bitonic top-k: no round per selection)
+        sel = BLOCK - 1 - (tl.topk(key, KP) & 0xFFFFFFFF).to(tl.int32)
+    else:
+        sel = tl.zeros([KP], tl.int32)
+        for j in tl.static_range(K):
+            top = tl.max(key, 0)
+            i = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+            sel = tl.where(kk == j, i, sel)
+            key = tl.where(offs == i, -9223372036854775807 - 1, key)
     ok = kk < K
     ws = tl.sigmoid(tl.load(logits + r * E + sel, mask=ok, other=0.0).to(tl.float32))
     ws = tl.where(ok, ws, 0.0)

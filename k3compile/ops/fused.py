@@ -104,15 +104,18 @@ def _(x, w_router, w_down, rank, tp, group):
 
 @torch.library.custom_op("k3::router_topk", mutates_args=())
 def router_topk(logits: Tensor, bias: Tensor, k: int, scale: float,
-                ids_int32: bool = False) -> tuple[Tensor, Tensor]:
+                ids_int32: bool = False, after: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(ids [M, k], weights fp32 [M, k]): sigmoid router scores, top-k by score + bias, the
     selected scores renormalised to sum 1 times `scale` (one kernel on CUDA). ids are int64 (as
-    torch.topk's), or int32 with ids_int32 (what the expert kernels read: no conversion kernel)."""
-    return _run("router_topk", ref.router_topk, logits, bias, k, scale, ids_int32)
+    torch.topk's), or int32 with ids_int32 (what the expert kernels read: no conversion kernel).
+    `after` is not read: an ordering dependency (overlap_shared_expert passes the side-stream fork's
+    output, so no scheduler launches the top-k before the fork)."""
+    return _run("router_topk", lambda lg, b, kk, sc, i32, _a: ref.router_topk(lg, b, kk, sc, i32),
+                logits, bias, k, scale, ids_int32, after)
 
 
 @router_topk.register_fake
-def _(logits, bias, k, scale, ids_int32=False):
+def _(logits, bias, k, scale, ids_int32=False, after=None):
     M = logits.shape[0]
     return (logits.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64),
             logits.new_empty(M, k, dtype=torch.float32))
@@ -120,14 +123,17 @@ def _(logits, bias, k, scale, ids_int32=False):
 
 # ----------------------------------------------------------------- 4. side stream + prefetch
 @torch.library.custom_op("k3::shared_expert_async", mutates_args=())
-def shared_expert_async(x: Tensor, w_gate_up: Tensor, w_down: Tensor, beta: float, linear_beta: float) -> Tensor:
+def shared_expert_async(x: Tensor, w_gate_up: Tensor, w_down: Tensor, beta: float, linear_beta: float,
+                        after: Optional[Tensor] = None) -> Tensor:
     """The SiTU shared expert's TP-partial output, launched on the side stream (GPU); the result
-    may only be read after `k3::stream_join`."""
-    return _run("shared_expert_async", ref.shared_expert, x, w_gate_up, w_down, beta, linear_beta)
+    may only be read after `k3::stream_join`. `after` is not read: an ordering dependency (the
+    router logits, so no scheduler forks before the router GEMM)."""
+    return _run("shared_expert_async", lambda a, gu, dn, b, lb, _a: ref.shared_expert(a, gu, dn, b, lb),
+                x, w_gate_up, w_down, beta, linear_beta, after)
 
 
 @shared_expert_async.register_fake
-def _(x, w_gate_up, w_down, beta, linear_beta):
+def _(x, w_gate_up, w_down, beta, linear_beta, after=None):
     return x.new_empty(x.shape[0], w_down.shape[0])
 
 

@@ -3,16 +3,20 @@
 Matches, once per MoE layer (anchored on each routed-expert op):
     s = SiTU(x @ W_gate_up.T) @ W_down.T      # x: the MoE input (the routed experts' router input)
 Emits:
-    h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta)   # placed right after x
+    h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta, logits)
+    ids, w = k3::router_topk(logits, ..., after=h)   # the fused selection, when fuse_router_topk fired
     s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
-(where s's only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no
-stream_join, no copy of s. Forking after the router's selection instead, beside the routed experts
-only, measured slower: KDA / MLA layer at M=1 138.5 / 151.2 us against 133.6 / 138.0, c46f57b,
-bench/results/layer_*_tp8_w1_h200_c46f57b_shared.json). Placing it after the router + latent GEMM in
-the graph (6218490, TP=1) did not pin the order either: Inductor then launched it after the router's
-top-k, beside the routed experts, and the KDA step took 137.6 us against 125.6 at 140a20f, where it
-ran beside the top-k; so it stays right after x. Which neighbour it gets is Inductor's extern-kernel
-order, not this pass's: KDA got the top-k (fine), MLA the router + latent GEMM (+4.1 us on it).)
+The fork is pinned between the router GEMM and its top-k by two ordering-only arguments (neither
+kernel reads them): the fork takes the logits, the top-k takes the fork's output. So the side stream
+always starts beside the one-CTA top-k and the routed experts, never beside the router GEMM, whatever
+order Inductor's scheduler (reorder_for_peak_memory) would pick. Without a k3::router_topk (its pass
+gated off), or with options.pin_shared_fork off, the fork goes right after x, unpinned.
+Where s's only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no
+stream_join, no copy of s. History (bench/results, BENCHMARKS.md): forking after the router's selection,
+beside the routed experts only, measured slower (KDA / MLA at M=1 138.5 / 151.2 us against 133.6 /
+138.0, c46f57b); with the fork unpinned, Inductor put it beside the top-k in the KDA layer (good) but
+beside the router + latent GEMM in the MLA layer (+4.1 us on that GEMM, 140a20f), and a fork merely
+placed after the GEMM in the graph was launched after the top-k (6218490). Hence the pin.
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
@@ -57,8 +61,19 @@ class OverlapSharedExpert(K3Pass):
         for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
-            anchor = last_of(graph, [s["x"], gu, dn])
-            h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
+            tk = _router_topk_of(s["expert"]) if opts.pin_shared_fork else None
+            if tk is None:
+                anchor = last_of(graph, [s["x"], gu, dn])
+                h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
+            else:   # pinned: router GEMM -> fork -> top-k (ordering-only arguments on both ops)
+                logits = tk.args[0]
+                anchor = last_of(graph, [s["x"], gu, dn, logits])
+                h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"], logits))
+                order = _order(graph)
+                if order[h] > order[tk]:
+                    raise RuntimeError(f"the shared expert's fork lands after the router top-k {tk.name}")
+                tk.kwargs = {**tk.kwargs, "after": h}
+                report.notes.append(f"{h.name}: forked after the router GEMM, before its top-k {tk.name}")
             order = _order(graph)
             first_user = min(s["down"].out.users, key=lambda u: order[u])
             after = s["expert"]
@@ -191,6 +206,14 @@ def _flat(args):
             yield from _flat(a)
         else:
             yield a
+
+
+def _router_topk_of(expert):
+    """The k3::router_topk node whose ids the routed-expert op reads (through converts), or None."""
+    ids = strip(expert.args[1], converts=True) if len(expert.args) > 1 else None
+    if is_call(ids, operator.getitem) and is_call(ids.args[0], OPS["router_topk"]):
+        return ids.args[0]
+    return None
 
 
 def _order(graph):
