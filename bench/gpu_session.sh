@@ -109,6 +109,16 @@ for st in "$@"; do
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
+    # the MLA per-head bmm's on k3's Triton kernel (k3::decode_bmm; K3_DECODE_BMM=0: torch.bmm), the
+    # router top-k's rounds form (K3_ROUTER_SORT=0), and the shared gate-up's config now that the top-k
+    # beside it is shorter (192 programs, cuBLAS): GPU tests, then both layers with those variants
+    bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
+         for L in mla kda; do
+           step layer_${L}_tp8_w1_bmm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+             --env nobmm:K3_DECODE_BMM=0 --env rounds:K3_ROUTER_SORT=0 \
+             --env "sgu192:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --env "sgucublas:K3_GEMV_CFG=1536x7168=cublas" \
+             --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_bmm.json"
+         done ;;
     # the side-stream fork pinned between the router GEMM and its top-k (the default) against unpinned
     # (K3_PIN_FORK=0), and the router top-k's bitonic form (K3_ROUTER_SORT=1): the GPU tests of the ops
     # touched, the top-k alone, the all-reduce / norm kernels at group size 1, then both layers

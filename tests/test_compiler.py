@@ -632,3 +632,44 @@ def test_shared_expert_fork_point_and_tail_join(pin):
             assert f.args[5] is t.args[0] and t.kwargs.get("after") is f, (f.args, t.kwargs)
         else:
             assert len(f.args) == 5 and "after" not in t.kwargs, (f.args, t.kwargs)
+
+
+def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
+    """lower_decode_gemm also lowers the MLA layer's two einsums with a per-head weight (query
+    absorption with W_uk [H, K, N], value up-projection with W_uv stored [H, N, K]) to
+    k3::decode_bmm with the right layout flag, counts them as sites, and the step stays exact; a
+    bmm over a weight viewed some other way is a near-miss with the reason."""
+    from k3compile.compiler import _compile
+    from k3compile.options import K3Options
+    from k3compile.passes.lower_decode_gemm import LowerDecodeGemm
+    from k3compile.passes.manager import PassManager
+    cfg = K3Config.tiny(dtype="float32", num_layers=4)
+    m = K3Model(cfg)
+    opts = K3Options.make(mode="eager", dtypes=("float32",))
+    seen = {}
+
+    def be(gm, ex):
+        return _compile(gm, ex, opts, manager=PassManager(opts, observer=lambda st, p, g: seen.update(g=g)))
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    torch._dynamo.reset()
+    out = torch.compile(m, backend=be, fullgraph=True)(ids, m.new_cache(2))
+    assert torch.equal(out, m(ids, m.new_cache(2)))
+    bmms = [n for n in seen["g"].nodes if n.target is torch.ops.k3.decode_bmm.default]
+    assert [n.args[2] for n in bmms] == [False, True] * len(cfg.mla_layers), bmms
+    assert not any(n.target is torch.ops.aten.bmm.default and n.args[1].op != "call_function" for n in seen["g"].nodes)
+    rep = k3compile.last_report().get("lower_decode_gemm")
+    assert rep.matched == rep.expected and rep.matched >= 2 * len(cfg.mla_layers)
+
+    # near-miss: the weight's dims 1 and 0 swapped before the bmm (not a per-head [K, N] / [N, K] slice)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    x.meta["val"] = torch.empty(4, 1, 8)
+    w.meta["val"] = torch.empty(8, 4, 8)
+    wp = g.call_function(torch.ops.aten.permute.default, (w, [1, 0, 2]))
+    wp.meta["val"] = torch.empty(4, 8, 8)
+    b = g.call_function(torch.ops.aten.bmm.default, (x, wp))
+    b.meta["val"] = torch.empty(4, 1, 8)
+    g.output(b)
+    got = LowerDecodeGemm.match(b, K3Options.make(dtypes=("float32",)))
+    assert not got and "neither [H, K, N] nor the transpose" in got.reason, got

@@ -416,3 +416,28 @@ def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
     ref = A.mla_decode_reference(ql, qr, kv_new, c1, lens, L ** -0.5)
     assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
     assert torch.equal(c1.nan_to_num(7.0), c2.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_head_bmm_matches_bmm_bf16_graphed(M):
+    """k3::decode_bmm's Triton kernel in bf16 at the MLA layer's TP=8 shapes (absorption: W_uk [12,
+    128, 512]; value up-projection: W_uv [12, 128, 512] used transposed), x a permuted view as the
+    graph hands it, eagerly and replayed in a CUDA graph with new inputs, against torch.bmm."""
+    g = torch.Generator("cuda").manual_seed(M)
+    for K, N, w_nk in ((128, 512, False), (512, 128, True)):
+        w = (torch.randn(*((12, N, K) if w_nk else (12, K, N)), device="cuda", generator=g) / K ** 0.5).bfloat16()
+        xs = torch.randn(M, 12, K, device="cuda", generator=g).bfloat16()
+        x = xs.permute(1, 0, 2)
+
+        def ref():
+            return torch.bmm(x.float(), (w.transpose(1, 2) if w_nk else w).float())
+        out = torch.ops.k3.decode_bmm(x, w, w_nk)
+        assert ((out.float() - ref()).abs().max() / ref().abs().max()).item() < 1e-2, (K, N)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = torch.ops.k3.decode_bmm(x, w, w_nk)
+        xs.copy_(torch.randn(M, 12, K, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert ((out.float() - ref()).abs().max() / ref().abs().max()).item() < 1e-2, (K, N, "graphed")

@@ -938,3 +938,20 @@ def test_gemv_cfg_env_forces_one_shape(monkeypatch):
     monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mma 64/x")
     with pytest.raises(ValueError):
         choose.gemv_plan(x, w)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H, M, K, N, w_nk", [(12, 1, 128, 512, False), (12, 2, 512, 128, True), (3, 17, 40, 24, False),
+                                              (4, 5, 16, 33, True)])
+def test_head_bmm_kernel_matches_bmm(dt, H, M, K, N, w_nk):
+    """k3::decode_bmm's kernel (the MLA absorption / value up-projection shapes at TP=8, odd sizes,
+    more rows than one tile): torch.bmm's product for x [H, M, K] taken as the graph hands it (a
+    permuted, non-contiguous view of [M, H, K]) and w [H, K, N] or [H, N, K] (w_nk)."""
+    g = torch.Generator().manual_seed(H * 100 + K)
+    x = torch.randn(M, H, K, generator=g).to(dt).permute(1, 0, 2)
+    w = torch.randn(*((H, N, K) if w_nk else (H, K, N)), generator=g).to(dt)
+    ref = torch.bmm(x.float(), (w.transpose(1, 2) if w_nk else w).float())
+    out = launch.head_bmm(x, w, w_nk)
+    assert out.shape == (H, M, N) and out.dtype == dt and out.is_contiguous()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()   # fp32: the summation order only
+    assert err < (1e-6 if dt == torch.float32 else 2e-3), err

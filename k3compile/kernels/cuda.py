@@ -24,6 +24,7 @@
 - decode_gemm: the Triton tensor-core split-K GEMM (or the CUDA-core GEMV) with the config of the
   tuned table (choose.GEMV_TABLE) where it has this weight shape and M, else torch.mm (cuBLAS). The
   GEMMs inside the ops above go through the same table (choose.gemm).
+- decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
@@ -35,6 +36,8 @@ collective, our norm kernel), and `runtime.symm.status()` says why symmetric mem
 K3_KERNELS=0 turns every kernel off.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -232,6 +235,17 @@ def _ok_gemm(x, w):
 @register("decode_gemm", "cuda", "triton_mma_gemm_or_cublas", _ok_gemm)
 def _decode_gemm(x, w):
     return choose.gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
+
+
+def _ok_bmm(x, w, w_nk):
+    return (os.environ.get("K3_DECODE_BMM", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
+            and w.dtype == x.dtype and x.shape[1] <= 16 and x.shape[0] == w.shape[0]
+            and x.shape[2] == (w.shape[2] if w_nk else w.shape[1]))
+
+
+@register("decode_bmm", "cuda", "triton_head_bmm", _ok_bmm)
+def _decode_bmm(x, w, w_nk):
+    return launch.head_bmm(x, w, w_nk)   # K3_DECODE_BMM=0: torch.bmm (the op's reference) instead
 
 
 @register("shared_expert_async", "cuda", "side_stream")

@@ -377,6 +377,24 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
     return cnt[slots[stream] * SPLIT_SLOTS:(slots[stream] + 1) * SPLIT_SLOTS]
 
 
+def head_bmm(x: torch.Tensor, w: torch.Tensor, w_nk: bool = False) -> torch.Tensor:
+    """torch.bmm(x, w) ([H, M, K] @ [H, K, N] -> contiguous [H, M, N]), or with w_nk torch.bmm(x,
+    w.transpose(1, 2)) for w stored [H, N, K]: one launch of triton_gemv.head_bmm_kernel, about 96
+    programs over heads x N blocks."""
+    from . import triton_gemv as KG
+    H, M, K = x.shape
+    N = w.shape[1] if w_nk else w.shape[2]
+    out = torch.empty(H, M, N, dtype=x.dtype, device=x.device)
+    swk, swn = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
+    BN = max(16, min(128, triton.next_power_of_2(triton.cdiv(H * N, 96))))
+    BK = max(16, min(128, triton.next_power_of_2(K)))
+    if M:
+        KG.head_bmm_kernel[(H, triton.cdiv(N, BN))](
+            x, w, out, M, N, K, x.stride(0), x.stride(1), x.stride(2), w.stride(0), swk, swn,
+            BM=16, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, num_warps=4)
+    return out
+
+
 def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,
              accumulate: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it) by triton_gemv.mma_gemm_kernel, M <= MMA_MAX_M; x [M, K]
@@ -482,9 +500,12 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
-# the router top-k's selection: Triton's bitonic top-k (tl.topk, one pass) instead of k max-reduction
-# rounds (K3_ROUTER_SORT=0/1 overrides)
-ROUTER_SORT = False
+# the router top-k's selection: Triton's bitonic top-k (tl.topk over the packed keys, one pass, 8 warps)
+# instead of k max-reduction rounds (4 warps); K3_ROUTER_SORT=0/1 overrides. One H200, E = 896, top-16
+# (bench/router_bench.py at 82d2ce6, bench/results/router_topk_h200_82d2ce6.json), us at M = 1 / 4 / 16:
+# rounds 4 warps 5.24 / 5.24 / 5.27; bitonic 4 warps 4.75 / 4.77 / 4.79, 8 warps 3.79 / 3.84 / 3.86,
+# 16 warps 4.09 / 4.09 / 4.13. (E > 1024 not measured; those take 16 warps bitonic, 8 by rounds.)
+ROUTER_SORT = True
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64,
@@ -500,7 +521,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
             sort = os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
                                     BLOCK=triton.next_power_of_2(E), SORT=sort,
-                                    num_warps=4 if E <= 1024 else 8)
+                                    num_warps=(8 if E <= 1024 else 16) if sort else (4 if E <= 1024 else 8))
     return ids, w
 
 

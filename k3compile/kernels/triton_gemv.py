@@ -151,3 +151,33 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
                 tot += tl.load(op, mask=om, other=0.0).to(tl.float32)
             tl.store(op, tot.to(out.dtype.element_ty), mask=om)
             tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def head_bmm_kernel(x, w, out, M, N, K, sxh, sxm, sxk, swh, swk, swn,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """out[h, m, n] = sum_k x[h, m, k] * w[h, k, n] for a per-head weight at decode batch sizes (the MLA
+    query absorption and value up-projection): grid (H, N / BN), each program streams its [K, BN]
+    slice of head h's weight (any strides: w[h] stored [K, N] or [N, K]) through one tl.dot per K
+    step, the token rows padded to one BM tile (rows past M masked), fp32 accumulation; out is
+    contiguous [H, M, N]. IEEE (fp32 inputs): full-precision fp32 products, not TF32, as torch.bmm."""
+    h = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mn = offs_n < N
+    for m0 in range(0, M, BM):
+        offs_m = m0 + tl.arange(0, BM)
+        mm = offs_m < M
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < K
+            a = tl.load(x + h * sxh + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                        mask=mm[:, None] & mk[None, :], other=0.0)
+            b = tl.load(w + h * swh + offs_k[:, None] * swk + offs_n[None, :] * swn,
+                        mask=mk[:, None] & mn[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        tl.store(out + (h * M + offs_m[:, None]) * N + offs_n[None, :], acc.to(out.dtype.element_ty),
+                 mask=mm[:, None] & mn[None, :])

@@ -1,12 +1,14 @@
 """Triton kernel for the MoE router's top-k selection (the `k3::router_topk` op).
 
-One program per token row: sigmoid of the fp32 router logits, plus the correction bias, then k
-rounds of (max, mask it out) over the row held in registers, then the selected *unbiased* scores
+One program per token row: sigmoid of the fp32 router logits, plus the correction bias, then the
+k largest keys of the row held in registers (SORT, the default: Triton's bitonic tl.topk in one
+pass; else k rounds of (max, mask it out)), then the selected *unbiased* scores
 renormalised to sum 1 times the routed scaling factor, the K3 router of K3-SPEC.md (noaux_tc, one
 group). It replaces what the unfused graph launches for this (an elementwise kernel, torch.topk's
 radix select + sort, a gather/sum/div kernel).
 
-Each round is ONE reduction: the biased score and the expert index are packed into one int64 key,
+Both forms order packed keys (each round of the rounds form is ONE reduction): the biased score
+and the expert index are packed into one int64 key,
 the score's fp32 bits made order-preserving as a signed int (negative floats: bits ^ 0x7FFFFFFF) in
 the high word, (BLOCK - 1 - index) in the low word, so the maximum key is the highest score and,
 among equal scores, the lowest index (torch.topk leaves the order of ties unspecified). A NaN

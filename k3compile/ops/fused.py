@@ -209,6 +209,19 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("k3::decode_bmm", mutates_args=())
+def decode_bmm(x: Tensor, w: Tensor, w_nk: bool) -> Tensor:
+    """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
+    transpose), x [H, M, K] of few tokens; on CUDA one Triton kernel (launch.head_bmm) instead of
+    cuBLAS's batched GEMM."""
+    return _run("decode_bmm", lambda a, b, nk: torch.bmm(a, b.transpose(1, 2) if nk else b), x, w, w_nk)
+
+
+@decode_bmm.register_fake
+def _(x, w, w_nk):
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[1] if w_nk else w.shape[2])
+
+
 OPS = {
     "oproj_allreduce_residual": torch.ops.k3.oproj_allreduce_residual.default,
     "residual_norm": torch.ops.k3.residual_norm.default,
@@ -222,4 +235,5 @@ OPS = {
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
+    "decode_bmm": torch.ops.k3.decode_bmm.default,
 }

@@ -15,12 +15,19 @@ Emits: `k3::decode_gemm(x, W)`. On CUDA it runs the tensor-core split-K kernel w
 config where `kernels/choose.GEMV_TABLE` has this weight shape and M (measured faster than
 cuBLAS), else torch.mm: so a shape the table lacks costs nothing but the custom-op call.
 Its reference is `x @ W.T`, exact on CPU.
+Also every `bmm(x [H, M, K], V)` whose right operand V is a per-head weight W (a 3-D graph input)
+reached through views, permutes and copies only, with V equal to W ([H, K, N]) or to
+W.transpose(1, 2) (W stored [H, N, K]): the MLA query absorption and value up-projection (einsums
+that Inductor hands to cuBLAS's batched GEMM). Which of the two V is, is found by replaying that
+chain of views on an index tensor of W's shape. Emits `k3::decode_bmm(x, W, w_nk)`: one Triton
+kernel on CUDA (launch.head_bmm), reference torch.bmm, exact on CPU.
 Skipped: model dtype / TP size not supported, static M outside [1, 16] (one MMA tile of tokens);
 on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M.
 """
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ops import OPS
 from ..patterns.graph import Fail, _weight_of, dtype, is_call, is_weight_like, shape, strip, val
@@ -29,8 +36,54 @@ from .base import K3Pass
 aten = torch.ops.aten
 
 
+_CHAIN_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
+              aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.alias.default,
+              aten.clone.default, aten.contiguous.default, aten.permute.default, aten.transpose.int,
+              aten.t.default, aten.expand.default}
+
+
+def _weight_chain(n):
+    """(W, [nodes from W's first view to n]) when n is a graph input reached through _CHAIN_OPS only."""
+    chain = []
+    while is_call(n) and n.target in _CHAIN_OPS:
+        chain.append(n)
+        n = n.args[0]
+    return (n, chain[::-1]) if isinstance(n, torch.fx.Node) and n.op in ("placeholder", "get_attr") else (None, [])
+
+
+def _bmm_weight(n):
+    """bmm(x, V) with V a per-head weight's view: (W, w_nk) or a Fail."""
+    w, chain = _weight_chain(n.args[1])
+    wv = val(w) if w is not None else None
+    if wv is None or wv.dim() != 3:
+        return Fail(n, "the right operand is not a view of a 3-D weight")
+    if wv.numel() > 1 << 24:
+        return Fail(n, f"per-head weight of {wv.numel()} elements: larger than a decode bmm's (not probed)")
+    for c in chain:
+        if any(isinstance(a, torch.fx.Node) for a in torch.fx.node.map_aggregate((c.args[1:], c.kwargs), lambda a: a)):
+            return Fail(c, "a view of the weight with a computed size")
+    with unset_fake_temporarily():  # real tensors: the passes run under the graph's fake mode
+        probe = torch.arange(wv.numel(), dtype=torch.float64).view(tuple(wv.shape))
+        v = probe
+        try:
+            for c in chain:
+                v = c.target(v, *c.args[1:], **c.kwargs)
+        except Exception as e:  # noqa: BLE001 - a view this replay cannot follow is a near-miss, not a crash
+            return Fail(n, f"cannot follow the weight's views ({type(e).__name__})")
+        same, tr = (v.shape == probe.shape and torch.equal(v, probe),
+                    v.shape == probe.transpose(1, 2).shape and torch.equal(v, probe.transpose(1, 2)))
+    if same:
+        return w, False
+    if tr:
+        return w, True
+    return Fail(n, "the per-head weight is neither [H, K, N] nor the transpose of [H, N, K]")
+
+
 def _has_weight(n) -> bool:
-    """An mm / addmm with a weight (a graph input, through views and transposes) as an operand."""
+    """An mm / addmm with a weight (a graph input, through views and transposes) as an operand, or a
+    bmm whose right operand is a view of one."""
+    if is_call(n, aten.bmm.default):
+        return _weight_chain(n.args[1])[0] is not None
     if not is_call(n, aten.mm.default, aten.addmm.default):
         return False
     ops = n.args[:2] if n.target is aten.mm.default else n.args[1:3]
@@ -39,9 +92,10 @@ def _has_weight(n) -> bool:
 
 class LowerDecodeGemm(K3Pass):
     name = "lower_decode_gemm"
-    description = "decode GEMMs left in the graph (x @ W.T, W a weight) -> k3::decode_gemm"
-    pattern = "mm(x [M <= 16, K], permute(W [N, K])) with W a graph input (every such GEMM)"
-    emits = "k3::decode_gemm"
+    description = "decode GEMMs left in the graph (x @ W.T, W a weight) -> k3::decode_gemm; per-head bmm -> k3::decode_bmm"
+    pattern = ("mm(x [M <= 16, K], permute(W [N, K])) with W a graph input (every such GEMM); "
+               "bmm(x [H, M <= 16, K], views of W [H, K, N] or of W [H, N, K] transposed)")
+    emits = "k3::decode_gemm, k3::decode_bmm"
 
     def expected(self, info):
         # the GEMMs left depend on which passes ran before this one; run() counts them then
@@ -50,9 +104,10 @@ class LowerDecodeGemm(K3Pass):
     def run(self, graph, info, opts, report):
         cands = [n for n in graph.nodes if _has_weight(n)]
         report.expected = len(cands)
-        for mm, x, w in self.collect(cands, lambda n: self.match(n, opts), report):
+        for mm, x, w, *nk in self.collect(cands, lambda n: self.match(n, opts), report):
             with graph.inserting_before(mm):
-                new = graph.call_function(OPS["decode_gemm"], (x, w))
+                new = graph.call_function(OPS["decode_bmm"], (x, w, nk[0])) if nk else \
+                    graph.call_function(OPS["decode_gemm"], (x, w))
             new.meta.update({k: v for k, v in mm.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
             mm.replace_all_uses_with(new)
             graph.erase_node(mm)
@@ -60,6 +115,8 @@ class LowerDecodeGemm(K3Pass):
 
     @staticmethod
     def match(n, opts):
+        if n.target is aten.bmm.default:
+            return LowerDecodeGemm.match_bmm(n, opts)
         if n.target is aten.addmm.default:
             return Fail(n, "addmm (a bias or residual folded into the GEMM): not lowered")
         x, b = n.args
@@ -80,3 +137,20 @@ class LowerDecodeGemm(K3Pass):
         if v is not None and v.stride(-1) != 1:
             return Fail(n, "weight not contiguous along K")
         return n, x, w
+
+    @staticmethod
+    def match_bmm(n, opts):
+        x = n.args[0]
+        got = _bmm_weight(n)
+        if isinstance(got, Fail):
+            return got
+        w, w_nk = got
+        xs = shape(x)
+        if xs is None or len(xs) != 3:
+            return Fail(n, f"x is not [H, M, K] (shape {xs})")
+        dt = str(dtype(x)).replace("torch.", "")
+        if dt not in opts.dtypes or dtype(w) != dtype(x):
+            return Fail(n, f"dtype {dtype(x)} x {dtype(w)} (supported: {', '.join(opts.dtypes)})")
+        if isinstance(xs[1], int) and xs[1] > 16:
+            return Fail(n, f"M={xs[1]} tokens: more than one MMA tile (16)")
+        return n, x, w, w_nk

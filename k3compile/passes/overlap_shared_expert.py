@@ -58,6 +58,7 @@ class OverlapSharedExpert(K3Pass):
         return len(info.experts)
 
     def run(self, graph, info, opts, report):
+        pinned = 0
         for s in self.collect(info.experts, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
@@ -73,7 +74,7 @@ class OverlapSharedExpert(K3Pass):
                 if order[h] > order[tk]:
                     raise RuntimeError(f"the shared expert's fork lands after the router top-k {tk.name}")
                 tk.kwargs = {**tk.kwargs, "after": h}
-                report.notes.append(f"{h.name}: forked after the router GEMM, before its top-k {tk.name}")
+                pinned += 1
             order = _order(graph)
             first_user = min(s["down"].out.users, key=lambda u: order[u])
             after = s["expert"]
@@ -89,6 +90,9 @@ class OverlapSharedExpert(K3Pass):
                 j = emit(graph, first_user.prev, OPS["stream_join"], (h, after))
                 replace(graph, out, j)
             report.matched += 1
+        if report.matched:
+            report.notes.append(f"side-stream fork pinned between the router GEMM and its top-k at {pinned} of "
+                                f"{report.matched} sites" + ("" if opts.pin_shared_fork else " (pin_shared_fork off)"))
         gated = gated_off("prefetch", info, opts) if info.tp > 1 and opts.prefetch else None
         if gated:
             report.notes.append(f"L2 prefetch {gated}")
