@@ -112,6 +112,14 @@ for st in "$@"; do
     # the MLA per-head bmm's on k3's Triton kernel (k3::decode_bmm; K3_DECODE_BMM=0: torch.bmm), the
     # router top-k's rounds form (K3_ROUTER_SORT=0), and the shared gate-up's config now that the top-k
     # beside it is shorter (192 programs, cuBLAS): GPU tests, then both layers with those variants
+    # the MLA combine split over the latent's columns (K3_MLA_COMBINE_BL, 0 = one program per head) and
+    # k3::decode_bmm with the output gate folded in (token-major output): GPU tests, then both layers
+    mlaout) step mlaout_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or mla or tp1 or overlaps"
+            for L in mla kda; do
+              step layer_${L}_tp8_w1_mlaout 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+                --env comb0:K3_MLA_COMBINE_BL=0 --env comb64:K3_MLA_COMBINE_BL=64 --env nobmm:K3_DECODE_BMM=0 \
+                --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mlaout.json"
+            done ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
          for L in mla kda; do
            step layer_${L}_tp8_w1_bmm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \

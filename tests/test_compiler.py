@@ -636,9 +636,10 @@ def test_shared_expert_fork_point_and_tail_join(pin):
 
 def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
     """lower_decode_gemm also lowers the MLA layer's two einsums with a per-head weight (query
-    absorption with W_uk [H, K, N], value up-projection with W_uv stored [H, N, K]) to
-    k3::decode_bmm with the right layout flag, counts them as sites, and the step stays exact; a
-    bmm over a weight viewed some other way is a near-miss with the reason."""
+    absorption with W_uk [H, K, N], value up-projection with W_uv stored [H, N, K], which also takes
+    the output gate's sigmoid multiply) to k3::decode_bmm with the right layout flag, counts them as
+    sites, and the step stays exact; a bmm over a weight viewed some other way is a near-miss with
+    the reason."""
     from k3compile.compiler import _compile
     from k3compile.options import K3Options
     from k3compile.passes.lower_decode_gemm import LowerDecodeGemm
@@ -656,6 +657,10 @@ def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
     assert torch.equal(out, m(ids, m.new_cache(2)))
     bmms = [n for n in seen["g"].nodes if n.target is torch.ops.k3.decode_bmm.default]
     assert [n.args[2] for n in bmms] == [False, True] * len(cfg.mla_layers), bmms
+    # the value up-projection took the output gate (its sigmoid multiply is gone), the absorption none
+    assert [len(n.args) for n in bmms] == [3, 4] * len(cfg.mla_layers), bmms
+    assert all(u.target is not torch.ops.aten.mul.Tensor for n in bmms for u in n.users)
+    assert "took their sigmoid output gate" in k3compile.last_report().render()
     assert not any(n.target is torch.ops.aten.bmm.default and n.args[1].op != "call_function" for n in seen["g"].nodes)
     rep = k3compile.last_report().get("lower_decode_gemm")
     assert rep.matched == rep.expected and rep.matched >= 2 * len(cfg.mla_layers)

@@ -421,22 +421,25 @@ def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_head_bmm_matches_bmm_bf16_graphed(M):
     """k3::decode_bmm's Triton kernel in bf16 at the MLA layer's TP=8 shapes (absorption: W_uk [12,
-    128, 512]; value up-projection: W_uv [12, 128, 512] used transposed), x a permuted view as the
-    graph hands it, eagerly and replayed in a CUDA graph with new inputs, against torch.bmm."""
+    128, 512]; value up-projection: W_uv [12, 128, 512] used transposed, with the output gate), x a
+    permuted view as the graph hands it, eagerly and replayed in a CUDA graph with new inputs,
+    against torch.bmm (* sigmoid(gate))."""
     g = torch.Generator("cuda").manual_seed(M)
     for K, N, w_nk in ((128, 512, False), (512, 128, True)):
         w = (torch.randn(*((12, N, K) if w_nk else (12, K, N)), device="cuda", generator=g) / K ** 0.5).bfloat16()
         xs = torch.randn(M, 12, K, device="cuda", generator=g).bfloat16()
         x = xs.permute(1, 0, 2)
+        gate = torch.randn(M, 12, N, device="cuda", generator=g).bfloat16() if w_nk else None  # the output gate
 
         def ref():
-            return torch.bmm(x.float(), (w.transpose(1, 2) if w_nk else w).float())
-        out = torch.ops.k3.decode_bmm(x, w, w_nk)
+            r = torch.bmm(x.float(), (w.transpose(1, 2) if w_nk else w).float())
+            return r * torch.sigmoid(gate.float()).permute(1, 0, 2) if w_nk else r
+        out = torch.ops.k3.decode_bmm(x, w, w_nk, gate)
         assert ((out.float() - ref()).abs().max() / ref().abs().max()).item() < 1e-2, (K, N)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = torch.ops.k3.decode_bmm(x, w, w_nk)
+            out = torch.ops.k3.decode_bmm(x, w, w_nk, gate)
         xs.copy_(torch.randn(M, 12, K, device="cuda", generator=g).bfloat16())
         graph.replay()
         torch.cuda.synchronize()

@@ -237,15 +237,17 @@ def _decode_gemm(x, w):
     return choose.gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
 
 
-def _ok_bmm(x, w, w_nk):
+def _ok_bmm(x, w, w_nk, gate=None):
     return (os.environ.get("K3_DECODE_BMM", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
             and w.dtype == x.dtype and x.shape[1] <= 16 and x.shape[0] == w.shape[0]
-            and x.shape[2] == (w.shape[2] if w_nk else w.shape[1]))
+            and x.shape[2] == (w.shape[2] if w_nk else w.shape[1])
+            and (gate is None or (gate.dtype == x.dtype
+                                  and tuple(gate.shape) == (x.shape[1], x.shape[0], w.shape[1] if w_nk else w.shape[2]))))
 
 
 @register("decode_bmm", "cuda", "triton_head_bmm", _ok_bmm)
-def _decode_bmm(x, w, w_nk):
-    return launch.head_bmm(x, w, w_nk)   # K3_DECODE_BMM=0: torch.bmm (the op's reference) instead
+def _decode_bmm(x, w, w_nk, gate=None):
+    return launch.head_bmm(x, w, w_nk, gate)   # K3_DECODE_BMM=0: the op's reference (torch.bmm) instead
 
 
 @register("shared_expert_async", "cuda", "side_stream")

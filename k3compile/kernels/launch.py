@@ -377,21 +377,24 @@ def split_counters(device: torch.device) -> torch.Tensor | None:
     return cnt[slots[stream] * SPLIT_SLOTS:(slots[stream] + 1) * SPLIT_SLOTS]
 
 
-def head_bmm(x: torch.Tensor, w: torch.Tensor, w_nk: bool = False) -> torch.Tensor:
-    """torch.bmm(x, w) ([H, M, K] @ [H, K, N] -> contiguous [H, M, N]), or with w_nk torch.bmm(x,
-    w.transpose(1, 2)) for w stored [H, N, K]: one launch of triton_gemv.head_bmm_kernel, about 96
-    programs over heads x N blocks."""
+def head_bmm(x: torch.Tensor, w: torch.Tensor, w_nk: bool = False, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.bmm(x, w) ([H, M, K] @ [H, K, N] -> [H, M, N], stored token-major: a permuted view of a
+    contiguous [M, H, N]), or with w_nk torch.bmm(x, w.transpose(1, 2)) for w stored [H, N, K]; with
+    gate ([M, H, N]) times sigmoid(gate) transposed to [H, M, N]. One launch of
+    triton_gemv.head_bmm_kernel, about 96 programs over heads x N blocks."""
     from . import triton_gemv as KG
     H, M, K = x.shape
     N = w.shape[1] if w_nk else w.shape[2]
-    out = torch.empty(H, M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, H, N, dtype=x.dtype, device=x.device).permute(1, 0, 2)
+    g = gate if gate is not None else out
     swk, swn = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
     BN = max(16, min(128, triton.next_power_of_2(triton.cdiv(H * N, 96))))
     BK = max(16, min(128, triton.next_power_of_2(K)))
     if M:
         KG.head_bmm_kernel[(H, triton.cdiv(N, BN))](
-            x, w, out, M, N, K, x.stride(0), x.stride(1), x.stride(2), w.stride(0), swk, swn,
-            BM=16, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, num_warps=4)
+            x, w, out, g, M, H, N, K, x.stride(0), x.stride(1), x.stride(2), w.stride(0), swk, swn,
+            g.stride(0), g.stride(1), g.stride(2),
+            BM=16, BN=BN, BK=BK, IEEE=x.dtype == torch.float32, GATE=gate is not None, num_warps=4)
     return out
 
 
@@ -533,6 +536,9 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
 # 10.0 / 11.0 / 14.3, 10.6 / 11.4 / 15.1, 24.4 / 24.4 / 24.1 (the op's PyTorch reference 61.2, 80.8,
 # 184.2); 8 warps no better; tiles of 64 rows do not fit in shared memory.
 MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
+# columns of the latent per combine program (0: the whole row, one program per (token, head); 12 programs
+# for a TP=8 rank at M=1, each reading every split's [L] partial). K3_MLA_COMBINE_BL overrides
+MLA_COMBINE_BL = 128
 
 
 def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
@@ -573,8 +579,10 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
                                      q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
                                      kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH,
                                      BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32, num_warps=MLA_WARPS)
-    KA.mla_combine_kernel[(M, H)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
-                                  BNS=min(16, triton.next_power_of_2(ns)), num_warps=4)
+    bl = int(os.environ.get("K3_MLA_COMBINE_BL", MLA_COMBINE_BL))
+    bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0
+    KA.mla_combine_kernel[(M, H, L // bl if bl else 1)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
+                                                         BNS=min(16, triton.next_power_of_2(ns)), BL=bl, num_warps=4)
     return out
 
 

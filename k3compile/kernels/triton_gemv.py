@@ -154,13 +154,16 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
 
 
 @triton.jit
-def head_bmm_kernel(x, w, out, M, N, K, sxh, sxm, sxk, swh, swk, swn,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+def head_bmm_kernel(x, w, out, gate, M, H, N, K, sxh, sxm, sxk, swh, swk, swn, sgm, sgh, sgn,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, GATE: tl.constexpr):
     """out[h, m, n] = sum_k x[h, m, k] * w[h, k, n] for a per-head weight at decode batch sizes (the MLA
     query absorption and value up-projection): grid (H, N / BN), each program streams its [K, BN]
     slice of head h's weight (any strides: w[h] stored [K, N] or [N, K]) through one tl.dot per K
-    step, the token rows padded to one BM tile (rows past M masked), fp32 accumulation; out is
-    contiguous [H, M, N]. IEEE (fp32 inputs): full-precision fp32 products, not TF32, as torch.bmm."""
+    step, the token rows padded to one BM tile (rows past M masked), fp32 accumulation. out is stored
+    [M, H, N] (token-major: what the graph's permute back and reshape read without a copy). GATE:
+    the product, rounded to out's dtype, times sigmoid(gate[m, h, n]) (rounded the same way), as the
+    model's `bmm(...) * sigmoid(gate)` in its dtype. IEEE (fp32 inputs): full-precision fp32
+    products, not TF32, as torch.bmm."""
     h = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mn = offs_n < N
@@ -179,5 +182,9 @@ def head_bmm_kernel(x, w, out, M, N, K, sxh, sxm, sxk, swh, swk, swn,
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
-        tl.store(out + (h * M + offs_m[:, None]) * N + offs_n[None, :], acc.to(out.dtype.element_ty),
-                 mask=mm[:, None] & mn[None, :])
+        y = acc.to(out.dtype.element_ty)
+        if GATE:
+            g = tl.load(gate + offs_m[:, None] * sgm + h * sgh + offs_n[None, :] * sgn,
+                        mask=mm[:, None] & mn[None, :], other=0.0).to(tl.float32)
+            y = (y.to(tl.float32) * tl.sigmoid(g).to(out.dtype.element_ty).to(tl.float32)).to(out.dtype.element_ty)
+        tl.store(out + (offs_m[:, None] * H + h) * N + offs_n[None, :], y, mask=mm[:, None] & mn[None, :])

@@ -88,20 +88,25 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
 
 
 @triton.jit
-def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, BNS: tl.constexpr):
-    """Program (m, h): o = sum_i exp(max_i - max) o_i / sum_i exp(max_i - max) sum_i over the
-    splits (empty ones, max -inf, weigh 0), in out's dtype."""
+def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, BNS: tl.constexpr,
+                       BL: tl.constexpr = 0):
+    """Program (m, h, j): o = sum_i exp(max_i - max) o_i / sum_i exp(max_i - max) sum_i over the
+    splits (empty ones, max -inf, weigh 0), in out's dtype, for the j-th BL columns of o (BL = 0: all
+    L; each program of a head recomputes the splits' weights, which are 2 floats per split)."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     base = (m * H + h) * NS
-    ol = tl.arange(0, L)
+    if BL:
+        ol = tl.program_id(2) * BL + tl.arange(0, BL)
+    else:
+        ol = tl.arange(0, L)
     gm = tl.full([BNS], float("-inf"), tl.float32)
     for i in range(0, NS, BNS):
         k = i + tl.arange(0, BNS)
         gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
     top = tl.max(gm, axis=0)
     den = tl.zeros([BNS], tl.float32)
-    acc = tl.zeros([L], tl.float32)
+    acc = tl.zeros([BL if BL else L], tl.float32)
     for i in range(0, NS, BNS):
         k = i + tl.arange(0, BNS)
         km = k < NS

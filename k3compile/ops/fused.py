@@ -210,16 +210,17 @@ def _(x, w):
 
 
 @torch.library.custom_op("k3::decode_bmm", mutates_args=())
-def decode_bmm(x: Tensor, w: Tensor, w_nk: bool) -> Tensor:
+def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
-    transpose), x [H, M, K] of few tokens; on CUDA one Triton kernel (launch.head_bmm) instead of
-    cuBLAS's batched GEMM."""
-    return _run("decode_bmm", lambda a, b, nk: torch.bmm(a, b.transpose(1, 2) if nk else b), x, w, w_nk)
+    transpose), x [H, M, K] of few tokens; with gate [M, H, N], times sigmoid(gate) transposed to
+    [H, M, N]. The [H, M, N] result is stored token-major (a permuted view of a contiguous [M, H, N]).
+    On CUDA one Triton kernel (launch.head_bmm) instead of cuBLAS's batched GEMM (and the gate's kernel)."""
+    return _run("decode_bmm", ref.decode_bmm, x, w, w_nk, gate)
 
 
 @decode_bmm.register_fake
-def _(x, w, w_nk):
-    return x.new_empty(x.shape[0], x.shape[1], w.shape[1] if w_nk else w.shape[2])
+def _(x, w, w_nk, gate=None):
+    return x.new_empty(x.shape[1], x.shape[0], w.shape[1] if w_nk else w.shape[2]).permute(1, 0, 2)
 
 
 OPS = {

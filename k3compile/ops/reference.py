@@ -112,3 +112,14 @@ def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps,
     g = lower * torch.sigmoid(torch.exp(a_log.float()).view(1, H, 1) * (f.float() + dt_bias.float().view(1, H, K)))
     b = torch.sigmoid(beta.float())
     return torch.ops.k3model.kda_decode(qn, kn, v, g, b, state)
+
+
+def decode_bmm(x, w, w_nk, gate=None):
+    """k3::decode_bmm: torch.bmm(x, w or w^T) (* sigmoid(gate) transposed to [H, M, N]), the result
+    stored token-major (the op's layout contract: a permuted view of a contiguous [M, H, N])."""
+    y = torch.bmm(x, w.transpose(1, 2) if w_nk else w).permute(1, 0, 2)
+    if gate is not None:
+        y = y * torch.sigmoid(gate)
+    out = y.new_empty(y.shape)  # exactly the fake's strides (contiguous() keeps a size-1 dim's stride)
+    out.copy_(y)
+    return out.permute(1, 0, 2)

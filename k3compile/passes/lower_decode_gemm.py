@@ -20,7 +20,11 @@ reached through views, permutes and copies only, with V equal to W ([H, K, N]) o
 W.transpose(1, 2) (W stored [H, N, K]): the MLA query absorption and value up-projection (einsums
 that Inductor hands to cuBLAS's batched GEMM). Which of the two V is, is found by replaying that
 chain of views on an index tensor of W's shape. Emits `k3::decode_bmm(x, W, w_nk)`: one Triton
-kernel on CUDA (launch.head_bmm), reference torch.bmm, exact on CPU.
+kernel on CUDA (launch.head_bmm), reference torch.bmm, exact on CPU. Where the bmm's result, moved
+back to [M, H, N] by views only (checked by the same replay), is multiplied by sigmoid(G) and by
+nothing else (the MLA output gate), G joins the op, `k3::decode_bmm(x, W, w_nk, G)`, and the
+multiply goes: one kernel where Inductor launched a separate gate kernel. The op's result is
+stored token-major, so the views back to [M, H, N] and the o-proj's reshape copy nothing.
 Skipped: model dtype / TP size not supported, static M outside [1, 16] (one MMA tile of tokens);
 on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M.
 """
@@ -79,6 +83,54 @@ def _bmm_weight(n):
     return Fail(n, "the per-head weight is neither [H, K, N] nor the transpose of [H, N, K]")
 
 
+def _replays_to(chain, shape, want) -> bool:
+    """Whether the views `chain` (static sizes only) turn an index tensor of `shape` into want(it)."""
+    if any(isinstance(a, torch.fx.Node) for c in chain
+           for a in torch.fx.node.map_aggregate((c.args[1:], c.kwargs), lambda a: a)):
+        return False
+    if not all(isinstance(d, int) for d in shape):
+        return False
+    with unset_fake_temporarily():
+        probe = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64).view(*shape)
+        v = probe
+        try:
+            for c in chain:
+                v = c.target(v, *c.args[1:], **c.kwargs)
+        except Exception:  # noqa: BLE001 - a chain this replay cannot follow is simply not taken
+            return False
+        w = want(probe)
+        return v.shape == w.shape and torch.equal(v, w)
+
+
+def _gate_of(bmm, order):
+    """(mul, G, end): the bmm's result moved to [M, H, N] by a single-user chain of views ending at
+    `end`, then mul(end, sigmoid(G)) with G [M, H, N] computed before the bmm; else None."""
+    chain, n = [], bmm
+    while len(n.users) == 1 and is_call(next(iter(n.users)), *_CHAIN_OPS) and next(iter(n.users)).args[0] is n:
+        n = next(iter(n.users))
+        chain.append(n)
+    if not chain or len(n.users) != 1:
+        return None
+    mul = next(iter(n.users))
+    if not is_call(mul, aten.mul.Tensor) or len(mul.args) != 2:
+        return None
+    sig = mul.args[1] if mul.args[0] is n else mul.args[0]
+    if not is_call(sig, aten.sigmoid.default) or not isinstance(sig.args[0], torch.fx.Node):
+        return None
+    g, hmn = sig.args[0], shape(bmm)
+    if hmn is None or shape(g) != (hmn[1], hmn[0], hmn[2]) or shape(mul) != shape(g) or dtype(g) != dtype(bmm):
+        return None
+    if not _replays_to(chain, hmn, lambda t: t.permute(1, 0, 2)):
+        return None
+    if order[g] > order[bmm]:  # the model views the gate right before the multiply: move that view up
+        flat = []
+        torch.fx.node.map_arg((g.args, g.kwargs), flat.append)
+        if not is_call(g, *_CHAIN_OPS) or any(order[a] > order[bmm] for a in flat):
+            return None
+        bmm.prepend(g)
+    return mul, g, n
+
+
 def _has_weight(n) -> bool:
     """An mm / addmm with a weight (a graph input, through views and transposes) as an operand, or a
     bmm whose right operand is a view of one."""
@@ -104,14 +156,31 @@ class LowerDecodeGemm(K3Pass):
     def run(self, graph, info, opts, report):
         cands = [n for n in graph.nodes if _has_weight(n)]
         report.expected = len(cands)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        gated = 0
         for mm, x, w, *nk in self.collect(cands, lambda n: self.match(n, opts), report):
+            gate = _gate_of(mm, order) if nk else None
             with graph.inserting_before(mm):
-                new = graph.call_function(OPS["decode_bmm"], (x, w, nk[0])) if nk else \
-                    graph.call_function(OPS["decode_gemm"], (x, w))
-            new.meta.update({k: v for k, v in mm.meta.items() if k in ("val", "tensor_meta", "stack_trace")})
+                if not nk:
+                    new = graph.call_function(OPS["decode_gemm"], (x, w))
+                else:
+                    new = graph.call_function(OPS["decode_bmm"], (x, w, nk[0]) + ((gate[1],) if gate else ()))
+            new.meta.update({k: v for k, v in mm.meta.items() if k in ("stack_trace",)})
+            v = mm.meta.get("val")
+            if nk and v is not None:   # the op's layout: token-major storage
+                new.meta["val"] = v.new_empty(v.shape[1], v.shape[0], v.shape[2]).permute(1, 0, 2)
+            elif v is not None:
+                new.meta["val"] = v
             mm.replace_all_uses_with(new)
             graph.erase_node(mm)
+            if gate:
+                mul, _, end = gate
+                mul.replace_all_uses_with(end)
+                graph.erase_node(mul)
+                gated += 1
             report.matched += 1
+        if gated:
+            report.notes.append(f"{gated} per-head bmm(s) took their sigmoid output gate (k3::decode_bmm's gate)")
 
     @staticmethod
     def match(n, opts):
