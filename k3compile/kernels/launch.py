@@ -536,9 +536,13 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
 # 10.0 / 11.0 / 14.3, 10.6 / 11.4 / 15.1, 24.4 / 24.4 / 24.1 (the op's PyTorch reference 61.2, 80.8,
 # 184.2); 8 warps no better; tiles of 64 rows do not fit in shared memory.
 MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
-# columns of the latent per combine program (0: the whole row, one program per (token, head); 12 programs
-# for a TP=8 rank at M=1, each reading every split's [L] partial). K3_MLA_COMBINE_BL overrides
-MLA_COMBINE_BL = 128
+# columns of the latent per combine program where the (token, head) rows alone give fewer programs than
+# MLA_PROGRAMS (a TP=8 rank at M=1 has 12 heads: 12 programs, each reading every split's [L] partial);
+# 0: one program per row. MLA layer at TP=8 widths, one H200, replay timeline, combine kernel us at M = 1 /
+# 4 / 16 with 0 / 64 / 128 columns: 4.16 / 3.10 / 4.61, 4.42 / 4.19 / 5.50, 1.98 / 4.06 / 3.68 (5854264,
+# bench/results/layer_mla_tp8_w1_h200_5854264_mlaout.json; M=16 has 192 rows: split there it is slower).
+# K3_MLA_COMBINE_BL overrides at every M (0: never split)
+MLA_COMBINE_BL = 64
 
 
 def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
@@ -579,7 +583,8 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
                                      q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
                                      kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH,
                                      BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32, num_warps=MLA_WARPS)
-    bl = int(os.environ.get("K3_MLA_COMBINE_BL", MLA_COMBINE_BL))
+    flag = os.environ.get("K3_MLA_COMBINE_BL", "")
+    bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)
     bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0
     KA.mla_combine_kernel[(M, H, L // bl if bl else 1)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
                                                          BNS=min(16, triton.next_power_of_2(ns)), BL=bl, num_warps=4)
