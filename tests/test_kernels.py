@@ -874,6 +874,43 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
                                atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])
 
 
+@pytest.mark.parametrize("M, I, N, cfg, dt", [
+    (1, 96, 40, launch.MmaCfg(16, 32, 1, 4, 2, True), torch.float16),     # swapped, K = 3 BK steps
+    (5, 100, 33, launch.MmaCfg(16, 32, 2, 4, 2, False), torch.float32),   # ragged K, split in 2, ragged N
+])
+def test_mma_gemm_with_situ_in_its_x_loads(M, I, N, cfg, dt, monkeypatch):
+    """launch.mma_gemm(situ=(beta, lbeta)): the shared expert's down GEMM taking the [M, 2I] gate|up
+    output and making SiTU(gate, up) itself equals situ(gu) @ w.t() (situ rounded to the dtype first,
+    as the separate kernel stores it); launch.situ_mlp takes that path where the table gives the down
+    weight an MMA config (forced here through choose.gemv_plan), and a wrong gate|up width is refused."""
+    from k3compile.kernels import choose
+    from k3compile.model.functional import situ, situ_mlp
+    g = torch.Generator().manual_seed(M * 7 + I)
+    gu = (torch.randn(M, 2 * I, generator=g) * 6).to(dt)
+    w = (torch.randn(N, I, generator=g) / 8).to(dt)
+    want = situ(gu, 4.0, 25.0).float() @ w.float().t()
+    tol = dict(atol=2e-3 * want.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(launch.mma_gemm(gu, w, cfg, situ=(4.0, 25.0)).float(), want, **tol)
+    with pytest.raises(ValueError, match="must be"):
+        launch.mma_gemm(gu[:, 1:], w, cfg, situ=(4.0, 25.0))
+    H = 48
+    x = torch.randn(M, H, generator=g).to(dt)
+    wgu = (torch.randn(2 * I, H, generator=g) / 4).to(dt)
+    calls = []
+    real = launch.mma_gemm
+    monkeypatch.setattr(choose, "gemv_plan", lambda a, b, *r, **k: cfg if b is w else None)
+    monkeypatch.setattr(launch, "mma_gemm", lambda *a, **k: calls.append(k.get("situ")) or real(*a, **k))
+    ref = situ_mlp(x, wgu, w, 4.0, 25.0)
+    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
+                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
+    assert calls == [(4.0, 25.0)]
+    monkeypatch.setenv("K3_SITU_IN_DOWN", "0")
+    calls.clear()
+    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
+                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
+    assert calls == [None]   # the SiTU kernel, then the plain GEMM
+
+
 def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):
     """The match report's kernel note says which MXFP4 expert kernel a CUDA graph will run: the CuTe
     f16x2 GEMVs where an artifact fits (or the DSL can build it on the first call) and M is in

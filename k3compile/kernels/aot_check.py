@@ -99,7 +99,8 @@ def variants():
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
     out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
-    mg = dict(gv, part="*fp32", cnt="*i32", w2="*bf16", out2="*bf16", N1="i32", swn2="i32", som2="i32")
+    mg = dict(gv, part="*fp32", cnt="*i32", w2="*bf16", out2="*bf16", N1="i32", swn2="i32", som2="i32",
+              beta="fp32", lbeta="fp32")
     for sw, bn in ((0, 32), (1, 64)):
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
@@ -107,6 +108,9 @@ def variants():
     # two weights in one launch (the router + latent down-projection at TP=1: launch.mma_gemm2)
     out.append(("mma_gemm two swap split4", KG.mma_gemm_kernel, mg,
                 dict(BM=16, BN=64, BK=128, SPLIT=4, SWAP=1, EVEN_K=1, ACC=0, TWO=1)))
+    # the shared expert's down GEMM with its SiTU in the x loads (launch.situ_mlp)
+    out.append(("mma_gemm swap situ", KG.mma_gemm_kernel, mg,
+                dict(BM=16, BN=64, BK=128, SPLIT=1, SWAP=1, EVEN_K=1, ACC=0, SITU=1)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32")

@@ -399,13 +399,17 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, w_nk: bool = False, gate: torch.T
 
 
 def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,
-             accumulate: bool = False) -> torch.Tensor:
+             accumulate: bool = False, situ: "tuple[float, float] | None" = None) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it) by triton_gemv.mma_gemm_kernel, M <= MMA_MAX_M; x [M, K]
-    and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
+    and w [N, K] with unit stride along K, out [M, N] with unit stride along N. situ=(beta, lbeta): x is
+    a [M, 2K] gate|up tensor and the product is model.functional.situ(x, beta, lbeta) @ w.t() (the
+    activation made inside the GEMM from each x tile, rounded to x's dtype like the SiTU kernel)."""
     M, N = x.shape[0], w.shape[0]
+    if situ is not None and x.shape[1] != 2 * w.shape[1]:
+        raise ValueError(f"mma_gemm with situ: x {tuple(x.shape)} must be [M, 2K] for w {tuple(w.shape)}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _mma(x, w, out, None, None, cfg, accumulate)
+    _mma(x, w, out, None, None, cfg, accumulate, situ)
     return out
 
 
@@ -430,9 +434,9 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: MmaCfg,
     return out1, out2
 
 
-def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
+def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
     from . import triton_gemv as KG
-    M, K = x.shape
+    M, K = x.shape[0], w.shape[1]
     N1 = w.shape[0]
     N = N1 + (w2.shape[0] if w2 is not None else 0)
     if M > MMA_MAX_M:
@@ -449,9 +453,10 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        w2 if two else w, out2 if two else out, N1,
                                        w2.stride(0) if two else 0, out2.stride(0) if two else 0,
+                                       float(situ[0]) if situ else 1.0, float(situ[1]) if situ else 1.0,
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, num_warps=cfg.warps,
-                                       num_stages=cfg.stages)
+                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, SITU=situ is not None,
+                                       num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
@@ -494,10 +499,22 @@ def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor
     return out
 
 
+# the shared expert's SiTU inside its down GEMM (mma_gemm situ=: no SiTU kernel, its launch and its
+# [M, I] round trip) where the tuned table gives the down weight an MMA config; K3_SITU_IN_DOWN=0 keeps
+# the separate kernel
+SITU_IN_DOWN = True
+
+
 def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
-    """The shared expert: GEMM, the SiTU kernel, GEMM (model.functional.situ_mlp's math)."""
-    mid = situ(choose.gemm("shared_gate_up", x, w_gate_up), beta, linear_beta)
-    return choose.gemm("shared_down", mid, w_down)
+    """The shared expert (model.functional.situ_mlp's math): GEMM, then the down GEMM with the SiTU
+    folded into its x loads (SITU_IN_DOWN, where the down weight has an MMA config), else GEMM, the
+    SiTU kernel, GEMM."""
+    gu = choose.gemm("shared_gate_up", x, w_gate_up)
+    if os.environ.get("K3_SITU_IN_DOWN", "1" if SITU_IN_DOWN else "0") == "1" and gu.shape[1] == 2 * w_down.shape[1]:
+        cfg = choose.gemv_plan(gu, w_down)
+        if isinstance(cfg, MmaCfg) and gu.is_contiguous():
+            return mma_gemm(gu, w_down, cfg, situ=(beta, linear_beta))
+    return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
 
 
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers

@@ -22,7 +22,10 @@ rows past M masked to zero), split along K. The grid is (N / BN, SPLIT): each pr
 [BN, K / SPLIT] slice of W through Triton's software pipeline (`num_stages` tiles of [BN, BK] in
 flight, cp.async into shared memory) into one tl.dot accumulator, so a weight of few rows
 (N = 1536, 2240) still spreads over every SM instead of leaving a part of them idle or running a
-second, half-empty wave. SWAP puts the weight rows on the MMA's M side (W @ x^T: wgmma's 64-row
+second, half-empty wave. SITU: x is the shared expert's [M, 2K] gate|up GEMM output and the product
+is SiTU(gate, up) @ W^T, the activation computed from the x tile each program loads (fp32, rounded
+to x's dtype, as triton_moe.situ_kernel stores it): the shared expert's down GEMM without the SiTU
+kernel between its two GEMMs. SWAP puts the weight rows on the MMA's M side (W @ x^T: wgmma's 64-row
 tiles on Hopper) instead of the tokens (x @ W^T: mma.sync 16 x 8 tiles). With SPLIT > 1 each
 program stores its fp32 partial tile into `part` ([N / BN, SPLIT, BM, BN]) and counts itself in
 with one acq_rel atomic on `cnt[tile]`; the program that arrives last sums the SPLIT partials in
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_moe import _situ
 
 
 @triton.jit
@@ -78,9 +83,10 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, MP: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
-def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2,
+def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, beta, lbeta,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False):
+                    SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False,
+                    SITU: tl.constexpr = False):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
     `cnt` are unused when SPLIT == 1. TWO: W is two weights stacked, [w; w2] (rows [0, N1) of W are
@@ -88,7 +94,8 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     to `out2` (row strides som / som2): one launch streams both, neither is copied. N1 must be a
     multiple of BN (each program's rows lie in one weight: it picks that weight's base as a scalar,
     so its loads stay 16-byte vectors; a per-row select of the two bases made them 2-byte loads).
-    w2, out2, N1, swn2 and som2 are unused otherwise."""
+    w2, out2, N1, swn2 and som2 are unused otherwise. SITU: x [M, 2K] is gate|up and the kernel's x
+    operand is SiTU(x[:, :K], x[:, K:]) with `beta`, `lbeta` (unused otherwise)."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     r0 = pid * BN
@@ -120,11 +127,17 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
         rk = k0 + tl.arange(0, BK)
         if EVEN_K:
             wt = tl.load(wp + rk[None, :], mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
-            xt = tl.load(xp + rk[None, :], mask=mmask[:, None], other=0.0)
+            xm = mmask[:, None]
         else:
             wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & (rk[None, :] < K), other=0.0,
                          eviction_policy="evict_first")
-            xt = tl.load(xp + rk[None, :], mask=mmask[:, None] & (rk[None, :] < K), other=0.0)
+            xm = mmask[:, None] & (rk[None, :] < K)
+        if SITU:   # gate and up columns k of the [M, 2K] gate|up rows; masked ones give SiTU(0, 0) = 0
+            g = tl.load(xp + rk[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(xp + K + rk[None, :], mask=xm, other=0.0).to(tl.float32)
+            xt = _situ(g, u, beta, lbeta).to(x.dtype.element_ty)
+        else:
+            xt = tl.load(xp + rk[None, :], mask=xm, other=0.0)
         if SWAP:
             acc = tl.dot(wt, tl.trans(xt), acc)
         else:
