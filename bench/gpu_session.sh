@@ -120,12 +120,12 @@ for st in "$@"; do
                 --env comb0:K3_MLA_COMBINE_BL=0 --env comb64:K3_MLA_COMBINE_BL=64 --env nobmm:K3_DECODE_BMM=0 \
                 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mlaout.json"
             done ;;
-    # the shared expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=0: the separate kernel) and the MLA
+    # the shared expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1; off by default: slower) and the MLA
     # combine's column split by M (K3_MLA_COMBINE_BL=0: never): GPU tests, then both layers
     situ) step situ_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "shared or mla or tp1 or overlaps or mma"
           for L in mla kda; do
             step layer_${L}_tp8_w1_situ 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-              --env nositu:K3_SITU_IN_DOWN=0 --env comb0:K3_MLA_COMBINE_BL=0 \
+              --env situ:K3_SITU_IN_DOWN=1 --env comb0:K3_MLA_COMBINE_BL=0 \
               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_situ.json"
           done ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)

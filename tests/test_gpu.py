@@ -241,9 +241,9 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_shared_expert_situ_in_down_gemm_bf16_graphed(M, monkeypatch):
     """The shared expert at TP=8 widths (7168 -> 2 x 768 -> 7168, bf16) with its SiTU inside the down
-    GEMM (launch.situ_mlp's default: the table gives the down weight an MMA config) against
+    GEMM (K3_SITU_IN_DOWN=1; the table gives the down weight an MMA config) against
     model.functional.situ_mlp, eagerly, graphed, and on the side stream through the k3 ops; the
-    same with K3_SITU_IN_DOWN=0 (the separate SiTU kernel)."""
+    same by default (the separate SiTU kernel)."""
     from _gpu_ranks import _graphed, rel
     from k3compile.kernels import choose, launch
     from k3compile.model.functional import situ_mlp
@@ -252,11 +252,12 @@ def test_shared_expert_situ_in_down_gemm_bf16_graphed(M, monkeypatch):
     wgu = (torch.randn(1536, 7168, device="cuda", generator=g) / 7168 ** 0.5 * 3).bfloat16()
     wdn = (torch.randn(7168, 768, device="cuda", generator=g) / 768 ** 0.5).bfloat16()
     assert isinstance(choose.gemv_plan(x[:, :1536], wdn), launch.MmaCfg)   # the path under test
+    monkeypatch.setenv("K3_SITU_IN_DOWN", "1")
     ref = situ_mlp(x, wgu, wdn, 4.0, 25.0).float()
     for out in (launch.situ_mlp(x, wgu, wdn, 4.0, 25.0), _graphed(launch.situ_mlp, x, wgu, wdn, 4.0, 25.0),
                 torch.ops.k3.stream_join(torch.ops.k3.shared_expert_async(x, wgu, wdn, 4.0, 25.0), x)):
         assert rel(out, ref) < 1e-2
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "0")
+    monkeypatch.delenv("K3_SITU_IN_DOWN")
     assert rel(launch.situ_mlp(x, wgu, wdn, 4.0, 25.0), ref) < 1e-2
 
 

@@ -881,8 +881,9 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
 def test_mma_gemm_with_situ_in_its_x_loads(M, I, N, cfg, dt, monkeypatch):
     """launch.mma_gemm(situ=(beta, lbeta)): the shared expert's down GEMM taking the [M, 2I] gate|up
     output and making SiTU(gate, up) itself equals situ(gu) @ w.t() (situ rounded to the dtype first,
-    as the separate kernel stores it); launch.situ_mlp takes that path where the table gives the down
-    weight an MMA config (forced here through choose.gemv_plan), and a wrong gate|up width is refused."""
+    as the separate kernel stores it); launch.situ_mlp takes that path with K3_SITU_IN_DOWN=1 where the
+    table gives the down weight an MMA config (forced here through choose.gemv_plan), not by default;
+    a wrong gate|up width is refused."""
     from k3compile.kernels import choose
     from k3compile.model.functional import situ, situ_mlp
     g = torch.Generator().manual_seed(M * 7 + I)
@@ -901,6 +902,12 @@ def test_mma_gemm_with_situ_in_its_x_loads(M, I, N, cfg, dt, monkeypatch):
     monkeypatch.setattr(choose, "gemv_plan", lambda a, b, *r, **k: cfg if b is w else None)
     monkeypatch.setattr(launch, "mma_gemm", lambda *a, **k: calls.append(k.get("situ")) or real(*a, **k))
     ref = situ_mlp(x, wgu, w, 4.0, 25.0)
+    monkeypatch.delenv("K3_SITU_IN_DOWN", raising=False)
+    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
+                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
+    assert calls == [None]   # off by default (measured slower): the SiTU kernel, then the plain GEMM
+    calls.clear()
+    monkeypatch.setenv("K3_SITU_IN_DOWN", "1")
     torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
                                atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
     assert calls == [(4.0, 25.0)]

@@ -500,15 +500,19 @@ def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor
 
 
 # the shared expert's SiTU inside its down GEMM (mma_gemm situ=: no SiTU kernel, its launch and its
-# [M, I] round trip) where the tuned table gives the down weight an MMA config; K3_SITU_IN_DOWN=0 keeps
-# the separate kernel
-SITU_IN_DOWN = True
+# [M, I] round trip) where the tuned table gives the down weight an MMA config. Off: measured slower.
+# Layer at TP=8 widths on one H200 (cb7699f, `K3_MS=1,4,16 bash bench/gpu_session.sh fla situ`), the
+# down GEMM with the SiTU in its loads 20.0 us against 6.24 us + 2.18 us for the SiTU kernel and the
+# plain GEMM at M=1 (its swapped MMA takes the computed x through registers into shared memory every
+# K step: half the cp.async and wgmma of the plain kernel in its PTX); k3 per layer step at M=1 KDA
+# 135.2 vs 124.5 us, MLA 142.2 vs 131.7, no better at M = 4, 16. K3_SITU_IN_DOWN=1 turns it on.
+SITU_IN_DOWN = False
 
 
 def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
-    """The shared expert (model.functional.situ_mlp's math): GEMM, then the down GEMM with the SiTU
-    folded into its x loads (SITU_IN_DOWN, where the down weight has an MMA config), else GEMM, the
-    SiTU kernel, GEMM."""
+    """The shared expert (model.functional.situ_mlp's math): GEMM, the SiTU kernel, GEMM; with
+    SITU_IN_DOWN (off by default) the down GEMM takes the SiTU in its x loads where the down weight
+    has an MMA config."""
     gu = choose.gemm("shared_gate_up", x, w_gate_up)
     if os.environ.get("K3_SITU_IN_DOWN", "1" if SITU_IN_DOWN else "0") == "1" and gu.shape[1] == 2 * w_down.shape[1]:
         cfg = choose.gemv_plan(gu, w_down)
