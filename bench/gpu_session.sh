@@ -128,6 +128,16 @@ for st in "$@"; do
               --env situ:K3_SITU_IN_DOWN=1 --env comb0:K3_MLA_COMBINE_BL=0 \
               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_situ.json"
           done ;;
+    # the MLA kv_a norm (and the q_rope copy) in the attention kernel (fold_mla_prologue): its GPU tests
+    # and the MLA ones, then the MLA layer with the pass's ablation rows, both layers with the shared
+    # expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1, off by default) as an env variant
+    mlapro) step mlapro_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_gpu.py \
+              -k "mla or tp1 or overlaps or shared"
+            step layer_mla_tp8_w1_pro 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
+              --ablate-passes fold_mla_prologue --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer mla --shapes tp8 \
+              --out "$R/layer_mla_tp8_w1_pro.json"
+            step layer_kda_tp8_w1_situ 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+              --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_situ.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"

@@ -19,6 +19,7 @@ PASS_ORDER = (
     "fuse_residual_norm",     # after fuse_oproj_allreduce: the mixers that pass leaves
     "fold_kda_gate",
     "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
+    "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # last: the GEMMs every other pass left (overlap_shared_expert matches mm)
 )
@@ -79,6 +80,8 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
     # fold_kda_gate, whose raw q / k inputs it produces
     "fold_kda_conv": (1, 1),
+    # the MLA kv_a norm in the attention kernel, the q_rope copy dropped: not measured yet
+    "fold_mla_prologue": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 

@@ -14,8 +14,9 @@ PASS_SETS = {
     "fuse_residual_norm": ("fuse_residual_norm",),   # alone: it must leave the post-attention mixers
     "overlap_shared_expert": ("overlap_shared_expert",),
     "fold_kda_conv": ("fold_kda_conv",),
+    "fold_mla_prologue": ("fold_mla_prologue",),
     "all": ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "fuse_oproj_allreduce",
-            "fuse_residual_norm", "fold_kda_conv", "overlap_shared_expert"),
+            "fuse_residual_norm", "fold_kda_conv", "fold_mla_prologue", "overlap_shared_expert"),
 }
 
 

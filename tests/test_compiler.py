@@ -60,6 +60,10 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     # the KDA short conv of every KDA layer's decode step, exact against eager over the steps (the state)
     n_kda = len(cfg.kda_layers)
     assert n_kda > 0 and res["fold_kda_conv"]["passes"]["fold_kda_conv"][:2] == (n_kda, n_kda)
+    # the kv_a norm (and the q_rope copy) of every MLA layer's decode step, alone and with the others
+    n_mla = len(cfg.mla_layers)
+    assert n_mla > 0 and res["fold_mla_prologue"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
+    assert res["all"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
 
 
 def test_tp2_each_pass_and_all():

@@ -113,8 +113,10 @@ def variants():
                 dict(BM=16, BN=64, BK=128, SPLIT=1, SWAP=1, EVEN_K=1, ACC=0, SITU=1)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
-               scm="i32", scs="i32", som="i32", soh="i32", snm="i32")
+               scm="i32", scs="i32", som="i32", soh="i32", snm="i32", kv_w="*bf16", eps="fp32")
     out.append(("mla_split L512", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0)))
+    # with the kv_a RMSNorm in the kernel (fold_mla_prologue's k3::mla_decode_normed)
+    out.append(("mla_split L512 norm", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0, NORM=1)))
     out.append(("kda_conv_decode", KC.kda_conv_decode_kernel,
                 dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32"),
                 dict(KW=4, BLOCK=1024)))

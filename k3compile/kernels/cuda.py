@@ -26,6 +26,8 @@
   GEMMs inside the ops above go through the same table (choose.gemm).
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
+- mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
+  split kernel, where launch.mla_decode_fits takes the shapes (and K3_MLA_TRITON is not 0).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 
@@ -217,6 +219,21 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
 @register("kda_decode_gated", "cuda", "fla_fused_recurrent_kda", _ok_kda_gated)
 def _kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return launch.kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower, scale)
+
+
+def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+    from . import model_ops
+    L = q_lat.shape[-1] if q_lat.dim() == 3 else -1
+    return (model_ops.MLA_TRITON and launch.mla_decode_fits(q_lat, q_rope, kv_a, kv_cache)
+            and kv_norm_w.shape == (L,) and kv_norm_w.is_floating_point() and kv_norm_w.device == kv_a.device)
+
+
+@register("mla_decode_normed", "cuda", "triton_mla", _ok_mla_normed)
+def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+    from ..model import attention_ops as A
+    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps))
 
 
 def _ok_conv(xq, xk, xv, state, w):

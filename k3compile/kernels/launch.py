@@ -579,11 +579,12 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
             and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
+def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None) -> torch.Tensor:
     """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m]
     (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
     their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
-    (attention_ops._validate_mla) and mla_decode_fits."""
+    (attention_ops._validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
+    row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed)."""
     from . import triton_mla as KA
     M, H, L = q_lat.shape
     R, S = q_rope.shape[-1], kv_cache.shape[1]
@@ -602,8 +603,10 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
         kv_new = kv_new.contiguous()
     KA.mla_split_kernel[(M, hb, ns)](q_lat, q_rope, kv_new, kv_cache, lens, part_o, part_ml, H, S, ch, ns, float(scale),
                                      q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
-                                     kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1), L=L, R=R, BH=MLA_BH,
-                                     BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32, num_warps=MLA_WARPS)
+                                     kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+                                     kv_norm[0] if kv_norm else kv_new, float(kv_norm[1]) if kv_norm else 0.0,
+                                     L=L, R=R, BH=MLA_BH, BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32,
+                                     NORM=kv_norm is not None, num_warps=MLA_WARPS)
     flag = os.environ.get("K3_MLA_COMBINE_BL", "")
     bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)
     bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0

@@ -2,8 +2,9 @@
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
 tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
-Inductor treats them as ordinary extern kernels; the exception is `k3::kda_decode_gated`, which
-takes the place of the model's mutating `k3model::kda_decode` inside its auto_functionalized node.
+Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated` and
+`k3::mla_decode_normed`, which take the place of the model's mutating `k3model::kda_decode` /
+`k3model::mla_decode` inside their auto_functionalized nodes.
 """
 from __future__ import annotations
 
@@ -179,6 +180,24 @@ def _(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return v.new_empty(v.shape)
 
 
+# ----------------------------------------------------------------- MLA decode with its prologue (fold_mla_prologue)
+@torch.library.custom_op("k3::mla_decode_normed", mutates_args=("kv_cache",))
+def mla_decode_normed(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
+                      seq_lens: Tensor, scale: float) -> Tensor:
+    """`k3model::mla_decode` with the kv_a RMSNorm folded in: kv_a [M, L + R] is the raw latent + rope
+    key of the new token (its first L columns RMS-normalised by kv_norm_w here, the rest taken as
+    they are); q_rope may be a strided view (unit stride along R). Mutates `kv_cache` like
+    mla_decode (it replaces that mutating op in place). On CUDA: the Triton MLA decode with the norm
+    in its split kernel."""
+    return _run("mla_decode_normed", ref.mla_decode_normed, q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens,
+                scale)
+
+
+@mla_decode_normed.register_fake
+def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+    return q_lat.new_empty(q_lat.shape)
+
+
 # ----------------------------------------------------------------- KDA short conv at decode (fold_kda_conv)
 @torch.library.custom_op("k3::kda_conv_decode", mutates_args=())
 def kda_conv_decode(xq: Tensor, xk: Tensor, xv: Tensor, state: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -235,6 +254,7 @@ OPS = {
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
+    "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
     "decode_bmm": torch.ops.k3.decode_bmm.default,
 }

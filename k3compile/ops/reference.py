@@ -114,6 +114,14 @@ def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps,
     return torch.ops.k3model.kda_decode(qn, kn, v, g, b, state)
 
 
+def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+    """k3::mla_decode_normed: kv_new = cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]]) (the
+    model's MLA prologue), then the model's k3model::mla_decode (mutates kv_cache)."""
+    L = q_lat.shape[-1]
+    kv_new = torch.cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]], -1)
+    return torch.ops.k3model.mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
+
+
 def decode_bmm(x, w, w_nk, gate=None):
     """k3::decode_bmm: torch.bmm(x, w or w^T) (* sigmoid(gate) transposed to [H, M, N]), the result
     stored token-major (the op's layout contract: a permuted view of a contiguous [M, H, N])."""
