@@ -102,7 +102,8 @@ for st in "$@"; do
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
-    resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_vllm.py ;;
+    resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_mla_prologue.py \
+                 tests/test_vllm.py ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
     # shape, compiled in 12 processes first) against cuBLAS and the CUDA-core GEMV's best two
     mmagemm) step mma_tests 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
@@ -138,6 +139,12 @@ for st in "$@"; do
               --out "$R/layer_mla_tp8_w1_pro.json"
             step layer_kda_tp8_w1_situ 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
               --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_situ.json" ;;
+    # the MLA q_a norm in the q_b GEMV's x loads (fold_norm_gemv) beside fold_mla_prologue: both passes'
+    # GPU tests, then the MLA layer with their ablation rows
+    normgemv) step normgemv_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
+              step layer_mla_tp8_w1_norm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
+                --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv --world 1 --layer mla \
+                --shapes tp8 --out "$R/layer_mla_tp8_w1_norm.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"

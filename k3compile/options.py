@@ -21,7 +21,8 @@ PASS_ORDER = (
     "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
     "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
-    "lower_decode_gemm",      # last: the GEMMs every other pass left (overlap_shared_expert matches mm)
+    "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
+    "fold_norm_gemv",         # after lower_decode_gemm: it takes that pass's k3::decode_gemm nodes
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -30,7 +31,8 @@ PASS_ORDER = (
 # skipped when M is static; in a dynamic-M graph the ops switch by M at run time
 # (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
-DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16))  # the latter: one MMA tile
+DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16),  # the latter: one MMA tile
+                        fold_norm_gemv=(1, 16))
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -80,8 +82,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
     # fold_kda_gate, whose raw q / k inputs it produces
     "fold_kda_conv": (1, 1),
-    # the MLA kv_a norm in the attention kernel, the q_rope copy dropped: not measured yet
+    # the MLA kv_a norm + cat in the attention kernel, the q_rope copy dropped. MLA layer at TP=8 widths
+    # on ONE H200, b4de30d (bench/results/layer_mla_tp8_w1_h200_b4de30d_pro.json), medians of 3 rounds,
+    # every pass vs every pass but this one: -9.2 / -2.7 / -5.5 us at M = 1 / 4 / 16 (3 kernels fewer;
+    # the rounds of one row spread by up to 9 us at M=1)
     "fold_mla_prologue": (1, 16),
+    # the MLA q_a norm in the q_b GEMV's x loads (M=1: the table's CUDA-core GEMV): not measured yet
+    "fold_norm_gemv": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 

@@ -64,6 +64,8 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     n_mla = len(cfg.mla_layers)
     assert n_mla > 0 and res["fold_mla_prologue"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
     assert res["all"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
+    # the norms read only by a decode GEMM: each MLA layer's q_a norm, the first layer's input norm
+    assert res["all"]["passes"]["fold_norm_gemv"][:2] == (n_mla + 1, n_mla + 1)
 
 
 def test_tp2_each_pass_and_all():

@@ -93,12 +93,16 @@ def variants():
     out.append(("router_topk E896 int32 ids", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32",
                                                                           ids="*i32", scale="fp32"),
                 dict(K=16, KP=16, BLOCK=1024)))   # what fuse_router_topk emits before the expert ops
-    gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32")
+    gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32", g="*bf16", eps="fp32")
     for mp, bn, bk in ((1, 8, 512), (4, 4, 1024), (8, 16, 256)):  # M = 1 / 4 / 8 tiles of the sweep
         out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
     out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
+    # the MLA q_b GEMV at M=1 with the q_a RMSNorm in its x loads (fold_norm_gemv's k3::decode_gemm_normed)
+    out.append(("gemv norm", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=0, ACC=0, NORM=1)))
+    out.append(("rms_norm", KG.rms_norm_kernel, dict(ints, x="*bf16", g="*bf16", out="*bf16", K="i32", sxm="i32",
+                                                      som="i32", eps="fp32"), dict(BLOCK=2048)))
     mg = dict(gv, part="*fp32", cnt="*i32", w2="*bf16", out2="*bf16", N1="i32", swn2="i32", som2="i32",
               beta="fp32", lbeta="fp32")
     for sw, bn in ((0, 32), (1, 64)):

@@ -24,6 +24,8 @@
 - decode_gemm: the Triton tensor-core split-K GEMM (or the CUDA-core GEMV) with the config of the
   tuned table (choose.GEMV_TABLE) where it has this weight shape and M, else torch.mm (cuBLAS). The
   GEMMs inside the ops above go through the same table (choose.gemm).
+- decode_gemm_normed: the CUDA-core GEMV with the RMSNorm in its x loads where the tuned table
+  picks that GEMV, else one Triton norm kernel and decode_gemm's path.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
 - mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
@@ -252,6 +254,16 @@ def _ok_gemm(x, w):
 @register("decode_gemm", "cuda", "triton_mma_gemm_or_cublas", _ok_gemm)
 def _decode_gemm(x, w):
     return choose.gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
+
+
+def _ok_gemm_normed(x, g, eps, w):
+    return (x.dim() == 2 and w.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype and x.stride(-1) == 1
+            and g.shape == (x.shape[1],) and x.shape[1] == w.shape[1] and x.shape[1] <= 1 << 16)
+
+
+@register("decode_gemm_normed", "cuda", "triton_gemv_norm", _ok_gemm_normed)
+def _decode_gemm_normed(x, g, eps, w):
+    return launch.gemm_normed(x, g, eps, w)
 
 
 def _ok_bmm(x, w, w_nk, gate=None):

@@ -460,16 +460,21 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
-         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False) -> torch.Tensor:
+         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False,
+         norm: "tuple[torch.Tensor, float] | None" = None) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8, or,
     for an MmaCfg, by the tensor-core split-K kernel (mma_gemm, M <= 16);
     x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
     with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
-    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K)."""
+    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K).
+    norm=(g [K], eps): the product is model.functional.rms_norm(x, g, eps) @ w.t(), the norm inside
+    the CUDA-core GEMV's x loads (not with an MmaCfg or pdl)."""
     if isinstance(cfg, MmaCfg):
-        if pdl:
-            raise ValueError("the MMA GEMM has no PDL form")
+        if pdl or norm is not None:
+            raise ValueError("the MMA GEMM has no PDL or norm form")
         return mma_gemm(x, w, cfg, out, accumulate)
+    if norm is not None and (pdl or norm[0].shape != (x.shape[1],)):
+        raise ValueError(f"gemv with norm: a [{x.shape[1]}] weight and no PDL (got {tuple(norm[0].shape)}, pdl={pdl})")
     from . import triton_gemv as KG
     M, K = x.shape
     N = w.shape[0]
@@ -480,11 +485,33 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
         raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={bk})")
     if M:
         KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                              norm[0] if norm else x, float(norm[1]) if norm else 0.0,
                                               MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
                                               EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
-                                              num_warps=nw, num_stages=ns,
+                                              NORM=norm is not None, num_warps=nw, num_stages=ns,
                                               **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
+
+
+def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.functional.rms_norm of the rows of a 2-D x (unit stride along K) in one Triton kernel."""
+    from . import triton_gemv as KG
+    M, K = x.shape
+    out = torch.empty(M, K, dtype=x.dtype, device=x.device)
+    if M:
+        KG.rms_norm_kernel[(M,)](x, g, out, K, x.stride(0), out.stride(0), float(eps),
+                                 BLOCK=triton.next_power_of_2(K), num_warps=4 if K <= 4096 else 8)
+    return out
+
+
+def gemm_normed(x: torch.Tensor, g: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x, g, eps) @ w.t() (k3::decode_gemm_normed): one kernel, the norm in the CUDA-core
+    GEMV's x loads, where the tuned table picks that GEMV for this weight and M; else the norm
+    kernel, then the decode GEMM's path (the table's MMA kernel or cuBLAS)."""
+    cfg = choose.gemv_plan(x, w)
+    if isinstance(cfg, tuple) and x.stride(-1) == 1:
+        return gemv(x, w, cfg=cfg, norm=(g, eps))
+    return choose.gemm("decode_gemm", rms_norm(x, g, eps), w)
 
 
 def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:

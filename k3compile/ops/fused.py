@@ -228,6 +228,19 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("k3::decode_gemm_normed", mutates_args=())
+def decode_gemm_normed(x: Tensor, g: Tensor, eps: float, w: Tensor) -> Tensor:
+    """rms_norm(x, g, eps) @ w.T (model.functional.rms_norm: fp32 math, rounded to x's dtype) for a
+    weight w [N, K]; on CUDA one kernel, the norm in the CUDA-core GEMV's x loads, where the tuned
+    table picks that GEMV (kernels/choose.GEMV_TABLE), else a norm kernel and the decode GEMM."""
+    return _run("decode_gemm_normed", ref.decode_gemm_normed, x, g, eps, w)
+
+
+@decode_gemm_normed.register_fake
+def _(x, g, eps, w):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
 @torch.library.custom_op("k3::decode_bmm", mutates_args=())
 def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
@@ -257,4 +270,5 @@ OPS = {
     "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
     "decode_bmm": torch.ops.k3.decode_bmm.default,
+    "decode_gemm_normed": torch.ops.k3.decode_gemm_normed.default,
 }

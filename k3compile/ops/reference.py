@@ -114,6 +114,11 @@ def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps,
     return torch.ops.k3model.kda_decode(qn, kn, v, g, b, state)
 
 
+def decode_gemm_normed(x, g, eps, w):
+    """k3::decode_gemm_normed: the model's rms_norm(x, g, eps), then x @ w.T."""
+    return torch.mm(rms_norm(x, g, eps), w.t())
+
+
 def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     """k3::mla_decode_normed: kv_new = cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]]) (the
     model's MLA prologue), then the model's k3model::mla_decode (mutates kv_cache)."""

@@ -33,10 +33,19 @@ class MlaPrologueSite:
     copy_dropped: bool
 
 
+def _whole(n: Any) -> Any:
+    """Below slices that keep every row (`x[:, ...]` in a dynamic-M graph: slice(x, 0, 0, INT_MAX))."""
+    while (is_call(n, aten.slice.Tensor) and len(n.args) >= 2 and n.args[1] == 0
+           and (n.args[2] if len(n.args) > 2 else 0) == 0 and (n.args[3] if len(n.args) > 3 else 1 << 62) >= 1 << 62
+           and (n.args[4] if len(n.args) > 4 else 1) == 1):
+        n = n.args[0]
+    return n
+
+
 def _columns(n: Any) -> tuple[Node, int, int] | None:
     """(source, start, end) when n is the last-dim column range [start, end) of a 2-D source."""
     if is_call(n, aten.slice.Tensor) and isinstance(n.args[0], Node):
-        src = n.args[0]
+        src = _whole(n.args[0])
         s = shape(src)
         dim = n.args[1] if len(n.args) > 1 else 0
         if s is None or len(s) != 2 or dim not in (-1, 1) or not isinstance(s[1], int):
