@@ -4,8 +4,8 @@
   exactly; a norm without weight or read twice is a near-miss with its reason, and stays correct.
   (The tiny model's site count, every MLA q_a norm and the first layer's input norm, at TP 1 / 2:
   test_compiler.py.)
-- The kernels in Triton's CPU interpreter (fp32, fp16): the CUDA-core GEMV with the norm in its x
-  loads (strided x, ragged K, M = 1 and 3) and the norm kernel, against the op's reference; on CUDA
+- The kernels in Triton's CPU interpreter (fp32, fp16): the CUDA-core GEMV with the norm folded in
+  (strided x, ragged K, M = 1 and 3) and the norm kernel, against the op's reference; on CUDA
   (GPU suite) the op at the MLA q_b shape in bf16, M = 1 (the GEMV) and 4 (norm kernel + cuBLAS),
   eagerly and graphed.
 """
@@ -87,8 +87,8 @@ print(out)
 
 def test_norm_in_gemv_and_norm_kernel_match_reference_in_the_interpreter():
     """launch.gemv(norm=) and launch.rms_norm equal rms_norm(x) @ W.T and rms_norm(x): fp32 to 1e-5,
-    fp16 to 2e-3 relative (the normed x is rounded to fp16 in both; sums run in another order); the
-    norm alone within one fp16 rounding step (fp32: 1e-5)."""
+    fp16 to 2e-3 relative (the reference rounds the normed x to fp16, the GEMV does not); the norm
+    alone within one fp16 rounding step (fp32: 1e-5)."""
     r = subprocess.run([sys.executable, "-c", _TRITON_CPU], env=dict(os.environ), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -467,8 +467,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
     x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
     with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
     kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K).
-    norm=(g [K], eps): the product is model.functional.rms_norm(x, g, eps) @ w.t(), the norm inside
-    the CUDA-core GEMV's x loads (not with an MmaCfg or pdl)."""
+    norm=(g [K], eps): the product is model.functional.rms_norm(x, g, eps) @ w.t(), by the CUDA-core
+    GEMV as r * ((x * g) @ w.t()) (triton_gemv's NORM; not with an MmaCfg or pdl)."""
     if isinstance(cfg, MmaCfg):
         if pdl or norm is not None:
             raise ValueError("the MMA GEMM has no PDL or norm form")
@@ -505,9 +505,9 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def gemm_normed(x: torch.Tensor, g: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x, g, eps) @ w.t() (k3::decode_gemm_normed): one kernel, the norm in the CUDA-core
-    GEMV's x loads, where the tuned table picks that GEMV for this weight and M; else the norm
-    kernel, then the decode GEMM's path (the table's MMA kernel or cuBLAS)."""
+    """rms_norm(x, g, eps) @ w.t() (k3::decode_gemm_normed): one kernel, the norm folded into the
+    CUDA-core GEMV (gemv's norm=), where the tuned table picks that GEMV for this weight and M; else
+    the norm kernel, then the decode GEMM's path (the table's MMA kernel or cuBLAS)."""
     cfg = choose.gemv_plan(x, w)
     if isinstance(cfg, tuple) and x.stride(-1) == 1:
         return gemv(x, w, cfg=cfg, norm=(g, eps))

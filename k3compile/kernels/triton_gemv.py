@@ -43,24 +43,16 @@ from .triton_moe import _situ
 
 
 @triton.jit
-def _normed(xt, r, g, rk, kmask, NORM: tl.constexpr):
-    """x's tile as the GEMM reads it: with NORM, rms_norm(x) = (x * r * g) rounded to x's dtype
-    (model.functional.rms_norm's order: fp32 x times its inverse RMS, times the fp32 weight)."""
-    if NORM:
-        gt = tl.load(g + rk, mask=kmask, other=0.0).to(tl.float32)
-        xt = (xt.to(tl.float32) * r[:, None] * gt[None, :]).to(xt.dtype)
-    return xt
-
-
-@triton.jit
 def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr = False,
                 GDC: tl.constexpr = False, NORM: tl.constexpr = False):
     """ACC: out += x @ W^T (out read, added in fp32, written), else out = x @ W^T. PDL: the first
     weight tile read before x (needs K >= BLOCK_K); GDC: with the grid-dependency wait / launch
     between them (the module docstring; off in Triton's CPU interpreter, which lacks them). NORM:
-    the product is rms_norm(x, g, eps) @ W^T; every program first sums the squares of the whole x
-    rows (K values each, from L2) for their inverse RMS (not with PDL)."""
+    the product is rms_norm(x, g, eps) @ W^T = r * ((x * g) @ W^T) with r = rsqrt(mean(x^2) + eps)
+    per row: the squares summed in the same loop as the product, r applied at the end (not with
+    PDL). The normed x is not rounded to x's dtype as model.functional.rms_norm rounds it, so the
+    result differs from rms_norm(x) @ W^T by that rounding (2^-9 relative per bf16 element)."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, MP)
@@ -68,15 +60,7 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, MP: tl.constexpr, BLO
     acc = tl.zeros([MP, BLOCK_N], tl.float32)
     wp = w + rn.to(tl.int64)[:, None] * swn
     k_start = 0
-    r = tl.zeros([MP], tl.float32)
-    if NORM:
-        ss = tl.zeros([MP], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                         other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, axis=1)
-        r = tl.math.rsqrt(ss / K + eps)
+    ss = tl.zeros([MP], tl.float32)
     if PDL:
         rk = tl.arange(0, BLOCK_K)
         wt = tl.load(wp + rk[None, :], mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
@@ -95,8 +79,13 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, MP: tl.constexpr, BLO
             wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & (rk[None, :] < K), other=0.0,
                          eviction_policy="evict_first")
             xt = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        xt = _normed(xt, r, g, rk, rk < K, NORM)
-        acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        xf = xt.to(tl.float32)
+        if NORM:
+            ss += tl.sum(xf * xf, axis=1)
+            xf = xf * tl.load(g + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+    if NORM:
+        acc = acc * tl.math.rsqrt(ss / K + eps)[:, None]
     op = out + rm[:, None] * som + rn[None, :]
     om = (rm[:, None] < M) & nmask[None, :]
     if ACC:

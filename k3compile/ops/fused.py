@@ -231,8 +231,9 @@ def _(x, w):
 @torch.library.custom_op("k3::decode_gemm_normed", mutates_args=())
 def decode_gemm_normed(x: Tensor, g: Tensor, eps: float, w: Tensor) -> Tensor:
     """rms_norm(x, g, eps) @ w.T (model.functional.rms_norm: fp32 math, rounded to x's dtype) for a
-    weight w [N, K]; on CUDA one kernel, the norm in the CUDA-core GEMV's x loads, where the tuned
-    table picks that GEMV (kernels/choose.GEMV_TABLE), else a norm kernel and the decode GEMM."""
+    weight w [N, K]; on CUDA one kernel where the tuned table picks the CUDA-core GEMV
+    (kernels/choose.GEMV_TABLE): r * ((x * g) @ w.T), the squares summed in the product's loop (the
+    normed x not rounded to x's dtype), else a norm kernel and the decode GEMM."""
     return _run("decode_gemm_normed", ref.decode_gemm_normed, x, g, eps, w)
 
 

@@ -12,10 +12,11 @@ Expected: every k3::decode_gemm whose x is an RMSNorm's output read by that GEMM
 other nodes read too is no site: folding would compute it twice; the report notes how many).
 Near-misses: a norm without a [K] weight, mixed dtypes.
 Emits: `k3::decode_gemm_normed(X, g, eps, W)`. On CUDA, where kernels/choose.GEMV_TABLE picks the
-CUDA-core GEMV for this weight and M (the MLA q_b at M=1), one kernel: every program sums the
-squares of the x rows (from L2) and normalises x as it loads it; elsewhere one Triton norm kernel
-and decode_gemm's path (what Inductor's norm kernel and the GEMM were). Reference:
-model.functional.rms_norm then x @ W.T, exact on CPU.
+CUDA-core GEMV for this weight and M (the MLA q_b at M=1), one kernel computing
+rsqrt(mean(X^2) + eps) * ((X * g) @ W.T), the squares summed in the product's loop (so the normed
+x is not rounded to bf16 as the model rounds it: within bf16 noise of the reference); elsewhere one
+Triton norm kernel and decode_gemm's path (what Inductor's norm kernel and the GEMM were).
+Reference: model.functional.rms_norm then x @ W.T, exact on CPU.
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
 Inductor, M outside options.CUDA_PROFITABLE_M.
 """
