@@ -145,6 +145,12 @@ for st in "$@"; do
               step layer_mla_tp8_w1_norm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
                 --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv --world 1 --layer mla \
                 --shapes tp8 --out "$R/layer_mla_tp8_w1_norm.json" ;;
+    # the three MLA folds (fold_mla_prologue, fold_norm_gemv, fold_mla_output): their GPU tests, then the
+    # MLA layer with their ablation rows, the combine + up-projection kernel with 32 value columns as a variant
+    mlafold) step mlafold_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
+             step layer_mla_tp8_w1_fold 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
+               --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv,fold_mla_output \
+               --env uvbv32:K3_MLA_UV_BV=32 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_fold.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"

@@ -23,6 +23,7 @@ PASS_ORDER = (
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
     "fold_norm_gemv",         # after lower_decode_gemm: it takes that pass's k3::decode_gemm nodes
+    "fold_mla_output",        # after lower_decode_gemm and fold_mla_prologue: it takes their ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -32,7 +33,7 @@ PASS_ORDER = (
 # (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16),  # the latter: one MMA tile
-                        fold_norm_gemv=(1, 16))
+                        fold_norm_gemv=(1, 16), fold_mla_output=(1, 16))
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -89,6 +90,8 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fold_mla_prologue": (1, 16),
     # the MLA q_a norm in the q_b GEMV's x loads (M=1: the table's CUDA-core GEMV): not measured yet
     "fold_norm_gemv": (1, 16),
+    # the MLA combine + value up-projection in one kernel: not measured yet
+    "fold_mla_output": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
 

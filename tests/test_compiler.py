@@ -66,6 +66,8 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     assert res["all"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
     # the norms read only by a decode GEMM: each MLA layer's q_a norm, the first layer's input norm
     assert res["all"]["passes"]["fold_norm_gemv"][:2] == (n_mla + 1, n_mla + 1)
+    # the MLA combine + value up-projection, at the static M=1 and the dynamic M=2..8 graph
+    assert res["all"]["passes"]["fold_mla_output"][:2] == (n_mla, n_mla)
 
 
 def test_tp2_each_pass_and_all():

@@ -125,6 +125,10 @@ def variants():
                 dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32"),
                 dict(KW=4, BLOCK=1024)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
+    # the combine + value up-projection (fold_mla_output's k3::mla_decode_uv)
+    out.append(("mla_combine_uv L512", KA.mla_combine_uv_kernel,
+                dict(mla, w="*bf16", gate="*bf16", V="i32", swh="i32", swl="i32", swv="i32", sgm="i32", sgh="i32",
+                     sgv="i32"), dict(L=512, BNS=8, BV=16, GATE=1)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))

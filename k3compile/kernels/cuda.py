@@ -30,6 +30,8 @@
 - kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
 - mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
   split kernel, where launch.mla_decode_fits takes the shapes (and K3_MLA_TRITON is not 0).
+- mla_decode_uv: the same split kernel, then one kernel combining the splits and applying the
+  value up-projection (and the sigmoid output gate) per (token, head, value block).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 
@@ -236,6 +238,24 @@ def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
     A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
     return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps))
+
+
+def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+    if not _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale) or w_uv.dim() != 3:
+        return False
+    M, H, L = q_lat.shape
+    V = w_uv.shape[1] if w_nk else w_uv.shape[2]
+    return (w_uv.shape[0] == H and (w_uv.shape[2] if w_nk else w_uv.shape[1]) == L and w_uv.dtype == q_lat.dtype
+            and (gate is None or (tuple(gate.shape) == (M, H, V) and gate.dtype == q_lat.dtype)))
+
+
+@register("mla_decode_uv", "cuda", "triton_mla_uv", _ok_mla_uv)
+def _mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+    from ..model import attention_ops as A
+    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps),
+                             uv=(w_uv, w_nk, gate))
 
 
 def _ok_conv(xq, xk, xv, state, w):

@@ -606,18 +606,29 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
             and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None) -> torch.Tensor:
+# value columns per program of the MLA combine + value up-projection kernel (K3_MLA_UV_BV overrides)
+MLA_UV_BV = 16
+
+
+def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, uv=None) -> torch.Tensor:
     """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m]
     (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
     their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
     (attention_ops._validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
-    row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed)."""
+    row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed). uv=(W, w_nk,
+    gate): the result is k3::decode_bmm(o.permute(1, 0, 2), W, w_nk, gate) instead of o ([H, M, V],
+    stored token-major), the combine and the value up-projection in one kernel (k3::mla_decode_uv)."""
     from . import triton_mla as KA
     M, H, L = q_lat.shape
     R, S = q_rope.shape[-1], kv_cache.shape[1]
-    out = torch.empty(M, H, L, dtype=q_lat.dtype, device=q_lat.device)
+    if uv is not None:
+        w, w_nk, gate = uv
+        V = w.shape[1] if w_nk else w.shape[2]
+        out = torch.empty(M, H, V, dtype=q_lat.dtype, device=q_lat.device)
+    else:
+        out = torch.empty(M, H, L, dtype=q_lat.dtype, device=q_lat.device)
     if M == 0:
-        return out
+        return out.permute(1, 0, 2) if uv is not None else out
     lens = seq_lens.to(device=kv_cache.device, dtype=torch.long)
     hb = triton.cdiv(H, MLA_BH)
     # splits of the cache capacity (the lengths are not known on the host under a CUDA graph):
@@ -634,6 +645,14 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None) -
                                      kv_norm[0] if kv_norm else kv_new, float(kv_norm[1]) if kv_norm else 0.0,
                                      L=L, R=R, BH=MLA_BH, BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32,
                                      NORM=kv_norm is not None, num_warps=MLA_WARPS)
+    if uv is not None:
+        swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
+        g = gate if gate is not None else out
+        bv = int(os.environ.get("K3_MLA_UV_BV", "") or MLA_UV_BV)
+        KA.mla_combine_uv_kernel[(M, H, triton.cdiv(V, bv))](
+            part_o, part_ml, w, g, out, H, ns, V, w.stride(0), swl, swv, g.stride(0), g.stride(1), g.stride(2),
+            L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None, num_warps=4)
+        return out.permute(1, 0, 2)
     flag = os.environ.get("K3_MLA_COMBINE_BL", "")
     bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)
     bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0

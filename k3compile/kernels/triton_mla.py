@@ -123,3 +123,42 @@ def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, B
         o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
     tl.store(out + m * som + h * soh + ol, (acc / tl.sum(den, axis=0)).to(out.dtype.element_ty))
+
+
+@triton.jit
+def mla_combine_uv_kernel(part_o, part_ml, w, gate, out, H, NS, V, swh, swl, swv, sgm, sgh, sgv,
+                          L: tl.constexpr, BNS: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr):
+    """Program (m, h, j): the combine of mla_combine_kernel for (token m, head h), rounded to out's
+    dtype (the MLA op's output), then its value up-projection for columns [j*BV, +BV) of V:
+    out[m, h, v] = sum_l o[l] * W[h, l, v] (W's strides swh / swl / swv: W_uv stored [H, V, L] or
+    [H, L, V]), rounded, times sigmoid(gate[m, h, v]) rounded (GATE), as k3::decode_bmm computes it.
+    out [M, H, V] contiguous. No o_lat round trip through memory and no second launch."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (m * H + h) * NS
+    ol = tl.arange(0, L)
+    gm = tl.full([BNS], float("-inf"), tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
+    top = tl.max(gm, axis=0)
+    den = tl.zeros([BNS], tl.float32)
+    acc = tl.zeros([L], tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        km = k < NS
+        mk = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
+        wk = tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0)
+        den += wk * tl.load(part_ml + (base + k) * 2 + 1, mask=km, other=0.0)
+        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
+        acc += tl.sum(wk[:, None] * o, axis=0)
+    dt = out.dtype.element_ty
+    o = (acc / tl.sum(den, axis=0)).to(dt).to(tl.float32)
+    ov = tl.program_id(2) * BV + tl.arange(0, BV)
+    vm = ov < V
+    wt = tl.load(w + h * swh + ov[:, None] * swv + ol[None, :] * swl, mask=vm[:, None], other=0.0).to(tl.float32)
+    y = tl.sum(wt * o[None, :], axis=1).to(dt)
+    if GATE:
+        g = tl.load(gate + m * sgm + h * sgh + ov * sgv, mask=vm, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
+    tl.store(out + (m * H + h) * V + ov, y, mask=vm)

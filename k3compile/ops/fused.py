@@ -2,9 +2,9 @@
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
 tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
-Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated` and
-`k3::mla_decode_normed`, which take the place of the model's mutating `k3model::kda_decode` /
-`k3model::mla_decode` inside their auto_functionalized nodes.
+Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`,
+`k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
+`k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes.
 """
 from __future__ import annotations
 
@@ -198,6 +198,23 @@ def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     return q_lat.new_empty(q_lat.shape)
 
 
+@torch.library.custom_op("k3::mla_decode_uv", mutates_args=("kv_cache",))
+def mla_decode_uv(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
+                  seq_lens: Tensor, scale: float, w_uv: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
+    """k3::mla_decode_normed followed by k3::decode_bmm(o.permute(1, 0, 2), w_uv, w_nk, gate) (the MLA
+    value up-projection with its sigmoid output gate): [H, M, V], stored token-major like decode_bmm's
+    result. Mutates `kv_cache`. On CUDA: the Triton split kernel, then one kernel that combines the
+    splits and multiplies by W_uv (no o_lat in memory, one launch fewer)."""
+    return _run("mla_decode_uv", ref.mla_decode_uv, q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale,
+                w_uv, w_nk, gate)
+
+
+@mla_decode_uv.register_fake
+def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+    M, H = q_lat.shape[0], q_lat.shape[1]
+    return q_lat.new_empty(M, H, w_uv.shape[1] if w_nk else w_uv.shape[2]).permute(1, 0, 2)
+
+
 # ----------------------------------------------------------------- KDA short conv at decode (fold_kda_conv)
 @torch.library.custom_op("k3::kda_conv_decode", mutates_args=())
 def kda_conv_decode(xq: Tensor, xk: Tensor, xv: Tensor, state: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -269,6 +286,7 @@ OPS = {
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
     "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,
+    "mla_decode_uv": torch.ops.k3.mla_decode_uv.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
     "decode_bmm": torch.ops.k3.decode_bmm.default,
     "decode_gemm_normed": torch.ops.k3.decode_gemm_normed.default,

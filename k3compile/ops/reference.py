@@ -127,6 +127,13 @@ def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, s
     return torch.ops.k3model.mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 
 
+def mla_decode_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+    """k3::mla_decode_uv: mla_decode_normed's o [M, H, L], then decode_bmm(o as [H, M, L], w_uv, w_nk,
+    gate): the value up-projection (times the sigmoid output gate), [H, M, V] stored token-major."""
+    o = mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale)
+    return decode_bmm(o.permute(1, 0, 2), w_uv, w_nk, gate)
+
+
 def decode_bmm(x, w, w_nk, gate=None):
     """k3::decode_bmm: torch.bmm(x, w or w^T) (* sigmoid(gate) transposed to [H, M, N]), the result
     stored token-major (the op's layout contract: a permuted view of a contiguous [M, H, N])."""

@@ -26,7 +26,7 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import (fold_kda_conv, fold_kda_gate, fold_mla_prologue, fold_moe_finalize, fold_norm_gemv,
+from . import (fold_kda_conv, fold_kda_gate, fold_mla_output, fold_mla_prologue, fold_moe_finalize, fold_norm_gemv,
                fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk, lower_decode_gemm, overlap_shared_expert,
                shard_router_latent)
 
@@ -45,6 +45,7 @@ PASSES = {
         overlap_shared_expert.OverlapSharedExpert(),
         lower_decode_gemm.LowerDecodeGemm(),
         fold_norm_gemv.FoldNormGemv(),
+        fold_mla_output.FoldMlaOutput(),
     )
 }
 
