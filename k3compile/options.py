@@ -83,14 +83,18 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
     # fold_kda_gate, whose raw q / k inputs it produces
     "fold_kda_conv": (1, 1),
-    # the MLA kv_a norm + cat in the attention kernel, the q_rope copy dropped. MLA layer at TP=8 widths
-    # on ONE H200, b4de30d (bench/results/layer_mla_tp8_w1_h200_b4de30d_pro.json), medians of 3 rounds,
-    # every pass vs every pass but this one: -9.2 / -2.7 / -5.5 us at M = 1 / 4 / 16 (3 kernels fewer;
-    # the rounds of one row spread by up to 9 us at M=1)
+    # The three MLA folds. MLA layer at TP=8 widths on ONE H200, medians of 3 rounds, every pass vs every
+    # pass but this one, us at M = 1 / 4 / 16 (bench/results/layer_mla_tp8_w1_h200_*):
+    # the kv_a norm + cat in the attention kernel, the q_rope copy dropped: -9.2 / -2.7 / -5.5 (b4de30d),
+    # -4.7 / -5.0 / -6.1 (ad84e26); 3 kernels fewer
     "fold_mla_prologue": (1, 16),
-    # the MLA q_a norm in the q_b GEMV's x loads (M=1: the table's CUDA-core GEMV): not measured yet
-    "fold_norm_gemv": (1, 16),
-    # the MLA combine + value up-projection in one kernel: not measured yet
+    # the q_a norm folded into the q_b GEMV (M=1; at 4 and 16 a norm kernel + cuBLAS, as before): -0.1 /
+    # +0.1 / -0.4 (0cdc747), -0.4 / +0.3 / -5.3 (ad84e26): nothing beyond the rounds' noise (the GEMV
+    # takes 6.1-6.3 us with the norm instead of 4.8, the norm kernel's 1.7 us go). So off on CUDA with
+    # Inductor; gate="off" applies it
+    "fold_norm_gemv": (1, 0),
+    # the split combine + value up-projection (+ gate) in one kernel: -1.3 / -1.6 / -8.0 (ad84e26; the
+    # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
 }
 CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so

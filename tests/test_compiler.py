@@ -654,7 +654,8 @@ def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
     from k3compile.passes.manager import PassManager
     cfg = K3Config.tiny(dtype="float32", num_layers=4)
     m = K3Model(cfg)
-    opts = K3Options.make(mode="eager", dtypes=("float32",))
+    # without fold_mla_output, which takes the value up-projection's decode_bmm into the attention op
+    opts = K3Options.make(mode="eager", dtypes=("float32",), skip=["fold_mla_output"])
     seen = {}
 
     def be(gm, ex):

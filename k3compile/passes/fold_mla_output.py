@@ -72,7 +72,7 @@ def _is_permute_of(chain, out_shape) -> bool:
 class FoldMlaOutput(K3Pass):
     name = "fold_mla_output"
     description = "MLA split combine + value up-projection (+ output gate) -> k3::mla_decode_uv"
-    pattern = "decode_bmm(permute(mla_decode_normed(...)), W_uv, w_nk, G) (per MLA decode layer)"
+    pattern = "k3::decode_bmm(permute(o), W_uv, w_nk, G), o = mla_decode_normed(...) (per MLA decode layer)"
     emits = "k3::mla_decode_uv, in place of mla_decode_normed"
 
     def expected(self, info):
