@@ -95,6 +95,28 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
 
 
 @triton.jit
+def _combine_splits(part_o, part_ml, base, NS, ol, L: tl.constexpr, W: tl.constexpr, BNS: tl.constexpr):
+    """o[ol] = sum_i exp(max_i - max) o_i[ol] / sum_i exp(max_i - max) sum_i over the NS splits from
+    row `base` of the partials (empty splits, max -inf, weigh 0); fp32 [W] (W = the size of ol)."""
+    gm = tl.full([BNS], float("-inf"), tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
+    top = tl.max(gm, axis=0)
+    den = tl.zeros([BNS], tl.float32)
+    acc = tl.zeros([W], tl.float32)
+    for i in range(0, NS, BNS):
+        k = i + tl.arange(0, BNS)
+        km = k < NS
+        mk = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
+        w = tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0)
+        den += w * tl.load(part_ml + (base + k) * 2 + 1, mask=km, other=0.0)
+        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    return acc / tl.sum(den, axis=0)
+
+
+@triton.jit
 def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, BNS: tl.constexpr,
                        BL: tl.constexpr = 0):
     """Program (m, h, j): o = sum_i exp(max_i - max) o_i / sum_i exp(max_i - max) sum_i over the
@@ -107,22 +129,8 @@ def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, B
         ol = tl.program_id(2) * BL + tl.arange(0, BL)
     else:
         ol = tl.arange(0, L)
-    gm = tl.full([BNS], float("-inf"), tl.float32)
-    for i in range(0, NS, BNS):
-        k = i + tl.arange(0, BNS)
-        gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
-    top = tl.max(gm, axis=0)
-    den = tl.zeros([BNS], tl.float32)
-    acc = tl.zeros([BL if BL else L], tl.float32)
-    for i in range(0, NS, BNS):
-        k = i + tl.arange(0, BNS)
-        km = k < NS
-        mk = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
-        w = tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0)
-        den += w * tl.load(part_ml + (base + k) * 2 + 1, mask=km, other=0.0)
-        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    tl.store(out + m * som + h * soh + ol, (acc / tl.sum(den, axis=0)).to(out.dtype.element_ty))
+    o = _combine_splits(part_o, part_ml, base, NS, ol, L, BL if BL else L, BNS)
+    tl.store(out + m * som + h * soh + ol, o.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -137,23 +145,8 @@ def mla_combine_uv_kernel(part_o, part_ml, w, gate, out, H, NS, V, swh, swl, swv
     h = tl.program_id(1)
     base = (m * H + h) * NS
     ol = tl.arange(0, L)
-    gm = tl.full([BNS], float("-inf"), tl.float32)
-    for i in range(0, NS, BNS):
-        k = i + tl.arange(0, BNS)
-        gm = tl.maximum(gm, tl.load(part_ml + (base + k) * 2, mask=k < NS, other=float("-inf")))
-    top = tl.max(gm, axis=0)
-    den = tl.zeros([BNS], tl.float32)
-    acc = tl.zeros([L], tl.float32)
-    for i in range(0, NS, BNS):
-        k = i + tl.arange(0, BNS)
-        km = k < NS
-        mk = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
-        wk = tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0)
-        den += wk * tl.load(part_ml + (base + k) * 2 + 1, mask=km, other=0.0)
-        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
-        acc += tl.sum(wk[:, None] * o, axis=0)
     dt = out.dtype.element_ty
-    o = (acc / tl.sum(den, axis=0)).to(dt).to(tl.float32)
+    o = _combine_splits(part_o, part_ml, base, NS, ol, L, L, BNS).to(dt).to(tl.float32)
     ov = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = ov < V
     wt = tl.load(w + h * swh + ov[:, None] * swv + ol[None, :] * swl, mask=vm[:, None], other=0.0).to(tl.float32)

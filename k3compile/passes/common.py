@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.node import map_aggregate
 
 from ..patterns.graph import aten, dtype, prims, shape, val
 
@@ -17,6 +18,17 @@ def inherit(new: Node, src: Node) -> Node:
         if k in src.meta and k not in new.meta:
             new.meta[k] = src.meta[k]
     return new
+
+
+def retarget_functionalized(node: Node, op, kwargs: dict) -> None:
+    """Make an auto_functionalized node call `op` with `kwargs` (the mutated bases' keywords kept by
+    the caller), and pair Inductor's record of its eager inputs with the new arguments (Inductor's
+    decomposition of the node reads `eager_input_vals`)."""
+    node.args = (op, *node.args[1:])
+    node.kwargs = kwargs
+    if "eager_input_vals" in node.meta:
+        fake = (lambda a: a.meta.get("val") if isinstance(a, Node) else a)  # noqa: E731
+        node.meta["eager_input_vals"] = (tuple(map_aggregate(node.args, fake)), dict(map_aggregate(node.kwargs, fake)))
 
 
 def emit(graph: Graph, after: Node, op, args: tuple) -> Node:

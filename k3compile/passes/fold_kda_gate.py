@@ -20,14 +20,12 @@ bench/layer_bench.py have measured, 1.3-1.6 us faster per KDA layer step). Prefi
 """
 from __future__ import annotations
 
-from torch.fx import Node
-from torch.fx.node import map_aggregate
-
 from ..ops import OPS
 from ..patterns.graph import Fail
 from ..patterns.kda import match_kda_prologue
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .common import retarget_functionalized
 
 _KDA_DECODE = "k3model::kda_decode"
 
@@ -45,13 +43,9 @@ class FoldKdaGate(K3Pass):
         cores = [n for n in info.attention if op_name(n) == _KDA_DECODE]
         for node, s in self.collect(cores, self.match, report):
             kw = {k: v for k, v in node.kwargs.items() if k not in ("q", "k", "v", "g", "beta")}  # the state's
-            node.args = (OPS["kda_decode_gated"], *node.args[1:])
-            node.kwargs = dict(q=s.q.x, k=s.k.x, v=node.kwargs["v"], f=s.f, beta=s.beta, a_log=s.a_log,
-                               dt_bias=s.dt_bias, lower=s.lower, scale=s.q.scale, eps=s.q.eps, qk_dtype=s.qk_dtype,
-                               **kw)
-            if "eager_input_vals" in node.meta:  # Inductor's decomposition of the node pairs these with its args
-                fake = (lambda a: a.meta.get("val") if isinstance(a, Node) else a)  # noqa: E731
-                node.meta["eager_input_vals"] = (tuple(map_aggregate(node.args, fake)), dict(map_aggregate(node.kwargs, fake)))
+            retarget_functionalized(node, OPS["kda_decode_gated"], dict(
+                q=s.q.x, k=s.k.x, v=node.kwargs["v"], f=s.f, beta=s.beta, a_log=s.a_log, dt_bias=s.dt_bias,
+                lower=s.lower, scale=s.q.scale, eps=s.q.eps, qk_dtype=s.qk_dtype, **kw))
             report.matched += 1
 
     @staticmethod

@@ -31,6 +31,7 @@ from ..ops import OPS
 from ..patterns.graph import Fail, is_call, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .common import retarget_functionalized
 from .lower_decode_gemm import _CHAIN_OPS
 
 
@@ -86,12 +87,8 @@ class FoldMlaOutput(K3Pass):
             gate = bmm.args[3] if len(bmm.args) > 3 else bmm.kwargs.get("gate")
             if gate is not None and order[gate] > order[af]:
                 af.prepend(gate)          # a view of the gate input made right before the bmm (checked in match)
-            af.args = (OPS["mla_decode_uv"], *af.args[1:])
-            af.kwargs = dict(af.kwargs, w_uv=w, w_nk=w_nk, gate=gate)
+            retarget_functionalized(af, OPS["mla_decode_uv"], dict(af.kwargs, w_uv=w, w_nk=w_nk, gate=gate))
             y = bmm.meta.get("val")
-            if "eager_input_vals" in af.meta:  # Inductor's decomposition of the node pairs these with its args
-                fake = (lambda a: a.meta.get("val") if isinstance(a, Node) else a)  # noqa: E731
-                af.meta["eager_input_vals"] = (tuple(map_aggregate(af.args, fake)), dict(map_aggregate(af.kwargs, fake)))
             if isinstance(af.meta.get("val"), (tuple, list)) and y is not None:
                 af.meta["val"] = (y, *af.meta["val"][1:])
             if y is not None:

@@ -21,14 +21,12 @@ Inductor, M outside options.CUDA_PROFITABLE_M. Prefill (mla_prefill, T > 1 token
 """
 from __future__ import annotations
 
-from torch.fx import Node
-from torch.fx.node import map_aggregate
-
 from ..ops import OPS
 from ..patterns.graph import Fail
 from ..patterns.mla import match_mla_prologue
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .common import retarget_functionalized
 
 _MLA_DECODE = "k3model::mla_decode"
 
@@ -47,12 +45,9 @@ class FoldMlaPrologue(K3Pass):
         copies = 0
         for node, s in self.collect(cores, self.match, report):
             kw = {k: v for k, v in node.kwargs.items() if k not in ("q_lat", "q_rope", "kv_new", "seq_lens", "scale")}
-            node.args = (OPS["mla_decode_normed"], *node.args[1:])
-            node.kwargs = dict(q_lat=node.kwargs["q_lat"], q_rope=s.q_rope, kv_a=s.kv_a, kv_norm_w=s.kv_norm_w,
-                               eps=s.eps, seq_lens=node.kwargs["seq_lens"], scale=node.kwargs["scale"], **kw)
-            if "eager_input_vals" in node.meta:  # Inductor's decomposition of the node pairs these with its args
-                fake = (lambda a: a.meta.get("val") if isinstance(a, Node) else a)  # noqa: E731
-                node.meta["eager_input_vals"] = (tuple(map_aggregate(node.args, fake)), dict(map_aggregate(node.kwargs, fake)))
+            retarget_functionalized(node, OPS["mla_decode_normed"], dict(
+                q_lat=node.kwargs["q_lat"], q_rope=s.q_rope, kv_a=s.kv_a, kv_norm_w=s.kv_norm_w, eps=s.eps,
+                seq_lens=node.kwargs["seq_lens"], scale=node.kwargs["scale"], **kw))
             copies += s.copy_dropped
             report.matched += 1
         if copies:
