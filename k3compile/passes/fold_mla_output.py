@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import operator
 
-import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
 from ..ops import OPS
-from ..patterns.graph import Fail, is_call, shape
+from ..patterns.graph import Fail, is_call, replays_to, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
 from .common import retarget_functionalized
@@ -36,38 +34,6 @@ from .lower_decode_gemm import _CHAIN_OPS
 
 
 _CORE = "k3::mla_decode_normed"
-
-
-def _concrete(a):
-    """An int for a size (a SymInt, or a node holding one: its hint, the example value it was traced
-    with); None where there is none."""
-    v = a.meta.get("val") if isinstance(a, Node) else a
-    if isinstance(v, torch.SymInt):
-        return v.node.hint if isinstance(v.node.hint, int) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def _is_permute_of(chain, out_shape) -> bool:
-    """Whether the views `chain` turn an index tensor of out_shape ([M, H, L], M possibly symbolic:
-    its example value is used) into its permute(1, 0, 2)."""
-    dims = [_concrete(d) for d in out_shape]
-    if None in dims:
-        return False
-    with unset_fake_temporarily():
-        probe = torch.arange(int(torch.tensor(dims).prod()), dtype=torch.float64).view(*dims)
-        v = probe
-        try:
-            for c in chain:
-                args = map_aggregate(c.args[1:], lambda a: _concrete(a) if isinstance(a, Node) else a)
-                leaves = []
-                map_aggregate(args, leaves.append)
-                if None in leaves:    # a size with no example value
-                    return False
-                v = c.target(v, *args, **c.kwargs)
-        except Exception:  # noqa: BLE001 - a chain this replay cannot follow is a near-miss
-            return False
-        want = probe.permute(1, 0, 2)
-        return v.shape == want.shape and torch.equal(v, want)
 
 
 class FoldMlaOutput(K3Pass):
@@ -114,7 +80,7 @@ class FoldMlaOutput(K3Pass):
             return Fail(n, "the attention output is not read by one per-head bmm (k3::decode_bmm) alone")
         bmm = users[0]
         mhl = shape(out)
-        if mhl is None or not _is_permute_of(chain, mhl):
+        if mhl is None or not replays_to(chain, mhl, lambda t: t.permute(1, 0, 2)):
             return Fail(bmm, "the bmm's input is not the attention output permuted to [H, M, L]")
         gate = bmm.args[3] if len(bmm.args) > 3 else bmm.kwargs.get("gate")
         if gate is not None and order[gate] > order[af]:

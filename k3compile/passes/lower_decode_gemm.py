@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ops import OPS
-from ..patterns.graph import Fail, _weight_of, dtype, is_call, is_weight_like, shape, strip, val
+from ..patterns.graph import Fail, _weight_of, dtype, is_call, is_weight_like, replays_to, shape, strip, val
 from .base import K3Pass
 
 aten = torch.ops.aten
@@ -83,25 +83,6 @@ def _bmm_weight(n):
     return Fail(n, "the per-head weight is neither [H, K, N] nor the transpose of [H, N, K]")
 
 
-def _replays_to(chain, shape, want) -> bool:
-    """Whether the views `chain` (static sizes only) turn an index tensor of `shape` into want(it)."""
-    if any(isinstance(a, torch.fx.Node) for c in chain
-           for a in torch.fx.node.map_aggregate((c.args[1:], c.kwargs), lambda a: a)):
-        return False
-    if not all(isinstance(d, int) for d in shape):
-        return False
-    with unset_fake_temporarily():
-        probe = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.float64).view(*shape)
-        v = probe
-        try:
-            for c in chain:
-                v = c.target(v, *c.args[1:], **c.kwargs)
-        except Exception:  # noqa: BLE001 - a chain this replay cannot follow is simply not taken
-            return False
-        w = want(probe)
-        return v.shape == w.shape and torch.equal(v, w)
-
-
 def _gate_of(bmm, order):
     """(mul, G, end): the bmm's result moved to [M, H, N] by a single-user chain of views ending at
     `end`, then mul(end, sigmoid(G)) with G [M, H, N] computed before the bmm; else None."""
@@ -120,7 +101,7 @@ def _gate_of(bmm, order):
     g, hmn = sig.args[0], shape(bmm)
     if hmn is None or shape(g) != (hmn[1], hmn[0], hmn[2]) or shape(mul) != shape(g) or dtype(g) != dtype(bmm):
         return None
-    if not _replays_to(chain, hmn, lambda t: t.permute(1, 0, 2)):
+    if not replays_to(chain, hmn, lambda t: t.permute(1, 0, 2)):
         return None
     if order[g] > order[bmm]:  # the model views the gate right before the multiply: move that view up
         flat = []

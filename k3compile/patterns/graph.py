@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
+from torch.fx.node import map_aggregate
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -312,3 +314,36 @@ def _name(n: Any) -> str:
 def describe(n: Any) -> str:
     return _name(n)
 
+
+
+# ------------------------------------------------------------------------------------------ view chains
+def concrete(a: Any) -> int | None:
+    """An int for a size: an int, a SymInt or a node holding one (its hint: the example value the
+    graph was traced with); None where there is none."""
+    v = a.meta.get("val") if isinstance(a, Node) else a
+    if isinstance(v, torch.SymInt):
+        return v.node.hint if isinstance(v.node.hint, int) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def replays_to(chain: list, shape_: tuple, want) -> bool:
+    """Whether the view nodes `chain` (each reading the one before) turn an index tensor of
+    `shape_` into want(it): replayed on real tensors, symbolic sizes at their example values."""
+    dims = [concrete(d) for d in shape_]
+    if None in dims:
+        return False
+    with unset_fake_temporarily():  # real tensors: the passes run under the graph's fake mode
+        probe = torch.arange(int(torch.tensor(dims).prod()), dtype=torch.float64).view(*dims)
+        v = probe
+        try:
+            for c in chain:
+                args = map_aggregate(c.args[1:], lambda a: concrete(a) if isinstance(a, Node) else a)
+                leaves: list = []
+                map_aggregate(args, leaves.append)
+                if None in leaves:    # a size with no example value
+                    return False
+                v = c.target(v, *args, **c.kwargs)
+        except Exception:  # noqa: BLE001 - a chain this replay cannot follow is simply not taken
+            return False
+        w = want(probe)
+        return v.shape == w.shape and torch.equal(v, w)
