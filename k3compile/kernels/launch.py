@@ -606,7 +606,9 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
             and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-# value columns per program of the MLA combine + value up-projection kernel (K3_MLA_UV_BV overrides)
+# value columns per program of the MLA combine + value up-projection kernel (K3_MLA_UV_BV overrides).
+# MLA layer at TP=8 widths, one H200, 16 vs 32 columns, us at M = 1 / 4 / 16: 122.8 / 162.7 / 268.8 vs
+# 122.0 / 161.0 / 270.1 (ad84e26, bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
 MLA_UV_BV = 16
 
 
