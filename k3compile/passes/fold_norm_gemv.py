@@ -30,16 +30,9 @@ from ..patterns.graph import Fail, dtype, is_call, match_rms_norm, shape
 from .base import K3Pass
 
 
-def _normed_x(n):
-    """The RMSNorm site of a k3::decode_gemm's x, or None when x is no RMSNorm's output."""
-    site = match_rms_norm(n.args[0])
-    return site if site else None
-
-
-def _sole_reader(n) -> bool:
+def _sole_reader(n, site) -> bool:
     """Whether the GEMM n is the only reader of its normed x (and of the norm's inner product)."""
-    x, site = n.args[0], _normed_x(n)
-    return len(x.users) == 1 and all(len(m.users) == 1 for m in site.nodes[1:] if isinstance(m, torch.fx.Node))
+    return len(n.args[0].users) == 1 and all(len(m.users) == 1 for m in site.nodes[1:] if isinstance(m, torch.fx.Node))
 
 
 class FoldNormGemv(K3Pass):
@@ -52,13 +45,14 @@ class FoldNormGemv(K3Pass):
         return 0   # counted in run(): the decode GEMMs lower_decode_gemm left
 
     def run(self, graph, info, opts, report):
-        normed = [n for n in graph.nodes if is_call(n, OPS["decode_gemm"]) and _normed_x(n) is not None]
-        cands = [n for n in normed if _sole_reader(n)]
+        # each decode GEMM whose x is an RMSNorm's output, with that norm (matched once here)
+        normed = {n: site for n in graph.nodes if is_call(n, OPS["decode_gemm"]) if (site := match_rms_norm(n.args[0]))}
+        cands = [n for n, site in normed.items() if _sole_reader(n, site)]
         report.expected = len(cands)
         if len(normed) > len(cands):
             report.notes.append(f"{len(normed) - len(cands)} decode GEMM(s) read a norm that other nodes read too: "
                                 "left as they are")
-        for n, site in self.collect(cands, self.match, report):
+        for n, site in self.collect(cands, lambda n: self.match(n, normed[n]), report):
             with graph.inserting_before(n):
                 new = graph.call_function(OPS["decode_gemm_normed"], (site.x, site.weight, site.eps, n.args[1]))
             new.meta.update({k: v for k, v in n.meta.items() if k in ("val", "stack_trace")})
@@ -67,8 +61,7 @@ class FoldNormGemv(K3Pass):
             report.matched += 1
 
     @staticmethod
-    def match(n):
-        site = _normed_x(n)
+    def match(n, site):
         x = n.args[0]
         if site.weight is None or shape(site.weight) != (shape(site.x) or (None,))[-1:]:
             return Fail(x, "the RMSNorm has no weight of x's width")
