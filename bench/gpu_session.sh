@@ -151,6 +151,17 @@ for st in "$@"; do
              step layer_mla_tp8_w1_fold 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
                --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv,fold_mla_output \
                --env uvbv32:K3_MLA_UV_BV=32 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_fold.json" ;;
+    # the MLA split kernel's PIPE form and the combine + up-projection with a constant split count
+    # (launch.MLA_PIPE / MLA_UV_FLAT): their GPU tests with both on, the op alone in the layer's form with
+    # each variant, then the MLA layer with them as --env rows
+    mlapipe) step mlapipe_tests 240 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA \
+               tests/test_mla_prologue.py tests/test_gpu.py -k "mla or tp1"
+             step mla_uv 200 python3 bench/mla_bench.py --uv --chs "" --ms ${K3_MS:-1,4,16} --variants \
+               "pipe:MLA_PIPE=1;flat:MLA_UV_FLAT=1;pf:MLA_PIPE=1,MLA_UV_FLAT=1;pfw8:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_WARPS=8;pf64:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_MIN_CH=64;pfbv32:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_BV=32;ch64:MLA_MIN_CH=64" \
+               --out "$R/mla_uv.json"
+             step layer_mla_tp8_w1_pipe 360 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+               --env pipe:K3_MLA_PIPE=1 --env flat:K3_MLA_UV_FLAT=1 --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 \
+               --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_pipe.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"

@@ -741,15 +741,18 @@ def _mla_case(M, H, L, R, S, dt, lens, seed=0):
     (2, 16, 32, 16, 40, [5, 38], torch.float16),
     (2, 4, 16, 16, 600, [599, 1], torch.float32),              # splits longer than a tile; most splits empty
 ])
-@pytest.mark.parametrize("bl", [0, 16])
-def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, monkeypatch):
+@pytest.mark.parametrize("bl, pipe", [(0, False), (16, False), (0, True)])
+def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, pipe, monkeypatch):
     """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
     output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
     the same cache after the write, and nothing from the NaN slots past each row's end. Splits as
-    short as one tile (MLA_MIN_CH=32), so that these small caches take several. bl: the combine's
-    columns per program (0: one program per token and head)."""
+    short as one tile (MLA_MIN_CH=32), so that these small caches take several, or (pipe) of 4 tiles. bl: the combine's
+    columns per program (0: one program per token and head). pipe: the split kernel's PIPE form (each
+    next tile loaded ahead, the cache write last)."""
     from k3compile.model import attention_ops as A
-    monkeypatch.setattr(launch, "MLA_MIN_CH", 32)
+    monkeypatch.delenv("K3_MLA_PIPE", raising=False)
+    monkeypatch.setattr(launch, "MLA_PIPE", pipe)
+    monkeypatch.setattr(launch, "MLA_MIN_CH", 128 if pipe else 32)   # pipe: splits of up to 4 tiles
     monkeypatch.setattr(launch, "MLA_COMBINE_BL", bl)
     ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
     c1, c2 = cache.clone(), cache.clone()

@@ -236,16 +236,20 @@ _UV_CPU = """
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.environ["K3_TESTS"])
+import test_mla_prologue as T
 from test_mla_prologue import _inputs, H, L, R, NOPE
 from k3compile.kernels import launch
+T.S = int(os.environ["K3_TEST_S"])                 # cache slots (_inputs reads it)
 from k3compile.ops import reference as ref
-launch.MLA_MIN_CH = 32
+launch.MLA_MIN_CH = int(os.environ["K3_TEST_MIN_CH"])
+launch.MLA_BS = int(os.environ["K3_TEST_BS"])
 g = torch.Generator().manual_seed(3)
 rows = []
 for dt in (torch.float32, torch.float16):
     for w_nk in (True, False):
         for gated in (True, False):
             q, q_lat, kv_a, w, cache, lens = _inputs(M=3, dtype=dt, seed=5)
+            lens = torch.tensor([int(v) for v in os.environ["K3_TEST_LENS"].split(",")])
             V = 24   # not a multiple of the kernel's 16 value columns
             wuv = (torch.randn(*((H, V, L) if w_nk else (H, L, V)), generator=g) / 6).to(dt)
             gate = torch.randn(3, H, V, generator=g).to(dt) if gated else None
@@ -260,12 +264,27 @@ print(rows)
 """
 
 
-def test_combine_uv_kernel_matches_reference_in_the_interpreter():
+_UV_FORMS = {   # launch flags, split rows / tile rows, cache slots, the 3 rows' lengths
+    "default": dict(K3_MLA_PIPE="0", K3_MLA_UV_FLAT="0", K3_TEST_MIN_CH="32", K3_TEST_BS="32", K3_TEST_S="40",
+                    K3_TEST_LENS="3,17,30"),
+    # splits of up to four 16-row tiles (each next one loaded ahead)
+    "pipe": dict(K3_MLA_PIPE="1", K3_MLA_UV_FLAT="1", K3_TEST_MIN_CH="64", K3_TEST_BS="16", K3_TEST_S="40",
+                 K3_TEST_LENS="3,17,30"),
+    # 13 splits of one tile: the constant split count's unrolled loop over 2 groups of 8, the last one part
+    # masked; the first row's splits mostly empty
+    "flat": dict(K3_MLA_PIPE="0", K3_MLA_UV_FLAT="1", K3_TEST_MIN_CH="16", K3_TEST_BS="16", K3_TEST_S="200",
+                 K3_TEST_LENS="3,150,199"),
+}
+
+
+@pytest.mark.parametrize("form", list(_UV_FORMS))
+def test_combine_uv_kernel_matches_reference_in_the_interpreter(form):
     """launch.mla_decode(uv=): the split kernel, then the combine + value up-projection kernel, equals
     k3::mla_decode_uv's reference (fp32 to 1e-5, fp16 to 2e-3 relative) in its layout (decode_bmm's:
     [H, M, V] stored token-major), for W_uv stored [H, V, L] and [H, L, V], with and without the gate;
-    the cache written as the reference writes it."""
-    env = dict(os.environ, K3_TESTS=os.path.dirname(os.path.abspath(__file__)))
+    the cache written as the reference writes it. The forms (_UV_FORMS): the default kernels; the split
+    kernel's PIPE form (launch.MLA_PIPE); the combine's constant split count (launch.MLA_UV_FLAT)."""
+    env = dict(os.environ, K3_TESTS=os.path.dirname(os.path.abspath(__file__)), **_UV_FORMS[form])
     r = subprocess.run([sys.executable, "-c", _UV_CPU], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own subprocess's list

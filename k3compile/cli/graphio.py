@@ -18,11 +18,13 @@ Formats, chosen by file suffix:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import operator
 import pathlib
 import re
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -374,9 +376,17 @@ def _load_pt2(path: pathlib.Path) -> LoadedGraph:
     from torch._inductor.decomposition import select_decomp_table
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with warnings.catch_warnings():  # torch-internal deprecation noise while unpickling
-        warnings.simplefilter("ignore", FutureWarning)
-        ep = torch.export.load(str(path))
+    if not zipfile.is_zipfile(path):   # a .pt2 is a zip archive; torch >= 2.14 logs a traceback for others
+        raise ValueError("not a zip archive (torch.export.save writes one)")
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # torch.export.load logs (WARNING, with a traceback) what it raises
+    try:
+        with warnings.catch_warnings():  # torch-internal deprecation noise while unpickling
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.load(str(path))
+    finally:
+        export_log.setLevel(level)
     ep = ep.run_decompositions(select_decomp_table())
     sig = ep.graph_signature
     notes = []

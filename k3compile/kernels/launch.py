@@ -610,6 +610,15 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
 # MLA layer at TP=8 widths, one H200, 16 vs 32 columns, us at M = 1 / 4 / 16: 122.8 / 162.7 / 268.8 vs
 # 122.0 / 161.0 / 270.1 (ad84e26, bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
 MLA_UV_BV = 16
+# the split kernel's PIPE form (its first cache tile loaded before the queries and the new row's norm,
+# the cache write at the end) and the combine + value up-projection with the split count a constant
+# (triton_mla._combine_splits_flat; warps MLA_UV_WARPS). K3_MLA_PIPE / K3_MLA_UV_FLAT / K3_MLA_UV_WARPS override
+MLA_PIPE, MLA_UV_FLAT, MLA_UV_WARPS = False, False, 4
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "")
+    return default if v == "" else v == "1"
 
 
 def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, uv=None) -> torch.Tensor:
@@ -646,14 +655,18 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
                                      kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1),
                                      kv_norm[0] if kv_norm else kv_new, float(kv_norm[1]) if kv_norm else 0.0,
                                      L=L, R=R, BH=MLA_BH, BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32,
-                                     NORM=kv_norm is not None, num_warps=MLA_WARPS)
+                                     NORM=kv_norm is not None, PIPE=_env_flag("K3_MLA_PIPE", MLA_PIPE),
+                                     num_warps=MLA_WARPS)
     if uv is not None:
         swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
         g = gate if gate is not None else out
         bv = int(os.environ.get("K3_MLA_UV_BV", "") or MLA_UV_BV)
+        flat = _env_flag("K3_MLA_UV_FLAT", MLA_UV_FLAT)
         KA.mla_combine_uv_kernel[(M, H, triton.cdiv(V, bv))](
             part_o, part_ml, w, g, out, H, ns, V, w.stride(0), swl, swv, g.stride(0), g.stride(1), g.stride(2),
-            L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None, num_warps=4)
+            L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None,
+            NSC=ns if flat else 0, NSP=triton.next_power_of_2(ns) if flat else 1,
+            num_warps=int(os.environ.get("K3_MLA_UV_WARPS", "") or MLA_UV_WARPS))
         return out.permute(1, 0, 2)
     flag = os.environ.get("K3_MLA_COMBINE_BL", "")
     bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)

@@ -28,19 +28,28 @@ import triton.language as tl
 def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
                      sqm, sqh, srm, srh, snm, scm, scs, kv_w, eps,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
-                     IEEE: tl.constexpr, NORM: tl.constexpr = False):
+                     IEEE: tl.constexpr, NORM: tl.constexpr = False, PIPE: tl.constexpr = False):
     """Program (m, hb, sp): heads [hb*BH, +BH) of row m over cache positions [sp*CH, +CH) that are
     <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum).
     The new token's row kv_new[m] (at position seq_lens[m]) is taken from kv_new, not from the cache,
     and the program of head block 0 whose split holds that position writes it into the cache (no
     separate scatter kernel; no program reads that cache row). NORM: kv_new holds the raw kv_a row
     and its latent part is RMS-normalised here (fp32, x * rsqrt(mean(x^2) + eps) * kv_w, rounded to
-    the cache dtype: the model's rms_norm), its rope part taken as it is."""
+    the cache dtype: the model's rms_norm), its rope part taken as it is.
+    PIPE: the first cache tile is loaded before the queries and the new row (its norm's reduction
+    waits on memory), each next tile before the current one's math, and the new row goes into the
+    cache at the end (no tile load reads that row: a store above them would order them after it), so
+    a program's memory round trips overlap instead of following one another."""
     m = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens + m).to(tl.int32) + 1              # positions 0 .. seq_lens[m] (the new token)
     newp = n - 1
+    s0 = sp * CH
+    s_end = tl.minimum(s0 + CH, tl.minimum(n, S))
+    row = cache + m * scm
+    if PIPE:
+        c_nx, kr_nx = _cache_tile(row, s0, s_end, newp, scs, L, R, BS)
     h = hb * BH + tl.arange(0, BH)
     hm = h < H
     ol = tl.arange(0, L)
@@ -58,19 +67,22 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     mi = tl.full([BH], float("-inf"), tl.float32)
     li = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, L], tl.float32)
-    s0 = sp * CH
-    s_end = tl.minimum(s0 + CH, tl.minimum(n, S))
-    row = cache + m * scm
-    if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
-        tl.store(row + newp.to(tl.int64) * scs + ol, cn)
-        tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
+    if not PIPE:
+        if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
+            tl.store(row + newp.to(tl.int64) * scs + ol, cn)
+            tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
     for s in range(s0, s_end, BS):
         os_ = s + tl.arange(0, BS)
         sm = os_ < s_end
         isnew = os_ == newp
-        rd = sm & (os_ != newp)
-        c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=rd[:, None], other=0.0)
-        kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=rd[:, None], other=0.0)
+        if PIPE:
+            c = c_nx
+            kr = kr_nx
+            c_nx, kr_nx = _cache_tile(row, s + BS, s_end, newp, scs, L, R, BS)
+        else:
+            rd = sm & (os_ != newp)
+            c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=rd[:, None], other=0.0)
+            kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=rd[:, None], other=0.0)
         c = tl.where(isnew[:, None], cn[None, :], c)
         kr = tl.where(isnew[:, None], krn[None, :], kr)
         if IEEE:
@@ -92,6 +104,21 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     tl.store(part_o + base[:, None] * L + ol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml + base * 2, mi, mask=hm)
     tl.store(part_ml + base * 2 + 1, li, mask=hm)
+    if PIPE:
+        if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
+            tl.store(row + newp.to(tl.int64) * scs + ol, cn)
+            tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
+
+
+@triton.jit
+def _cache_tile(row, s, s_end, newp, scs, L: tl.constexpr, R: tl.constexpr, BS: tl.constexpr):
+    """The latent and rope parts of cache positions [s, s + BS) below s_end, the new token's (newp)
+    and those past s_end read as 0."""
+    os_ = s + tl.arange(0, BS)
+    rd = (os_ < s_end) & (os_ != newp)
+    c = tl.load(row + os_[:, None] * scs + tl.arange(0, L)[None, :], mask=rd[:, None], other=0.0)
+    kr = tl.load(row + os_[:, None] * scs + L + tl.arange(0, R)[None, :], mask=rd[:, None], other=0.0)
+    return c, kr
 
 
 @triton.jit
@@ -117,6 +144,28 @@ def _combine_splits(part_o, part_ml, base, NS, ol, L: tl.constexpr, W: tl.conste
 
 
 @triton.jit
+def _combine_splits_flat(part_o, part_ml, base, ol, L: tl.constexpr, W: tl.constexpr, BNS: tl.constexpr,
+                         NSC: tl.constexpr, NSP: tl.constexpr):
+    """_combine_splits with the split count a constant NSC: the splits' (max, sum) pairs in one load,
+    the partial rows in an unrolled loop whose loads depend on no earlier iteration (the compiler may
+    issue them together, where the run-time loop waits on memory once per BNS splits, twice over)."""
+    ka = tl.arange(0, NSP)                               # NSP: NSC rounded up to a power of two
+    mk = tl.load(part_ml + (base + ka) * 2, mask=ka < NSC, other=float("-inf"))
+    sk = tl.load(part_ml + (base + ka) * 2 + 1, mask=ka < NSC, other=0.0)
+    top = tl.max(mk, axis=0)
+    den = tl.sum(tl.where(mk > float("-inf"), tl.exp(mk - top), 0.0) * sk, axis=0)
+    acc = tl.zeros([W], tl.float32)
+    for i in tl.static_range(0, NSC, BNS):
+        k = i + tl.arange(0, BNS)
+        km = k < NSC
+        o = tl.load(part_o + (base + k)[:, None] * L + ol[None, :], mask=km[:, None], other=0.0)
+        mc = tl.load(part_ml + (base + k) * 2, mask=km, other=float("-inf"))
+        w = tl.where(mc > float("-inf"), tl.exp(mc - top), 0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    return acc / den
+
+
+@triton.jit
 def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, BNS: tl.constexpr,
                        BL: tl.constexpr = 0):
     """Program (m, h, j): o = sum_i exp(max_i - max) o_i / sum_i exp(max_i - max) sum_i over the
@@ -135,23 +184,32 @@ def mla_combine_kernel(part_o, part_ml, out, H, NS, som, soh, L: tl.constexpr, B
 
 @triton.jit
 def mla_combine_uv_kernel(part_o, part_ml, w, gate, out, H, NS, V, swh, swl, swv, sgm, sgh, sgv,
-                          L: tl.constexpr, BNS: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr):
+                          L: tl.constexpr, BNS: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                          NSC: tl.constexpr = 0, NSP: tl.constexpr = 1):
     """Program (m, h, j): the combine of mla_combine_kernel for (token m, head h), rounded to out's
     dtype (the MLA op's output), then its value up-projection for columns [j*BV, +BV) of V:
     out[m, h, v] = sum_l o[l] * W[h, l, v] (W's strides swh / swl / swv: W_uv stored [H, V, L] or
     [H, L, V]), rounded, times sigmoid(gate[m, h, v]) rounded (GATE), as k3::decode_bmm computes it.
-    out [M, H, V] contiguous. No o_lat round trip through memory and no second launch."""
+    out [M, H, V] contiguous. No o_lat round trip through memory and no second launch.
+    NSC > 0: NS is that constant (_combine_splits_flat), and W's columns and the gate are loaded first."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     base = (m * H + h) * NS
     ol = tl.arange(0, L)
     dt = out.dtype.element_ty
-    o = _combine_splits(part_o, part_ml, base, NS, ol, L, L, BNS).to(dt).to(tl.float32)
     ov = tl.program_id(2) * BV + tl.arange(0, BV)
     vm = ov < V
-    wt = tl.load(w + h * swh + ov[:, None] * swv + ol[None, :] * swl, mask=vm[:, None], other=0.0).to(tl.float32)
-    y = tl.sum(wt * o[None, :], axis=1).to(dt)
+    if NSC:
+        wt = tl.load(w + h * swh + ov[:, None] * swv + ol[None, :] * swl, mask=vm[:, None], other=0.0)
+        if GATE:
+            g = tl.load(gate + m * sgm + h * sgh + ov * sgv, mask=vm, other=0.0)
+        o = _combine_splits_flat(part_o, part_ml, base, ol, L, L, BNS, NSC, NSP).to(dt).to(tl.float32)
+    else:
+        o = _combine_splits(part_o, part_ml, base, NS, ol, L, L, BNS).to(dt).to(tl.float32)
+        wt = tl.load(w + h * swh + ov[:, None] * swv + ol[None, :] * swl, mask=vm[:, None], other=0.0)
+        if GATE:
+            g = tl.load(gate + m * sgm + h * sgh + ov * sgv, mask=vm, other=0.0)
+    y = tl.sum(wt.to(tl.float32) * o[None, :], axis=1).to(dt)
     if GATE:
-        g = tl.load(gate + m * sgm + h * sgh + ov * sgv, mask=vm, other=0.0).to(tl.float32)
-        y = (y.to(tl.float32) * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
+        y = (y.to(tl.float32) * tl.sigmoid(g.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
     tl.store(out + (m * H + h) * V + ov, y, mask=vm)
