@@ -446,7 +446,9 @@ def test_prefetch_is_gated_on_cuda_with_its_reason_in_the_report(monkeypatch):
     assert "L2 prefetch attached to 3 communication ops" in notes["off"]
 
 
-def test_uuid_stable_across_processes_and_covers_options():
+def test_uuid_stable_across_processes_and_covers_options(monkeypatch):
+    """Inductor's graph cache keys on the pass's uuid: the same in every process, another one for
+    other options or another K3_* switch (passes read some at rewrite time), not for other variables."""
     from k3compile.options import K3Options
     from k3compile.passes.manager import PassManager
     code = "from k3compile.passes.manager import PassManager; print(PassManager().uuid())"
@@ -454,6 +456,11 @@ def test_uuid_stable_across_processes_and_covers_options():
     b = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert a == b and a.strip() == PassManager().uuid()
     assert PassManager(K3Options.make(skip=["fold_moe_finalize"])).uuid() != PassManager().uuid()
+    base = PassManager().uuid()
+    monkeypatch.setenv("SOMETHING_ELSE", "1")
+    assert PassManager().uuid() == base
+    monkeypatch.setenv("K3_CONV_INPLACE", "0")
+    assert PassManager().uuid() != base
 
 
 def test_backend_registered_by_entry_point_without_import():

@@ -365,7 +365,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     """k3::kda_conv_decode's CUDA path (kernels/triton_conv.py) at TP=8 KDA widths (12 heads of 128, width
     4), bf16, q / k / v read as column slices of one projection output: eagerly against the op's
     reference (one bf16 ulp of the conv sum apart at most: 2e-2), then captured in a CUDA graph and
-    replayed with new inputs and state."""
+    replayed with new inputs and state; then the in-place op (k3::kda_conv_decode_) eagerly."""
     from k3compile.kernels import registry
     from k3compile.ops import reference as ref
     cq, kw = 12 * 128, 4
@@ -393,6 +393,15 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
         graph.replay()
         torch.cuda.synchronize()
         check(outs)
+    # in place (k3::kda_conv_decode_, what fold_kda_conv emits): the state itself gets the new state
+    ki = registry.pick("kda_conv_decode_", "cuda", *args)
+    assert ki is not None and ki.name == "triton_short_conv"
+    want = ref.kda_conv_decode(*args)
+    got = ki.fn(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(state, want[3])
+    for a, b in zip(got, want[:3]):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
 
 
 @pytest.mark.parametrize("M, H", [(1, 12), (4, 12), (2, 48)])

@@ -77,3 +77,34 @@ def test_fold_kda_conv_matches_the_conv_or_says_why(variant, why):
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(cs_c, cs_e, **tol)
     torch.testing.assert_close(st_c, st_e, **tol)
+
+
+def test_fold_kda_conv_state_is_updated_in_place_under_inductor():
+    """With Inductor (CPU codegen) the emitted auto_functionalized k3::kda_conv_decode_ is turned back
+    into the in-place call on the conv-state input: the generated code calls the op on that input
+    itself, with no clone of it and no copy of a new state into it; two steps equal eager exactly
+    (output, conv state, recurrent state)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    x, cs, w, g, b, st = _inputs()
+    cs_e, st_e = cs.clone(), st.clone()
+    torch._dynamo.reset()
+    fn = torch.compile(_step("model"), backend=k3compile.backend(passes=["fold_kda_conv"], gate="off"),
+                       fullgraph=True, dynamic=False)
+    for i in range(2):
+        if i == 0:
+            got, codes = run_and_get_code(fn, x, cs, w, g, b, st)
+        else:
+            got = fn(x, cs, w, g, b, st)
+        want = _step("model")(x, cs_e, w, g, b, st_e)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(cs, cs_e, rtol=0, atol=0)
+        torch.testing.assert_close(st, st_e, rtol=0, atol=0)
+        x = x.roll(1, 0)
+    code = "\n".join(codes)
+    call = re.search(r"torch\.ops\.k3\.kda_conv_decode_\.default\((.*)\)", code)
+    assert call, code
+    state_arg = call.group(1).split("), ")[-1].split(", ")[0]       # after the three reinterpret_tensor(...)
+    assert re.fullmatch(r"arg\d+_1", state_arg), call.group(0)
+    assert f"{state_arg}.copy_" not in code and f"clone({state_arg}" not in code and "k3.kda_conv_decode.default" not in code

@@ -805,7 +805,8 @@ def test_importing_k3compile_registers_the_mla_decode_cuda_kernel_unless_disable
 def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
     """launch.kda_conv_decode (triton_conv) against the op's reference: q, k, v and the new state,
     with q, k, v read as column slices of one wider projection output (the in_proj GEMM's split);
-    700 channels per part: several channel blocks, one straddling two parts."""
+    700 channels per part: several channel blocks, one straddling two parts. In place too (the new
+    state written over the state read): the same results."""
     from k3compile.ops import reference as ref
     g = torch.Generator().manual_seed(M * cq + kw)
     proj = torch.randn(M, 3 * cq + 5, generator=g).to(dt)
@@ -822,6 +823,13 @@ def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
         torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)   # the shifted window: copied values
     assert not launch.kda_conv_decode_fits(xq, xk, xv, state, w[:, :2])   # state / width mismatch
+    # in place (k3::kda_conv_decode_): the same q, k, v; the state itself now holds the new state
+    s2 = state.clone()
+    q2, k2, v2, ns2 = launch.kda_conv_decode(xq, xk, xv, s2, w, inplace=True)
+    assert ns2 is s2 and not torch.equal(state, s2)
+    torch.testing.assert_close(s2, want[3], rtol=0, atol=0)
+    for a, b in zip((q2, k2, v2), got[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sort", ["0", "1"])

@@ -121,14 +121,20 @@ def variants():
     out.append(("mla_split L512", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0)))
     # with the kv_a RMSNorm in the kernel (fold_mla_prologue's k3::mla_decode_normed)
     out.append(("mla_split L512 norm", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0, NORM=1)))
+    out.append(("mla_split L512 norm pipe", KA.mla_split_kernel, mla,
+                dict(L=512, R=64, BH=16, BS=32, IEEE=0, NORM=1, PIPE=1)))
     out.append(("kda_conv_decode", KC.kda_conv_decode_kernel,
-                dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32"),
+                dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32", snm="i32",
+                     snc="i32", snt="i32"),
                 dict(KW=4, BLOCK=1024)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     # the combine + value up-projection (fold_mla_output's k3::mla_decode_uv)
     out.append(("mla_combine_uv L512", KA.mla_combine_uv_kernel,
                 dict(mla, w="*bf16", gate="*bf16", V="i32", swh="i32", swl="i32", swv="i32", sgm="i32", sgh="i32",
                      sgv="i32"), dict(L=512, BNS=8, BV=16, GATE=1)))
+    out.append(("mla_combine_uv L512 flat", KA.mla_combine_uv_kernel,
+                dict(mla, w="*bf16", gate="*bf16", V="i32", swh="i32", swl="i32", swv="i32", sgm="i32", sgh="i32",
+                     sgv="i32"), dict(L=512, BNS=8, BV=16, GATE=1, NSC=33, NSP=64)))
     moe = dict(ints, x="*bf16", ids="*i32", w13="*u8", s13="*u8", w2="*u8", s2="*u8", mid="*fp32", I="i32",
                beta="fp32", lbeta="fp32", out="*bf16", L="i32")
     out.append(("mxfp4_gate_up", KM.mxfp4_gate_up_kernel, moe, dict(K=16, L=3584, BI=16, BKB=128)))

@@ -27,7 +27,8 @@
 - decode_gemm_normed: the CUDA-core GEMV with the RMSNorm in its x loads where the tuned table
   picks that GEMV, else one Triton norm kernel and decode_gemm's path.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
-- kda_conv_decode: one Triton kernel (kernels/triton_conv.py): the KDA short conv + SiLU of one token.
+- kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
+  short conv + SiLU of one token.
 - mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
   split kernel, where launch.mla_decode_fits takes the shapes (and K3_MLA_TRITON is not 0).
 - mla_decode_uv: the same split kernel, then one kernel combining the splits and applying the
@@ -265,6 +266,11 @@ def _ok_conv(xq, xk, xv, state, w):
 @register("kda_conv_decode", "cuda", "triton_short_conv", _ok_conv)
 def _kda_conv(xq, xk, xv, state, w):
     return launch.kda_conv_decode(xq, xk, xv, state, w)
+
+
+@register("kda_conv_decode_", "cuda", "triton_short_conv", _ok_conv)
+def _kda_conv_inplace(xq, xk, xv, state, w):
+    return launch.kda_conv_decode(xq, xk, xv, state, w, inplace=True)[:3]
 
 
 def _ok_gemm(x, w):

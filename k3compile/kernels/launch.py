@@ -696,18 +696,20 @@ def kda_conv_decode_fits(xq, xk, xv, state, w) -> bool:
             and xq.dtype in _TL and xk.dtype == xq.dtype == xv.dtype == state.dtype == w.dtype)
 
 
-def kda_conv_decode(xq, xk, xv, state, w):
-    """k3::kda_conv_decode by triton_conv (the caller checked kda_conv_decode_fits)."""
+def kda_conv_decode(xq, xk, xv, state, w, inplace: bool = False):
+    """k3::kda_conv_decode by triton_conv (the caller checked kda_conv_decode_fits): (q, k, v,
+    new_state); inplace (k3::kda_conv_decode_): the new state is written into `state` (returned)."""
     from . import triton_conv as KC
     M, cq = xq.shape
     kw = w.shape[1]
     q, k, v = (torch.empty(M, cq, dtype=xq.dtype, device=xq.device) for _ in range(3))
-    new_state = torch.empty(state.shape, dtype=state.dtype, device=state.device)
+    new_state = state if inplace else torch.empty(state.shape, dtype=state.dtype, device=state.device)
     BLOCK = int(os.environ.get("K3_CONV_BLOCK", CONV_BLOCK))
     if M:
         KC.kda_conv_decode_kernel[(M, triton.cdiv(3 * cq, BLOCK))](
             xq, xk, xv, state, w, q, k, v, new_state, cq, xq.stride(0), xk.stride(0), xv.stride(0),
-            state.stride(0), state.stride(1), state.stride(2), KW=kw, BLOCK=BLOCK, num_warps=max(1, min(4, BLOCK // 32)))
+            state.stride(0), state.stride(1), state.stride(2), *new_state.stride(), KW=kw, BLOCK=BLOCK,
+            num_warps=max(1, min(4, BLOCK // 32)))
     return q, k, v, new_state
 
 

@@ -4,7 +4,8 @@ Each op has: a PyTorch reference (`reference.py`, any device), a fake implementa
 tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
 Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`,
 `k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
-`k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes.
+`k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes, and
+`k3::kda_conv_decode_`, which fold_kda_conv puts in a new one on the conv-state input.
 """
 from __future__ import annotations
 
@@ -231,6 +232,21 @@ def _(xq, xk, xv, state, w):
     return (xq.new_empty(M, cq), xq.new_empty(M, cq), xq.new_empty(M, cq), state.new_empty(state.shape))
 
 
+@torch.library.custom_op("k3::kda_conv_decode_", mutates_args=("state",))
+def kda_conv_decode_(xq: Tensor, xk: Tensor, xv: Tensor, state: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """kda_conv_decode with the new state written into `state` in place; (q, k, v). fold_kda_conv
+    emits it inside an auto_functionalized node on the graph's conv-state input, which Inductor
+    turns back into the in-place call: no copy of the new state into the cache after it."""
+    k = dispatch.pick("kda_conv_decode_", state.device.type, xq, xk, xv, state, w)
+    return (k.fn if k is not None else ref.kda_conv_decode_)(xq, xk, xv, state, w)
+
+
+@kda_conv_decode_.register_fake
+def _(xq, xk, xv, state, w):
+    M, cq = xq.shape
+    return (xq.new_empty(M, cq), xq.new_empty(M, cq), xq.new_empty(M, cq))
+
+
 # ----------------------------------------------------------------- decode GEMMs (lower_decode_gemm)
 @torch.library.custom_op("k3::decode_gemm", mutates_args=())
 def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
@@ -285,6 +301,7 @@ OPS = {
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
+    "kda_conv_decode_": torch.ops.k3.kda_conv_decode_.default,
     "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,
     "mla_decode_uv": torch.ops.k3.mla_decode_uv.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,

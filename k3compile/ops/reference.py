@@ -99,6 +99,13 @@ def kda_conv_decode(xq, xk, xv, state, w):
     return q, k, v, window[..., 1:].clone(memory_format=torch.contiguous_format)
 
 
+def kda_conv_decode_(xq, xk, xv, state, w):
+    """k3::kda_conv_decode_: kda_conv_decode with new_state written into `state`; (q, k, v)."""
+    q, k, v, new_state = kda_conv_decode(xq, xk, xv, state, w)
+    state.copy_(new_state)
+    return q, k, v
+
+
 def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     """The KDA decode step from its raw inputs (patterns.kda): q, k L2-normalised per head (x /
     clamp_min(||x||, eps)), q scaled, both cast to qk_dtype; decay = lower * sigmoid(exp(A_log) *

@@ -49,6 +49,33 @@ def emit(graph: Graph, after: Node, op, args: tuple) -> Node:
     return n
 
 
+def emit_functionalized(graph: Graph, after: Node, op, kwargs: dict, bases: dict) -> Node:
+    """Insert `auto_functionalized_v2(op, **kwargs)` right after `after`, each mutated argument
+    (`bases`: argument name -> the graph input it mutates, whole) given as its own base: what AOT
+    traces for a call of a mutating custom op, and what Inductor's reinplacing turns back into the
+    in-place call where the base is a graph input written back and read by nothing after. Outputs:
+    the op's outputs, then the new value of each base in `bases`' order. meta['val'] from the
+    op's fake implementation, meta['eager_input_vals'] as AOT records it."""
+    from contextlib import nullcontext
+
+    from torch._guards import detect_fake_mode
+    hop = torch.ops.higher_order.auto_functionalized_v2
+    kw = dict(kwargs)
+    for i, name in enumerate(bases):
+        kw[f"_{name}_base_index"] = i
+    kw["_all_bases"] = list(bases.values())
+    with graph.inserting_after(after):
+        n = graph.call_function(hop, (op,), kw)
+    inherit(n, after)
+    fake = (lambda a: a.meta.get("val") if isinstance(a, Node) else a)  # noqa: E731
+    fkw = dict(map_aggregate(kw, fake))
+    flat = [t for t in torch.utils._pytree.tree_leaves(fkw) if isinstance(t, torch.Tensor)]
+    with (detect_fake_mode(flat) or nullcontext()):
+        n.meta["val"] = hop(op, **fkw)
+    n.meta["eager_input_vals"] = ((op,), fkw)
+    return n
+
+
 def getitem(graph: Graph, n: Node, i: int) -> Node:
     import operator
     with graph.inserting_after(n):

@@ -9,11 +9,16 @@ k3model::kda_decode or fold_kda_gate's k3::kda_decode_gated, walking back from i
 (`patterns.kda.match_kda_conv` has the ATen forms: SiLU decomposed or not, permutes and views
 looked through.)
 Emits:
-    q, k, v, new_state = k3::kda_conv_decode(Xq, Xk, Xv, conv_state, w)
-whose CUDA path is one Triton kernel (kernels/triton_conv.py) instead of Inductor's window
-concatenation, the state slice, the conv + SiLU and the contiguous copies of q, k, v the
-recurrence op takes; its reference is the model's math (ops/reference.kda_conv_decode),
-bit-identical on CPU.
+    q, k, v, new_state = auto_functionalized_v2(k3::kda_conv_decode_, xq=Xq, xk=Xk, xv=Xv, w=w,
+                                                _all_bases=[conv_state])
+the in-place op (the new state written into conv_state) in the functional form AOT gives a
+mutating op, which Inductor turns back into the in-place call: the graph's write-back of the new
+state into the cache (a copy kernel, 1 us at decode on an H200) goes away. Its CUDA path is one
+Triton kernel (kernels/triton_conv.py) instead of Inductor's window concatenation, the state
+slice, the conv + SiLU, the contiguous copies of q, k, v the recurrence op takes and the
+write-back; its reference is the model's math (ops/reference.kda_conv_decode_), bit-identical
+on CPU. (K3_CONV_INPLACE=0 emits the functional k3::kda_conv_decode instead, whose new state the
+graph writes back.)
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
 Inductor, M outside options.CUDA_PROFITABLE_M (M=1: with the other passes 3.4 us faster per KDA layer
 step on an H200, 4 kernels fewer; slower alone and at M = 4, 16). Near-miss: a core whose v is not a slice of such a
@@ -22,11 +27,13 @@ token, a window used elsewhere). Prefill (kda_prefill, T > 1 tokens) is left as 
 """
 from __future__ import annotations
 
+import os
+
 from ..ops import OPS
 from ..patterns.kda import match_kda_conv
 from ..patterns.structure import op_name
 from .base import K3Pass
-from .common import emit, getitem, last_of, replace
+from .common import emit, emit_functionalized, getitem, last_of, replace
 
 _CORES = ("k3model::kda_decode", "k3::kda_decode_gated")
 
@@ -35,7 +42,7 @@ class FoldKdaConv(K3Pass):
     name = "fold_kda_conv"
     description = "KDA short conv + SiLU of one decode token (window, state slice, conv, q/k/v copies) -> k3::kda_conv_decode"
     pattern = "split(silu(sum(unfold(cat([state, cat(Xq, Xk, Xv)])) * w)), C/3) -> the KDA decode core (per KDA decode layer)"
-    emits = "k3::kda_conv_decode"
+    emits = "k3::kda_conv_decode_ (in place, auto-functionalized on the conv-state input)"
 
     def expected(self, info):
         return sum(op_name(n) in _CORES for n in info.attention)
@@ -43,8 +50,12 @@ class FoldKdaConv(K3Pass):
     def run(self, graph, info, opts, report):
         cores = [n for n in info.attention if op_name(n) in _CORES]
         for s in self.collect(cores, match_kda_conv, report):
-            op = emit(graph, last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w]), OPS["kda_conv_decode"],
-                      (s.xq, s.xk, s.xv, s.state, s.w))
+            after = last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w])
+            if os.environ.get("K3_CONV_INPLACE", "1") == "0":   # the functional op (A/B in bench/layer_bench.py)
+                op = emit(graph, after, OPS["kda_conv_decode"], (s.xq, s.xk, s.xv, s.state, s.w))
+            else:
+                op = emit_functionalized(graph, after, OPS["kda_conv_decode_"], dict(xq=s.xq, xk=s.xk, xv=s.xv, w=s.w),
+                                         dict(state=s.state))
             outs = [getitem(graph, op, i) for i in range(4)]
             for part, new in zip(s.parts, outs[:3]):
                 replace(graph, part, new)

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 import pathlib
 import time
 import warnings
@@ -101,8 +102,11 @@ class PassManager(CustomGraphPass):
     def uuid(self):
         import torch.distributed as dist
         rank = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-        # the rewrite bakes in this rank's shard offsets, so the rank is part of the key
-        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}"
+        # the rewrite bakes in this rank's shard offsets, so the rank is part of the key; some passes read
+        # K3_* environment switches (e.g. K3_PIN_FORK, K3_CONV_INPLACE): every K3_* variable is too, so
+        # that a changed switch never reuses a graph Inductor's cache holds from before
+        env = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("K3_"))
+        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{env}"
 
     def __call__(self, graph: Graph) -> None:
         try:
