@@ -34,7 +34,8 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
     low = (BLOCK - 1 - offs).to(tl.int64)
     key = tl.where(m, (key << 32) | low, -9223372036854775807 - 1)  # int64 min: never selected
     kk = tl.arange(0, KP)
-    if SORT:  # the KP largest keys at once, in order (Triton's bitonic top-k: no round per selection)
+    if SORT and KP > 1:  # the KP largest keys at once, in order (Triton's bitonic top-k: no round per
+        # selection; top-1 takes the max: Triton 3.8's tl.topk(x, 1) fails to reshape its scalar result)
         sel = BLOCK - 1 - (tl.topk(key, KP) & 0xFFFFFFFF).to(tl.int32)
     else:
         sel = tl.zeros([KP], tl.int32)
