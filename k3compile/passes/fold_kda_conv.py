@@ -42,7 +42,7 @@ class FoldKdaConv(K3Pass):
     name = "fold_kda_conv"
     description = "KDA short conv + SiLU of one decode token (window, state slice, conv, q/k/v copies) -> k3::kda_conv_decode"
     pattern = "split(silu(sum(unfold(cat([state, cat(Xq, Xk, Xv)])) * w)), C/3) -> the KDA decode core (per KDA decode layer)"
-    emits = "k3::kda_conv_decode_ (in place, auto-functionalized on the conv-state input)"
+    emits = "k3::kda_conv_decode_, in place on the conv-state input (auto-functionalized)"
 
     def expected(self, info):
         return sum(op_name(n) in _CORES for n in info.attention)
