@@ -154,7 +154,7 @@ for st in "$@"; do
     # the MLA split kernel's PIPE form and the combine + up-projection with a constant split count
     # (launch.MLA_PIPE / MLA_UV_FLAT): their GPU tests with both on, the op alone in the layer's form with
     # each variant, then the MLA layer with them as --env rows
-    mlapipe) step mlapipe_tests 240 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA \
+    mlapipe) step mlapipe_tests 200 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA \
                tests/test_mla_prologue.py tests/test_gpu.py -k "mla or tp1"
              step mla_uv 200 python3 bench/mla_bench.py --uv --chs "" --ms ${K3_MS:-1,4,16} --variants \
                "pipe:MLA_PIPE=1;flat:MLA_UV_FLAT=1;pf:MLA_PIPE=1,MLA_UV_FLAT=1;pfw8:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_WARPS=8;pf64:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_MIN_CH=64;pfbv32:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_BV=32;ch64:MLA_MIN_CH=64" \
@@ -164,8 +164,7 @@ for st in "$@"; do
                --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_pipe.json" ;;
     # the KDA conv state updated in place (fold_kda_conv's k3::kda_conv_decode_, Inductor reinplacing it):
     # the conv kernel tests, then the KDA layer with the functional op (K3_CONV_INPLACE=0) as a row
-    kdaconv) step kdaconv_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py tests/test_kda_gate.py \
-               -k "kda_conv or kda or tp1 or overlaps"
+    kdaconv) step kdaconv_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
              step layer_kda_tp8_w1_conv 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
                --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_conv.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)

@@ -108,3 +108,27 @@ def test_fold_kda_conv_state_is_updated_in_place_under_inductor():
     state_arg = call.group(1).split("), ")[-1].split(", ")[0]       # after the three reinterpret_tensor(...)
     assert re.fullmatch(r"arg\d+_1", state_arg), call.group(0)
     assert f"{state_arg}.copy_" not in code and f"clone({state_arg}" not in code and "k3.kda_conv_decode.default" not in code
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_fold_kda_conv_in_place_on_cuda_under_inductor(mode):
+    """On CUDA at M=1 (where the gate applies the pass) with Inductor, and replayed as CUDA graphs
+    (reduce-overhead): three steps against eager, each reading the conv state the last one wrote.
+    The conv state (copied values) equal exactly; the output within 2e-2 of its max (the Triton
+    conv rounds its fp32 sum once; the recurrence op is the same in both)."""
+    x, cs, w, g, b, st = (t.cuda() for t in _inputs(M=1))
+    cs_e, st_e = cs.clone(), st.clone()
+    torch._dynamo.reset()
+    k3compile.clear_reports()
+    fn = torch.compile(_step("model"), backend=k3compile.backend(passes=["fold_kda_conv"]), mode=mode,
+                       fullgraph=True, dynamic=False)
+    for _ in range(3):
+        got = fn(x, cs, w, g, b, st).clone()
+        want = _step("model")(x, cs_e, w, g, b, st_e)
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2
+        assert torch.equal(cs, cs_e)
+        x = x * 0.9 + 0.1
+    p = next(p for p in k3compile.last_report().passes if p.name == "fold_kda_conv")
+    assert p.matched == p.expected == 1, k3compile.last_report().render()
