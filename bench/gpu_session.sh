@@ -165,8 +165,8 @@ for st in "$@"; do
     # the KDA conv state updated in place (fold_kda_conv's k3::kda_conv_decode_, Inductor reinplacing it):
     # the conv kernel tests, then the KDA layer with the functional op (K3_CONV_INPLACE=0) as a row
     convip) step convip_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
-             step layer_kda_tp8_w1_conv 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-               --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_conv.json" ;;
+             step layer_kda_tp8_w1_convip 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+               --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
