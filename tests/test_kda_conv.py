@@ -79,22 +79,27 @@ def test_fold_kda_conv_matches_the_conv_or_says_why(variant, why):
     torch.testing.assert_close(st_c, st_e, **tol)
 
 
-def test_fold_kda_conv_state_is_updated_in_place_under_inductor():
+@pytest.mark.parametrize("v2", [True, False])
+def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2):
     """With Inductor (CPU codegen) the emitted auto_functionalized k3::kda_conv_decode_ is turned back
     into the in-place call on the conv-state input: the generated code calls the op on that input
     itself, with no clone of it and no copy of a new state into it; two steps equal eager exactly
-    (output, conv state, recurrent state)."""
+    (output, conv state, recurrent state). v2=False: Inductor's enable_auto_functionalized_v2 off (as
+    vLLM sets it): the graph's mutating ops come in the first form, and the pass emits that form."""
     import re
 
     from torch._inductor.utils import run_and_get_code
     x, cs, w, g, b, st = _inputs()
     cs_e, st_e = cs.clone(), st.clone()
     torch._dynamo.reset()
+    k3compile.clear_reports()
     fn = torch.compile(_step("model"), backend=k3compile.backend(passes=["fold_kda_conv"], gate="off"),
                        fullgraph=True, dynamic=False)
     for i in range(2):
         if i == 0:
-            got, codes = run_and_get_code(fn, x, cs, w, g, b, st)
+            with torch._inductor.config.patch(enable_auto_functionalized_v2=v2):
+                got, codes = run_and_get_code(fn, x, cs, w, g, b, st)
+            assert k3compile.last_report().get("fold_kda_conv").matched == 1
         else:
             got = fn(x, cs, w, g, b, st)
         want = _step("model")(x, cs_e, w, g, b, st_e)

@@ -49,21 +49,27 @@ def emit(graph: Graph, after: Node, op, args: tuple) -> Node:
     return n
 
 
-def emit_functionalized(graph: Graph, after: Node, op, kwargs: dict, bases: dict) -> Node:
+def emit_functionalized(graph: Graph, after: Node, op, kwargs: dict, bases: dict, v2: bool = True) -> Node:
     """Insert `auto_functionalized_v2(op, **kwargs)` right after `after`, each mutated argument
     (`bases`: argument name -> the graph input it mutates, whole) given as its own base: what AOT
     traces for a call of a mutating custom op, and what Inductor's reinplacing turns back into the
     in-place call where the base is a graph input written back and read by nothing after. Outputs:
-    the op's outputs, then the new value of each base in `bases`' order. meta['val'] from the
-    op's fake implementation, meta['eager_input_vals'] as AOT records it."""
+    the op's outputs, then the new value of each base in `bases`' order. v2=False: the first form,
+    `auto_functionalized(op, **kwargs, **bases)` (what the graph holds where Inductor's
+    enable_auto_functionalized_v2 is off, as vLLM sets it), same outputs for whole-tensor bases.
+    meta['val'] from the op's fake implementation, meta['eager_input_vals'] as AOT records it."""
     from contextlib import nullcontext
 
     from torch._guards import detect_fake_mode
-    hop = torch.ops.higher_order.auto_functionalized_v2
     kw = dict(kwargs)
-    for i, name in enumerate(bases):
-        kw[f"_{name}_base_index"] = i
-    kw["_all_bases"] = list(bases.values())
+    if v2:
+        hop = torch.ops.higher_order.auto_functionalized_v2
+        for i, name in enumerate(bases):
+            kw[f"_{name}_base_index"] = i
+        kw["_all_bases"] = list(bases.values())
+    else:
+        hop = torch.ops.higher_order.auto_functionalized
+        kw.update(bases)
     with graph.inserting_after(after):
         n = graph.call_function(hop, (op,), kw)
     inherit(n, after)

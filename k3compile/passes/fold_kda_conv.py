@@ -11,6 +11,7 @@ looked through.)
 Emits:
     q, k, v, new_state = auto_functionalized_v2(k3::kda_conv_decode_, xq=Xq, xk=Xk, xv=Xv, w=w,
                                                 _all_bases=[conv_state])
+    (auto_functionalized(..., state=conv_state) where the graph's KDA cores have that first form)
 the in-place op (the new state written into conv_state) in the functional form AOT gives a
 mutating op, which Inductor turns back into the in-place call: the graph's write-back of the new
 state into the cache (a copy kernel, 1 us at decode on an H200) goes away. Its CUDA path is one
@@ -28,6 +29,8 @@ token, a window used elsewhere). Prefill (kda_prefill, T > 1 tokens) is left as 
 from __future__ import annotations
 
 import os
+
+import torch
 
 from ..ops import OPS
 from ..patterns.kda import match_kda_conv
@@ -49,13 +52,16 @@ class FoldKdaConv(K3Pass):
 
     def run(self, graph, info, opts, report):
         cores = [n for n in info.attention if op_name(n) in _CORES]
+        # the functionalized form the graph's own mutating ops have (v1 where Inductor's
+        # enable_auto_functionalized_v2 is off, as vLLM sets it)
+        v2 = not any(n.target is torch.ops.higher_order.auto_functionalized for n in cores)
         for s in self.collect(cores, match_kda_conv, report):
             after = last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w])
             if os.environ.get("K3_CONV_INPLACE", "1") == "0":   # the functional op (A/B in bench/layer_bench.py)
                 op = emit(graph, after, OPS["kda_conv_decode"], (s.xq, s.xk, s.xv, s.state, s.w))
             else:
                 op = emit_functionalized(graph, after, OPS["kda_conv_decode_"], dict(xq=s.xq, xk=s.xk, xv=s.xv, w=s.w),
-                                         dict(state=s.state))
+                                         dict(state=s.state), v2=v2)
             outs = [getitem(graph, op, i) for i in range(4)]
             for part, new in zip(s.parts, outs[:3]):
                 replace(graph, part, new)
