@@ -167,6 +167,15 @@ for st in "$@"; do
     convip) step convip_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
              step layer_kda_tp8_w1_convip 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
                --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
+    # mlapipe + convip in less device time: their GPU tests in one run (the MLA kernels with PIPE and FLAT
+    # on), then the MLA layer with both as a row (pf) and the KDA layer with the functional conv (conv0)
+    ipf) step ipf_tests 220 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py \
+           tests/test_mla_prologue.py tests/test_gpu.py -k "kda_conv or mla_decode or uv"
+         step layer_mla_tp8_w1_pipe 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+           --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 --env flat:K3_MLA_UV_FLAT=1 --world 1 --layer mla --shapes tp8 \
+           --out "$R/layer_mla_tp8_w1_pipe.json"
+         step layer_kda_tp8_w1_convip 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+           --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
