@@ -448,7 +448,8 @@ def test_prefetch_is_gated_on_cuda_with_its_reason_in_the_report(monkeypatch):
 
 def test_uuid_stable_across_processes_and_covers_options(monkeypatch):
     """Inductor's graph cache keys on the pass's uuid: the same in every process, another one for
-    other options or another K3_* switch (passes read some at rewrite time), not for other variables."""
+    other options or another switch the passes read while rewriting (manager.REWRITE_ENV), not for
+    other variables (K3_VLLM only turns the vLLM plugin on)."""
     from k3compile.options import K3Options
     from k3compile.passes.manager import PassManager
     code = "from k3compile.passes.manager import PassManager; print(PassManager().uuid())"
@@ -458,6 +459,7 @@ def test_uuid_stable_across_processes_and_covers_options(monkeypatch):
     assert PassManager(K3Options.make(skip=["fold_moe_finalize"])).uuid() != PassManager().uuid()
     base = PassManager().uuid()
     monkeypatch.setenv("SOMETHING_ELSE", "1")
+    monkeypatch.setenv("K3_VLLM", "1")
     assert PassManager().uuid() == base
     monkeypatch.setenv("K3_CONV_INPLACE", "0")
     assert PassManager().uuid() != base

@@ -80,6 +80,10 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+# environment variables the passes and patterns read while they rewrite a graph (part of the uuid)
+REWRITE_ENV = ("K3_ATTENTION_OPS", "K3_EXPERT_OPS", "K3_CONV_INPLACE")
+
+
 class PassManager(CustomGraphPass):
     def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
                  dump: bool = False, observer=None, compile_range: tuple[int, int] | None = None):
@@ -102,10 +106,10 @@ class PassManager(CustomGraphPass):
     def uuid(self):
         import torch.distributed as dist
         rank = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-        # the rewrite bakes in this rank's shard offsets, so the rank is part of the key; some passes read
-        # K3_* environment switches (e.g. K3_PIN_FORK, K3_CONV_INPLACE): every K3_* variable is too, so
-        # that a changed switch never reuses a graph Inductor's cache holds from before
-        env = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("K3_"))
+        # the rewrite bakes in this rank's shard offsets, so the rank is part of the key; so are the
+        # environment switches read while rewriting (the options read theirs when made: in opts.key()),
+        # so that a changed switch never reuses a graph Inductor's cache holds from before
+        env = ",".join(f"{k}={os.environ[k]}" for k in REWRITE_ENV if k in os.environ)
         return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{env}"
 
     def __call__(self, graph: Graph) -> None:
