@@ -80,7 +80,7 @@ def test_fold_kda_conv_matches_the_conv_or_says_why(variant, why):
 
 
 @pytest.mark.parametrize("v2", [True, False])
-def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2):
+def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2, monkeypatch):
     """With Inductor (CPU codegen) the emitted auto_functionalized k3::kda_conv_decode_ is turned back
     into the in-place call on the conv-state input: the generated code calls the op on that input
     itself, with no clone of it and no copy of a new state into it; two steps equal eager exactly
@@ -89,6 +89,7 @@ def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2):
     import re
 
     from torch._inductor.utils import run_and_get_code
+    monkeypatch.setenv("K3_CONV_INPLACE", "1")
     x, cs, w, g, b, st = _inputs()
     cs_e, st_e = cs.clone(), st.clone()
     torch._dynamo.reset()
@@ -119,11 +120,12 @@ def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_fold_kda_conv_in_place_on_cuda_under_inductor(mode):
+def test_fold_kda_conv_in_place_on_cuda_under_inductor(mode, monkeypatch):
     """On CUDA at M=1 (where the gate applies the pass) with Inductor, and replayed as CUDA graphs
     (reduce-overhead): three steps against eager, each reading the conv state the last one wrote.
     The conv state (copied values) equal exactly; the output within 2e-2 of its max (the Triton
     conv rounds its fp32 sum once; the recurrence op is the same in both)."""
+    monkeypatch.setenv("K3_CONV_INPLACE", "1")
     x, cs, w, g, b, st = (t.cuda() for t in _inputs(M=1))
     cs_e, st_e = cs.clone(), st.clone()
     torch._dynamo.reset()

@@ -39,6 +39,8 @@ from .base import K3Pass
 from .common import emit, emit_functionalized, getitem, last_of, replace
 
 _CORES = ("k3model::kda_decode", "k3::kda_decode_gated")
+# the in-place op by default (K3_CONV_INPLACE=0 / 1 overrides: the A/B rows of bench/layer_bench.py)
+INPLACE = True
 
 
 class FoldKdaConv(K3Pass):
@@ -57,7 +59,7 @@ class FoldKdaConv(K3Pass):
         v2 = not any(n.target is torch.ops.higher_order.auto_functionalized for n in cores)
         for s in self.collect(cores, match_kda_conv, report):
             after = last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w])
-            if os.environ.get("K3_CONV_INPLACE", "1") == "0":   # the functional op (A/B in bench/layer_bench.py)
+            if os.environ.get("K3_CONV_INPLACE", "1" if INPLACE else "0") == "0":   # the functional op
                 op = emit(graph, after, OPS["kda_conv_decode"], (s.xq, s.xk, s.xv, s.state, s.w))
             else:
                 op = emit_functionalized(graph, after, OPS["kda_conv_decode_"], dict(xq=s.xq, xk=s.xk, xv=s.xv, w=s.w),
