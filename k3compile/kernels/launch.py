@@ -612,8 +612,12 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
 MLA_UV_BV = 16
 # the split kernel's PIPE form (its first cache tile loaded before the queries and the new row's norm,
 # the cache write at the end) and the combine + value up-projection with the split count a constant
-# (triton_mla._combine_splits_flat; warps MLA_UV_WARPS). K3_MLA_PIPE / K3_MLA_UV_FLAT / K3_MLA_UV_WARPS override
-MLA_PIPE, MLA_UV_FLAT, MLA_UV_WARPS = False, False, 4
+# (triton_mla._combine_splits_flat; warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens.
+# K3_MLA_PIPE / K3_MLA_UV_FLAT (at every M) / K3_MLA_UV_WARPS override. MLA layer at TP=8 widths, one H200,
+# us at M = 1 / 4 / 16 (a867659, bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 /
+# 158.8 / 267.0, FLAT 123.6 / 159.0 / 267.9 (combine kernel 5.15 -> 4.29 us at M=1), PIPE + FLAT 130.3 /
+# 167.0 / 297.3 (split kernel 5.86 -> 11.33 us: the carried next tile costs more than it hides)
+MLA_PIPE, MLA_UV_FLAT, MLA_UV_FLAT_MAX_M, MLA_UV_WARPS = False, True, 1, 4
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -661,7 +665,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
         swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
         g = gate if gate is not None else out
         bv = int(os.environ.get("K3_MLA_UV_BV", "") or MLA_UV_BV)
-        flat = _env_flag("K3_MLA_UV_FLAT", MLA_UV_FLAT)
+        flat = _env_flag("K3_MLA_UV_FLAT", MLA_UV_FLAT and M <= MLA_UV_FLAT_MAX_M)
         KA.mla_combine_uv_kernel[(M, H, triton.cdiv(V, bv))](
             part_o, part_ml, w, g, out, H, ns, V, w.stride(0), swl, swv, g.stride(0), g.stride(1), g.stride(2),
             L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None,
