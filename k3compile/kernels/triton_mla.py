@@ -68,9 +68,7 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     li = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, L], tl.float32)
     if not PIPE:
-        if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
-            tl.store(row + newp.to(tl.int64) * scs + ol, cn)
-            tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
+        _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L, R)
     for s in range(s0, s_end, BS):
         os_ = s + tl.arange(0, BS)
         sm = os_ < s_end
@@ -80,9 +78,7 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
             kr = kr_nx
             c_nx, kr_nx = _cache_tile(row, s + BS, s_end, newp, scs, L, R, BS)
         else:
-            rd = sm & (os_ != newp)
-            c = tl.load(row + os_[:, None] * scs + ol[None, :], mask=rd[:, None], other=0.0)
-            kr = tl.load(row + os_[:, None] * scs + L + orr[None, :], mask=rd[:, None], other=0.0)
+            c, kr = _cache_tile(row, s, s_end, newp, scs, L, R, BS)
         c = tl.where(isnew[:, None], cn[None, :], c)
         kr = tl.where(isnew[:, None], krn[None, :], kr)
         if IEEE:
@@ -105,9 +101,16 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     tl.store(part_ml + base * 2, mi, mask=hm)
     tl.store(part_ml + base * 2 + 1, li, mask=hm)
     if PIPE:
-        if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
-            tl.store(row + newp.to(tl.int64) * scs + ol, cn)
-            tl.store(row + newp.to(tl.int64) * scs + L + orr, krn)
+        _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L, R)
+
+
+@triton.jit
+def _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L: tl.constexpr, R: tl.constexpr):
+    """The new token's latent and rope key into its cache row, by the head-block-0 program whose split
+    holds that position."""
+    if (hb == 0) & (newp >= s0) & (newp < s0 + CH) & (newp < S):
+        tl.store(row + newp.to(tl.int64) * scs + tl.arange(0, L), cn)
+        tl.store(row + newp.to(tl.int64) * scs + L + tl.arange(0, R), krn)
 
 
 @triton.jit
