@@ -46,6 +46,10 @@ AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}
+# every op: the column-split kernels (triton_cols, launch.COLS, the default at M <= COLS_MAX_M) with other
+# widths, and the row kernels
+COLS_VARIANTS = {"k3_rows": {"COLS": False}, "k3_c64": {"COLS_W": 64}, "k3_c256": {"COLS_W": 256},
+                 "k3_c512": {"COLS_W": 512}}
 
 
 def main():
@@ -57,6 +61,7 @@ def main():
     ap.add_argument("--ops", default="oproj,tail", help="of oproj, tail, resnorm (the layer-input op)")
     ap.add_argument("--blocks", type=int, default=3, help="AttnRes blocks of the resnorm op")
     ap.add_argument("--oproj-blocks", type=int, default=0, help="AttnRes blocks of the o-proj op's post-norm")
+    ap.add_argument("--variants", default="", help="comma list: only these variants (default: every one)")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -76,6 +81,9 @@ def main():
                 timers, errs = {}, {}
                 base = VARIANTS if world > 1 else {"k3": {}}
                 variants = (RESNORM_VARIANTS if op == "resnorm" else {**base, **AR_VARIANTS} if op == "oproj" else base)
+                variants = {**variants, **COLS_VARIANTS}
+                if a.variants:
+                    variants = {n: v for n, v in variants.items() if n in a.variants.split(",")}
                 for name, values in variants.items():
                     if op == "resnorm":
                         run, ref, _ = simpeers.residual_norm_case(world, M, a.blocks, seed=M)

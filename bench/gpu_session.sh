@@ -176,6 +176,17 @@ for st in "$@"; do
            --out "$R/layer_mla_tp8_w1_pipe.json"
          step layer_kda_tp8_w1_convip 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
            --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
+    # the column-split all-reduce / norm and latent-tail kernels (triton_cols, launch.COLS): their GPU tests
+    # (every form against the reference, eager and graphed; the grid barrier over 200 replays), the ops
+    # with simulated peers (k3 = columns, k3_rows = the row kernels, k3_cNN = NN columns per program), and
+    # both layers with the row kernels as a row (rows)
+    cols) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier"
+          step comm_sim_cols 240 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 \
+            --ms ${K3_MS:-1,4,16} --oproj-blocks 3 --variants k3,k3_rows,k3_c64,k3_c256 --out "$R/comm_sim_cols.json"
+          step layer_kda_tp8_w1_cols 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+            --env rows:K3_COLS=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_cols.json"
+          step layer_mla_tp8_w1_cols 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+            --env rows:K3_COLS=0 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_cols.json" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"

@@ -182,13 +182,14 @@ def _check_kernel_results(res):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("world", [2, 8])
-@pytest.mark.parametrize("knobs", [{}, {"COMM_VEC": False, "COMM_EARLY": False}])
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("knobs", [{}, {"COMM_VEC": False, "COMM_EARLY": False}, {"COLS": False}])
 def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeypatch):
     """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
-    (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before),
-    bf16, eager and replayed from a CUDA graph, with the communication kernels' options (launch:
-    the vector signal/poll and the early reads, or the 45ff89b kernels' order)."""
+    (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before;
+    world 1: no peers), bf16, eager and replayed from a CUDA graph, with the communication kernels'
+    options (launch: the vector signal/poll and the early reads, or the 45ff89b kernels' order; the
+    column-split forms at M <= COLS_MAX_M, or the row kernels at every M)."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -197,7 +198,7 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     for k, v in knobs.items():
         monkeypatch.setattr(launch, k, v)
     errs = {}
-    for M in (1, 5, 16, 64):
+    for M in (1, 4, 5, 16, 64):
         for nb in (0, 3):
             run, ref, _ = simpeers.oproj_case(world, M, nb, seed=M)
             errs[f"oproj M={M} blocks={nb}"] = [rel(a, b) for out in (run(), _graphed(run)) for a, b in zip(out, ref)]
@@ -208,6 +209,38 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     print("\n".join(f"{k}: {v}" for k, v in errs.items()))
     bad = {k: v for k, v in errs.items() if max(v) > 1e-2}
     assert not bad, bad
+
+
+def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier():
+    """The column-split kernels' grid barrier resets itself: one graph of 3 layer-input ops and a
+    latent tail (world 1 and simulated world 8, M = 1) replayed 200 times gives the first replay's
+    outputs every time, and nothing hangs."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _gpu_ranks import rel
+    from k3compile.kernels import launch, simpeers
+    assert launch.COLS and launch.cols_plan(1, 7168, 4, None) is not None
+    for world in (1, 8):
+        cases = [simpeers.residual_norm_case(world, 1, 3, seed=s) for s in range(3)]
+        tail = simpeers.tail_case(world, 1, seed=5)
+
+        def step():
+            return [c[0]() for c in cases] + [tail[0]()]
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = step()
+        g.replay()
+        first = [[t.clone() for t in o] if isinstance(o, tuple) else o.clone() for o in outs]
+        for _ in range(200):
+            g.replay()
+        torch.cuda.synchronize()
+        for o, f, c in zip(outs[:3], first[:3], cases):
+            assert all(torch.equal(a, b) for a, b in zip(o, f))
+            assert max(rel(a, b) for a, b in zip(o, c[1])) <= 1e-2
+        assert torch.equal(outs[3], first[3]) and rel(outs[3], tail[1]) <= 1e-2
 
 
 @pytest.mark.parametrize("variant", ["v2b", "v3", "v3g", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)

@@ -51,6 +51,7 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     updated row joins a group, or comes after full groups at nb = 4 and 8). At world 1 with AR_JOINT the
     block rows are loaded before the updated row's store at even nb (AR_W1_FIRST, the default), after it
     at odd nb."""
+    monkeypatch.setattr(launch, "COLS", False)   # the row kernels (the column-split form: below)
     monkeypatch.setattr(launch, "AR_W1_FIRST", nb % 2 == 0)
     monkeypatch.setattr(launch, "AR_LEAN", bool(vec))
     monkeypatch.setattr(launch, "AR_JOINT", bool(vec))
@@ -82,6 +83,87 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
     torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
     torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,rank,nb,M,N,res", [
+    (1, 0, 3, 1, 200, 1), (1, 0, 0, 2, 200, 1), (1, 0, 7, 3, 130, 1), (1, 0, 2, 4, 96, 0), (2, 1, 3, 1, 200, 1),
+    (4, 2, 1, 3, 160, 1), (8, 5, 3, 1, 256, 1), (2, 0, 0, 1, 64, 1)])
+def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, N, res, monkeypatch):
+    """The column-split form (triton_cols.ar_norm_cols_kernel; 32 columns per program here, so 2-7
+    programs, the last one partly masked): the same updated row and AttnRes / RMSNorm output as the
+    reference, each rank's partial copied into its buffer for the peers, one barrier slot per
+    program. On CPU the kernel runs in two launches split at its grid barrier."""
+    monkeypatch.setattr(launch, "COLS_W", 32)
+    g = torch.Generator().manual_seed(world * 10 + nb + N)
+    parts = [torch.randn(M, N, generator=g).to(dtype) for _ in range(world)]
+    resid = torch.randn(M, N, generator=g).to(dtype) if res else None
+    blocks = [torch.randn(M, N, generator=g).to(dtype) * (1 + i) for i in range(nb)]
+    w_norm, w_qk, gam = _weights(N, dtype, g)
+    sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
+    plan = launch.cols_plan(M, N, nb + 1, sim.peers if sim else None)
+    assert plan is not None and plan.programs == -(-N // 32) and plan.programs >= 2
+    if sim:
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dtype, M, N).copy_(parts[p])
+        sim.arm(plan.programs)
+    upd, nrm = launch.ar_residual_norm(parts[rank], sim.peers if sim else None, resid, gam, w_norm, w_qk,
+                                       blocks, 1e-5)
+    y = sum(x.float() for x in parts).to(dtype)
+    ref_nrm, ref_upd = attnres_mix(resid if res else torch.zeros_like(y), y, blocks, w_norm, w_qk, gam, 1e-5)
+    torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
+    torch.testing.assert_close(nrm, ref_nrm, **TOL[dtype])
+    if sim:
+        sim.check_signals(plan.programs, 0)
+        torch.testing.assert_close(sim.view(rank, dtype, M, N, half=0), parts[rank])
+
+
+def test_columns_split_plan_keeps_its_limits(monkeypatch):
+    """cols_plan: off with K3_COLS=0, above COLS_MAX_M rows, past 8 sources; the programs within
+    COLS_MAX_PROGRAMS and the peers' barrier slots; the held tile and the exchange bounded."""
+    p = launch.cols_plan(1, 7168, 4, None)
+    assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
+    p = launch.cols_plan(4, 7168, 8, None)
+    assert p.rows * p.s_pad * p.w <= 4096 * 2 and p.programs <= launch.COLS_MAX_PROGRAMS
+    assert launch.cols_plan(launch.COLS_MAX_M + 1, 7168, 4, None) is None
+    assert launch.cols_plan(1, 7168, 9, None) is None
+    sim = SimGroup(8, 0, 1024, pad_bytes=512)
+    assert launch.cols_plan(1, 7168, 4, sim.peers).programs <= sim.peers.programs
+    monkeypatch.setattr(launch, "COLS", False)
+    assert launch.cols_plan(1, 7168, 4, None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("world,rank,M", [(1, 0, 1), (1, 0, 3), (2, 1, 2), (8, 3, 1)])
+def test_moe_latent_tail_columns_split_over_programs(dtype, world, rank, M, monkeypatch):
+    """triton_cols.latent_tail_cols_kernel through the whole tail op: the finalize, the all-reduce,
+    the norm and the shared partial's copy split over the programs' columns."""
+    monkeypatch.setattr(launch, "COLS_W", 32)
+    g = torch.Generator().manual_seed(7 * M + world)
+    TOPK, L, H = 3, 136, 200
+    n = H // world
+    ys = [torch.randn(M, TOPK, L, generator=g).to(dtype) for _ in range(world)]
+    ws = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
+    sp = torch.randn(M, H, generator=g).to(dtype)
+    gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
+    w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
+    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+    plan = launch.cols_plan(M, L, 1, sim.peers if sim else None)
+    assert plan.programs == 5
+    if sim:
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
+        sim.arm(plan.programs)
+    out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
+    routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
+    ref = sp.clone()
+    ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
+                                       + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    if sim:
+        sim.check_signals(plan.programs, 0)
 
 
 class FakePush:
@@ -253,6 +335,7 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows; vec=0: the 45ff89b order (launch.COMM_VEC=0, the
     peers signalled and polled one by one; COMM_EARLY=0, the shared partial copied before the signal)."""
+    monkeypatch.setattr(launch, "COLS", False)
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
     g = torch.Generator().manual_seed(M + world)

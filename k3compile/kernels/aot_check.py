@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import triton_comm as K
+from . import triton_cols as KL
 from . import triton_moe as KM
 from . import triton_gemv as KG
 from . import triton_router as KR
@@ -63,6 +64,15 @@ def variants():
         if world > 1:
             out.append((f"gather w{world}", K.gather_router_latent_kernel, ints,
                         dict(RANK=1, WORLD=world, BLOCK=1024, DTYPE=tl.bfloat16, SEQ=1)))
+    # the column-split forms (triton_cols): M <= 4 rows, W columns per program, one grid barrier
+    for world in (1, 8):
+        for nb, rows, w, s_pad in ((3, 1, 128, 4), (0, 4, 128, 2), (7, 4, 64, 8)):
+            out.append((f"cols ar_norm w{world} nb{nb} rows{rows}", KL.ar_norm_cols_kernel, {**ints, "bar": "*i32",
+                        "slots": "*fp32"}, dict(RANK=0, WORLD=world, NB=nb, HAS_RES=1, ROWS=rows, W=w, S_PAD=s_pad,
+                                                P_PAD=64, DTYPE=tl.bfloat16, SEQ=1, VEC=1, PHASE=0)))
+        out.append((f"cols latent_tail w{world}", KL.latent_tail_cols_kernel, {**ints, "bar": "*i32", "slots": "*fp32"},
+                    dict(TOPK=16, RANK=0, WORLD=world, ROWS=1, W=128, WSP=256, P_PAD=32, DTYPE=tl.bfloat16, SEQ=1,
+                         VEC=1, PHASE=0)))
     # after the CuTe push GEMM: waits on its flags, reads only this rank's buffer (no barrier signal)
     for world in (2, 8):
         out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
@@ -177,12 +187,17 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "mma_gemm split": ["mma.sync", "cp.async"], "mma_gemm swap": ["wgmma", "cp.async"],
           "mma_gemm split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
           "mma_gemm swap split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
-          "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX}
+          "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX,
+          # the grid barrier: a gpu-scope acq_rel arrival, the partials read back from L2 (.cg)
+          "cols ": ["atom.global.gpu.acq_rel.add", "ld.global.cg"], "cols ar_norm w8": SEQ_PTX,
+          "cols latent_tail w8": SEQ_PTX}
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
 ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
          # the CTA barrier after the partial stores comes before the counting atomic
-         "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")]}
+         "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")],
+         # the program's partials stored, then its arrival (after a CTA barrier)
+         "cols ar_norm w1": [("st.global", "atom.global.gpu.acq_rel.add")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
@@ -193,7 +208,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
 QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
-         "gemv pdl", "mma_gemm", "mla_")
+         "gemv pdl", "mma_gemm", "mla_", "cols ")
 
 
 def main(argv=None) -> int:

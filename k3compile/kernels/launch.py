@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import choose
+from . import triton_cols as KC
 from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
 
@@ -59,6 +60,12 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
 AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
+# COLS: the column-split forms of the all-reduce / norm and latent-tail kernels (triton_cols) at
+# M <= COLS_MAX_M: each program takes COLS_W columns of every row and the rows' reductions are
+# exchanged once between the programs. Read at launch, for bench variants: K3_COLS=0 / 1 (the row
+# kernels / this form), K3_COLS_MAX_M, K3_COLS_W. COLS_MAX_PROGRAMS keeps the grid barrier's programs
+# all resident.
+COLS, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 4, 128, 64
 AR_W1_FIRST = True  # group size 1 (joint): the row's loads all before its store (triton_comm._ar_row_w1)
 
 
@@ -102,6 +109,66 @@ def _programs(n: int, peers: "Peers | None") -> int:
     return max(1, min(n, peers.programs if peers is not None else MAX_PROGRAMS))
 
 
+@dataclass(frozen=True)
+class ColsPlan:
+    """A column-split launch (triton_cols): `programs` programs of `w` columns, every row padded to
+    `rows`, AttnRes sources padded to `s_pad`."""
+    programs: int
+    w: int
+    rows: int
+    s_pad: int
+
+    @property
+    def p_pad(self) -> int:
+        return triton.next_power_of_2(self.programs)
+
+
+def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan | None:
+    """The column-split form for M rows of width N with `sources` AttnRes sources per row (1: a
+    plain norm), or None where the row kernels run: K3_COLS=0, M > COLS_MAX_M, more than 8 sources,
+    or a row too narrow to split."""
+    on = _env_flag("K3_COLS", COLS)
+    if not on or M < 1 or M > int(os.environ.get("K3_COLS_MAX_M", "") or COLS_MAX_M) or sources > 8 or N < 64:
+        return None
+    rows = triton.next_power_of_2(M)
+    s_pad = max(2, triton.next_power_of_2(sources))
+    cap = min(COLS_MAX_PROGRAMS, peers.programs if peers is not None else COLS_MAX_PROGRAMS)
+    w = max(32, triton.next_power_of_2(int(os.environ.get("K3_COLS_W", "") or COLS_W)))
+    while w > 32 and rows * s_pad * w > 4096:   # the [rows, sources, w] tile held by a program
+        w //= 2
+    while triton.cdiv(N, w) > cap:
+        w *= 2
+    programs = triton.cdiv(N, w)
+    if programs < 2 or rows * s_pad * w > 16384 or \
+            triton.next_power_of_2(programs) * rows * s_pad * s_pad > 16384:  # the exchange's load
+        return None
+    return ColsPlan(programs, w, rows, s_pad)
+
+
+_COLS_WS: dict = {}
+_COLS_SLOTS = 1 << 18   # floats: programs x rows x (s_pad^2 + s_pad) fits (64 x 4 x 72 at most)
+
+
+def _cols_ws(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(barrier, slots) of the column-split kernels on this device: int32 [2] (arrivals, generation;
+    self-resetting) and fp32 partials. Allocated once per device and kept (one launch at a time uses
+    it: the k3 ops that run these kernels are all on the layer's main stream). None inside a CUDA graph
+    capture before it exists (the caller then runs the row kernels; graph captures warm up first)."""
+    ws = _COLS_WS.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ws = _off_thread(lambda: torch.zeros(32 + _COLS_SLOTS, dtype=torch.int32, device=device), device)
+        _COLS_WS[device] = ws
+    return ws[:2], ws[32:].view(torch.float32)
+
+
+def _phases(device: torch.device) -> tuple[int, ...]:
+    """One launch with the grid barrier on the GPU; two at the barrier where programs run one after
+    another (the interpreter)."""
+    return (0,) if device.type == "cuda" else (1, 2)
+
+
 def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
                      g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
                      pushed: tuple[int, int, torch.dtype] | None = None):
@@ -118,6 +185,19 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     upd = torch.empty(M, N, dtype=dt, device=local.device)
     nrm = torch.empty(M, N, dtype=dt, device=local.device) if g is not None else upd.new_empty(0)
     bs = list(blocks) + [upd] * (8 - len(blocks))
+    plan = cols_plan(M, N, len(blocks) + 1, peers) if g is not None and pushed is None else None
+    ws = _cols_ws(local.device) if plan is not None else None
+    if ws is not None:
+        bar, slots = ws
+        for phase in _phases(local.device):
+            KC.ar_norm_cols_kernel[(plan.programs,)](
+                peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
+                peers.half(dt) if peers else 0, local, residual if residual is not None else local, upd, nrm, g,
+                w_norm if w_norm is not None else g, w_qk if w_qk is not None else g, *bs, bar, slots, M, N, eps,
+                RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
+                HAS_RES=residual is not None, ROWS=plan.rows, W=plan.w, S_PAD=plan.s_pad, P_PAD=plan.p_pad,
+                DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4)
+        return upd, nrm
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
@@ -141,6 +221,18 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
     dt = y.dtype
     ln = torch.empty(M, L, dtype=dt, device=y.device)
     out = torch.empty_like(shared_partial)
+    plan = cols_plan(M, L, 1, peers)
+    ws = _cols_ws(y.device) if plan is not None else None
+    if ws is not None:
+        bar, slots = ws
+        for phase in _phases(y.device):
+            KC.latent_tail_cols_kernel[(plan.programs,)](
+                y, topk_w.contiguous(), peers.ptrs if peers else ln, peers.pads if peers else ln,
+                peers.epoch if peers else ln, peers.half(dt) if peers else 0, g, ln, shared_partial, out, bar, slots,
+                M, L, SP, eps, TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
+                ROWS=plan.rows, W=plan.w, WSP=triton.next_power_of_2(triton.cdiv(SP, plan.programs)),
+                P_PAD=plan.p_pad, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4)
+        return ln, out
     BLOCK = triton.next_power_of_2(L)
     K.latent_tail_kernel[(_programs(M, peers),)](
         y, topk_w.contiguous(), peers.ptrs if peers else ln, peers.pads if peers else ln,   # ln: unread at TP=1
