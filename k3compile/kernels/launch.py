@@ -66,6 +66,7 @@ AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # kernels / this form), K3_COLS_MAX_M, K3_COLS_W. COLS_MAX_PROGRAMS keeps the grid barrier's programs
 # all resident.
 COLS, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 4, 128, 64
+COLS_PROBE: dict = {}   # bench/cols_probe.py only: GEN / SYNC of the column-split kernels
 AR_W1_FIRST = True  # group size 1 (joint): the row's loads all before its store (triton_comm._ar_row_w1)
 
 
@@ -150,17 +151,18 @@ _COLS_SLOTS = 1 << 18   # floats: programs x rows x (s_pad^2 + s_pad) fits (64 x
 
 
 def _cols_ws(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(barrier, slots) of the column-split kernels on this device: int32 [2] (arrivals, generation;
-    self-resetting) and fp32 partials. Allocated once per device and kept (one launch at a time uses
-    it: the k3 ops that run these kernels are all on the layer's main stream). None inside a CUDA graph
-    capture before it exists (the caller then runs the row kernels; graph captures warm up first)."""
+    """(barrier, slots) of the column-split kernels on this device: int32 [64] (arrivals at 0, generation
+    at 32, 128 bytes apart; self-resetting) and fp32 partials. Allocated once per device and kept (one
+    launch at a time uses it: the k3 ops that run these kernels are all on the layer's main stream).
+    None inside a CUDA graph capture before it exists (the caller then runs the row kernels; graph
+    captures warm up first)."""
     ws = _COLS_WS.get(device)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        ws = _off_thread(lambda: torch.zeros(32 + _COLS_SLOTS, dtype=torch.int32, device=device), device)
+        ws = _off_thread(lambda: torch.zeros(64 + _COLS_SLOTS, dtype=torch.int32, device=device), device)
         _COLS_WS[device] = ws
-    return ws[:2], ws[32:].view(torch.float32)
+    return ws[:64], ws[64:].view(torch.float32)
 
 
 def _phases(device: torch.device) -> tuple[int, ...]:
@@ -196,7 +198,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
                 w_norm if w_norm is not None else g, w_qk if w_qk is not None else g, *bs, bar, slots, M, N, eps,
                 RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
                 HAS_RES=residual is not None, ROWS=plan.rows, W=plan.w, S_PAD=plan.s_pad, P_PAD=plan.p_pad,
-                DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4)
+                DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4, **COLS_PROBE)
         return upd, nrm
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
@@ -231,7 +233,8 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
                 peers.epoch if peers else ln, peers.half(dt) if peers else 0, g, ln, shared_partial, out, bar, slots,
                 M, L, SP, eps, TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
                 ROWS=plan.rows, W=plan.w, WSP=triton.next_power_of_2(triton.cdiv(SP, plan.programs)),
-                P_PAD=plan.p_pad, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4)
+                P_PAD=plan.p_pad, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4,
+                **COLS_PROBE)
         return ln, out
     BLOCK = triton.next_power_of_2(L)
     K.latent_tail_kernel[(_programs(M, peers),)](

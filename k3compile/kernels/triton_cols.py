@@ -32,20 +32,27 @@ from .triton_comm import _epoch_end, _half, _signal, _wait
 
 
 @triton.jit
-def _grid_barrier(bar):
-    """Every program of this launch meets here. bar: int32 [2] in global memory, (arrivals,
-    generation): each program reads the generation, arrives; the last one resets the arrivals
-    and bumps the generation, which releases the others. Self-resetting, so graph replays reuse it."""
+def _grid_barrier(bar, GEN: tl.constexpr):
+    """Every program of this launch meets here. bar: int32 in global memory, the arrivals at bar[0],
+    the generation at bar[GEN]: each program reads the generation, arrives; the last one resets the
+    arrivals and bumps the generation, which releases the others. Self-resetting, so graph replays
+    reuse it."""
     tl.debug_barrier()   # this program's stores (its partials) happen before its arrival
-    gen = tl.atomic_add(bar + 1, 0, sem="acquire", scope="gpu")
+    gen = tl.atomic_add(bar + GEN, 0, sem="acquire", scope="gpu")
     n = tl.atomic_add(bar, 1, sem="acq_rel", scope="gpu")
     if n == tl.num_programs(0) - 1:
         tl.atomic_xchg(bar, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(bar + 1, 1, sem="release", scope="gpu")
+        tl.atomic_add(bar + GEN, 1, sem="release", scope="gpu")
     else:
-        while tl.atomic_add(bar + 1, 0, sem="acquire", scope="gpu") == gen:
+        while tl.atomic_add(bar + GEN, 0, sem="acquire", scope="gpu") == gen:
             pass
     tl.debug_barrier()
+
+
+@triton.jit
+def grid_barrier_probe_kernel(bar, GEN: tl.constexpr):
+    """bench/cols_probe.py: the grid barrier alone."""
+    _grid_barrier(bar, GEN)
 
 
 @triton.jit
@@ -61,6 +68,7 @@ def ar_norm_cols_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr,
     ROWS: tl.constexpr, W: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr,
     DTYPE: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr, PHASE: tl.constexpr,
+    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g) when
     NB == 0): triton_comm.ar_residual_norm_kernel's outputs with HAS_NORM, columns split over the
@@ -130,8 +138,8 @@ def ar_norm_cols_kernel(
         tl.store(mine_s + rows[:, None] * SL + S_PAD * S_PAD + tl.arange(0, S_PAD)[None, :], d)
         if WORLD > 1:
             _epoch_end(epoch)   # every read of the peers' buffers is done
-    if PHASE == 0:
-        _grid_barrier(bar)
+    if PHASE == 0 and SYNC:   # SYNC=0: bench/cols_probe.py only (the partials then race)
+        _grid_barrier(bar, GEN)
     if PHASE != 1:
         pp = tl.arange(0, P_PAD)[:, None, None]
         pm = pp < npid
@@ -164,6 +172,7 @@ def latent_tail_cols_kernel(
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     ROWS: tl.constexpr, W: tl.constexpr, WSP: tl.constexpr, P_PAD: tl.constexpr,
     DTYPE: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr, PHASE: tl.constexpr,
+    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True,
 ):
     """triton_comm.latent_tail_kernel's outputs (ln = RMSNorm(all_reduce(sum_k w_k y_k), g); out = sp)
     with the columns split over the programs: W latent columns and WSP shared-partial columns each."""
@@ -203,8 +212,8 @@ def latent_tail_cols_kernel(
             tl.store(ln + off2, r.to(DTYPE), mask=mask2)   # the rounded row, re-read by PHASE 2
     else:
         r = tl.load(ln + off2, mask=mask2, other=0.0).to(tl.float32)
-    if PHASE == 0:
-        _grid_barrier(bar)
+    if PHASE == 0 and SYNC:   # SYNC=0: bench/cols_probe.py only (the partials then race)
+        _grid_barrier(bar, GEN)
     if PHASE != 1:
         pp = tl.arange(0, P_PAD)[:, None]
         ss = tl.sum(tl.load(slots + pp * ROWS + rows[None, :], mask=pp < npid, other=0.0, cache_modifier=".cg"),

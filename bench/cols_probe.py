@@ -1,0 +1,60 @@
+"""Where the column-split kernels' time goes (triton_cols; one GPU, world 1): each form of the
+all-reduce / norm and latent-tail ops at M = 1 and 4 and several column widths, with and without
+the grid barrier (SYNC=0: the partials race, the outputs are wrong: timing only), the barrier's
+generation word on the arrivals' cache line or 128 bytes away (GEN), the barrier kernel alone, and
+the row kernels. CUDA graphs of 20 calls, medians of 30 replays.
+
+    python bench/cols_probe.py --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import GraphTimer, save  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,4")
+    ap.add_argument("--widths", default="64,128,256")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import torch
+
+    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import triton_cols as KC
+    t0 = time.time()
+    rows = []
+    bar = torch.zeros(64, dtype=torch.int32, device="cuda")
+    for progs in (28, 56, 112):
+        for gen in (1, 32):
+            us = GraphTimer(lambda: KC.grid_barrier_probe_kernel[(progs,)](bar, GEN=gen, num_warps=4)).time()
+            rows.append(dict(case="barrier alone", programs=progs, gen=gen, us=us))
+            print(rows[-1], flush=True)
+    for M in (int(m) for m in a.ms.split(",")):
+        for op in ("resnorm", "tail"):
+            run, ref, _ = (simpeers.residual_norm_case(1, M, 3, seed=M) if op == "resnorm" else
+                           simpeers.tail_case(1, M, seed=M))
+            forms = [("rows", dict(COLS=False), {})]
+            for w in (int(x) for x in a.widths.split(",")):
+                for probe in ({}, {"SYNC": False}, {"GEN": 1}):
+                    forms.append((f"cols w{w} {probe}", dict(COLS=True, COLS_W=w), probe))
+            for name, attrs, probe in forms:
+                for k, v in attrs.items():
+                    setattr(launch, k, v)
+                launch.COLS_PROBE = probe
+                plan = launch.cols_plan(M, 7168 if op == "resnorm" else 3584, 4 if op == "resnorm" else 1, None)
+                us = GraphTimer(run).time()
+                rows.append(dict(case=op, M=M, form=name, programs=plan.programs if plan else None,
+                                 w=plan.w if plan else None, us=us))
+                print(rows[-1], flush=True)
+            launch.COLS, launch.COLS_W, launch.COLS_PROBE = True, 128, {}
+    save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__), t0)
+
+
+if __name__ == "__main__":
+    main()
