@@ -42,7 +42,8 @@ def main():
             forms = [("rows", dict(COLS=False), {})]
             for w in (int(x) for x in a.widths.split(",")):
                 for probe in ({}, {"SYNC": False}, {"GEN": 1}):
-                    forms.append((f"cols w{w} {probe}", dict(COLS=True, COLS_W=w), probe))
+                    forms.append((f"cols w{w} {probe}", dict(COLS=True, COLS_W=w, COLS_MIN_WORLD=1, COLS_MAX_M=4),
+                                  probe))
             for name, attrs, probe in forms:
                 for k, v in attrs.items():
                     setattr(launch, k, v)
@@ -52,7 +53,7 @@ def main():
                 rows.append(dict(case=op, M=M, form=name, programs=plan.programs if plan else None,
                                  w=plan.w if plan else None, us=us))
                 print(rows[-1], flush=True)
-            launch.COLS, launch.COLS_W, launch.COLS_PROBE = True, 128, {}
+            launch.COLS, launch.COLS_W, launch.COLS_MIN_WORLD, launch.COLS_MAX_M, launch.COLS_PROBE = True, 128, 2, 1, {}
     save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__), t0)
 
 

@@ -183,13 +183,14 @@ def _check_kernel_results(res):
 
 
 @pytest.mark.parametrize("world", [1, 2, 8])
-@pytest.mark.parametrize("knobs", [{}, {"COMM_VEC": False, "COMM_EARLY": False}, {"COLS": False}])
+@pytest.mark.parametrize("knobs", [{}, {"COMM_VEC": False, "COMM_EARLY": False}, {"COLS": False},
+                                   {"COLS_MIN_WORLD": 1, "COLS_MAX_M": 4}])
 def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeypatch):
     """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
     (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before;
     world 1: no peers), bf16, eager and replayed from a CUDA graph, with the communication kernels'
     options (launch: the vector signal/poll and the early reads, or the 45ff89b kernels' order; the
-    column-split forms at M <= COLS_MAX_M, or the row kernels at every M)."""
+    column-split forms where launch.cols_plan takes them, at every group size up to 4 rows, or never)."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -211,7 +212,7 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     assert not bad, bad
 
 
-def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier():
+def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkeypatch):
     """The column-split kernels' grid barrier resets itself: one graph of 3 layer-input ops and a
     latent tail (world 1 and simulated world 8, M = 1) replayed 200 times gives the first replay's
     outputs every time, and nothing hangs."""
@@ -220,7 +221,8 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier():
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import rel
     from k3compile.kernels import launch, simpeers
-    assert launch.COLS and launch.cols_plan(1, 7168, 4, None) is not None
+    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
+    assert launch.cols_plan(1, 7168, 4, None) is not None
     for world in (1, 8):
         cases = [simpeers.residual_norm_case(world, 1, 3, seed=s) for s in range(3)]
         tail = simpeers.tail_case(world, 1, seed=5)

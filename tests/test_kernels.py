@@ -95,6 +95,8 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
     reference, each rank's partial copied into its buffer for the peers, one barrier slot per
     program. On CPU the kernel runs in two launches split at its grid barrier."""
     monkeypatch.setattr(launch, "COLS_W", 32)
+    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)   # the form at every group size and up to 4 rows
+    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
     g = torch.Generator().manual_seed(world * 10 + nb + N)
     parts = [torch.randn(M, N, generator=g).to(dtype) for _ in range(world)]
     resid = torch.randn(M, N, generator=g).to(dtype) if res else None
@@ -120,18 +122,24 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
 
 
 def test_columns_split_plan_keeps_its_limits(monkeypatch):
-    """cols_plan: off with K3_COLS=0, above COLS_MAX_M rows, past 8 sources; the programs within
-    COLS_MAX_PROGRAMS and the peers' barrier slots; the held tile and the exchange bounded."""
+    """cols_plan: by default at one row and group size >= 2 only; off with COLS (K3_COLS=0), above
+    COLS_MAX_M rows, past 8 sources; the programs within COLS_MAX_PROGRAMS and the peers' barrier
+    slots; the held tile and the exchange bounded."""
+    sim = SimGroup(8, 0, 1024, pad_bytes=512)
+    assert launch.cols_plan(1, 7168, 4, None) is None                      # group size 1: the row kernels
+    p = launch.cols_plan(1, 7168, 4, sim.peers)
+    assert (p.programs, p.w, p.rows, p.s_pad) == (14, 512, 1, 4) and sim.peers.programs == 16
+    assert launch.cols_plan(2, 7168, 4, sim.peers) is None                 # one row only
+    monkeypatch.setenv("K3_COLS", "1")
     p = launch.cols_plan(1, 7168, 4, None)
     assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
+    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
     p = launch.cols_plan(4, 7168, 8, None)
-    assert p.rows * p.s_pad * p.w <= 4096 * 2 and p.programs <= launch.COLS_MAX_PROGRAMS
-    assert launch.cols_plan(launch.COLS_MAX_M + 1, 7168, 4, None) is None
+    assert p.rows * p.s_pad * p.w <= 4096 and p.programs <= launch.COLS_MAX_PROGRAMS
+    assert launch.cols_plan(5, 7168, 4, None) is None
     assert launch.cols_plan(1, 7168, 9, None) is None
-    sim = SimGroup(8, 0, 1024, pad_bytes=512)
-    assert launch.cols_plan(1, 7168, 4, sim.peers).programs <= sim.peers.programs
-    monkeypatch.setattr(launch, "COLS", False)
-    assert launch.cols_plan(1, 7168, 4, None) is None
+    monkeypatch.setenv("K3_COLS", "0")
+    assert launch.cols_plan(1, 7168, 4, sim.peers) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -140,6 +148,8 @@ def test_moe_latent_tail_columns_split_over_programs(dtype, world, rank, M, monk
     """triton_cols.latent_tail_cols_kernel through the whole tail op: the finalize, the all-reduce,
     the norm and the shared partial's copy split over the programs' columns."""
     monkeypatch.setattr(launch, "COLS_W", 32)
+    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
+    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
     g = torch.Generator().manual_seed(7 * M + world)
     TOPK, L, H = 3, 136, 200
     n = H // world

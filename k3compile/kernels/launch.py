@@ -61,11 +61,16 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # COLS: the column-split forms of the all-reduce / norm and latent-tail kernels (triton_cols) at
-# M <= COLS_MAX_M: each program takes COLS_W columns of every row and the rows' reductions are
-# exchanged once between the programs. Read at launch, for bench variants: K3_COLS=0 / 1 (the row
-# kernels / this form), K3_COLS_MAX_M, K3_COLS_W. COLS_MAX_PROGRAMS keeps the grid barrier's programs
-# all resident.
-COLS, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 4, 128, 64
+# M <= COLS_MAX_M and group size >= COLS_MIN_WORLD: each program takes COLS_W columns of every row and
+# the rows' reductions are exchanged once between the programs. Read at launch, for bench variants:
+# K3_COLS=0 / 1 (the row kernels / this form at any group size), K3_COLS_MAX_M, K3_COLS_W.
+# COLS_MAX_PROGRAMS keeps the grid barrier's programs all resident. One H200, simulated peers
+# (f1f0e95, `bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
+# rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
+# tail (+ up GEMM) 13.3 / 15.6; group size 1: 6.5 / 5.2, 15.1 / 13.3, 10.4 / 10.6. At M=4 and at 256
+# columns per program the AttnRes form took 80-700 us (unexplained; bench/cols_probe.py), so: M=1,
+# group size >= 2.
+COLS, COLS_MIN_WORLD, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 2, 1, 128, 64
 COLS_PROBE: dict = {}   # bench/cols_probe.py only: GEN / SYNC of the column-split kernels
 AR_W1_FIRST = True  # group size 1 (joint): the row's loads all before its store (triton_comm._ar_row_w1)
 
@@ -126,9 +131,9 @@ class ColsPlan:
 
 def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan | None:
     """The column-split form for M rows of width N with `sources` AttnRes sources per row (1: a
-    plain norm), or None where the row kernels run: K3_COLS=0, M > COLS_MAX_M, more than 8 sources,
-    or a row too narrow to split."""
-    on = _env_flag("K3_COLS", COLS)
+    plain norm), or None where the row kernels run: K3_COLS=0, a group smaller than COLS_MIN_WORLD
+    (unless K3_COLS=1), M > COLS_MAX_M, more than 8 sources, or a row too narrow to split."""
+    on = _env_flag("K3_COLS", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
     if not on or M < 1 or M > int(os.environ.get("K3_COLS_MAX_M", "") or COLS_MAX_M) or sources > 8 or N < 64:
         return None
     rows = triton.next_power_of_2(M)
