@@ -4,12 +4,13 @@
   rank's symmetric buffer, barrier, peer loads over NVLink (one-shot all-reduce), residual add,
   AttnRes / RMSNorm post-norm. At TP=1 the same kernel without peers. Where `choose.push_gemm`
   picks it, the CuTe push GEMM instead stores the partial into every rank's buffer with per-tile
-  flags, and the Triton kernel waits on the flags and reads only its own buffer.
+  flags, and the Triton kernel waits on the flags and reads only its own buffer. At one row and
+  TP >= 2 (launch.cols_plan) the kernel's column-split form (kernels/triton_cols.py) instead.
 - residual_norm: the o-proj op's all-reduce + residual + norm kernel on a given delta (no GEMM);
   at TP=1, or for a delta that is no all-reduce's, the same kernel without peers.
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
-  up-projection shard into this rank's columns.
+  up-projection shard into this rank's columns (the column-split kernel where launch.cols_plan says).
 - router_latent_sharded: one GEMM on this rank's rows of [W_r; W_down] (a view of one weight, or
   for the one rank whose rows straddle both one launch over both (`launch.mma_gemm2`) where the
   tuned config's tile divides its router rows, else a copy made once, `launch.rank_rows`), then

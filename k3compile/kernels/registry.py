@@ -66,8 +66,8 @@ def describe(device: str, group: str | None, moe: tuple | None = None) -> str | 
     else:
         from ..runtime import symm
         why = symm.unavailable_reason(group)
-        line = ("kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges)"
-                if why is None else f"kernels: NCCL path for every communication op ({why})")
+        line = ("kernels: one-shot communication over symmetric memory (NCCL path outside the measured M ranges; "
+                f"{_cols_note()})" if why is None else f"kernels: NCCL path for every communication op ({why})")
         if why is None:
             from .choose import oproj_note
             line += "; " + oproj_note()
@@ -75,3 +75,12 @@ def describe(device: str, group: str | None, moe: tuple | None = None) -> str | 
         from .choose import experts_note
         line += "; " + experts_note(*moe)
     return line
+
+
+def _cols_note() -> str:
+    """Where the all-reduce / norm and latent-tail kernels take their column-split forms."""
+    from . import launch
+    flag = os.environ.get("K3_COLS", "")
+    if flag == "0" or (flag != "1" and not launch.COLS):
+        return "column-split norms off"
+    return f"column-split norms at M <= {os.environ.get('K3_COLS_MAX_M', '') or launch.COLS_MAX_M}"
