@@ -54,7 +54,18 @@ def main():
                                  w=plan.w if plan else None, us=us))
                 print(rows[-1], flush=True)
             launch.COLS, launch.COLS_W, launch.COLS_MIN_WORLD, launch.COLS_MAX_M, launch.COLS_PROBE = True, 128, 2, 1, {}
-    save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__), t0)
+    compiled = []   # registers, spills and shared memory of every compiled form (this machine's Triton)
+    for fn in (KC.ar_norm_cols_kernel, KC.latent_tail_cols_kernel):
+        try:
+            for cache in fn.device_caches.values():
+                for key, k in cache[0].items():
+                    k._init_handles()
+                    compiled.append(dict(kernel=fn.__name__, key=str(key)[-300:], regs=k.n_regs, spills=k.n_spills,
+                                         shared=k.metadata.shared))
+                    print(compiled[-1], flush=True)
+        except Exception as e:  # noqa: BLE001 - Triton's cache layout differs between versions
+            print("no compiled-kernel stats:", repr(e))
+    save(a.out, dict(rows=rows, compiled=compiled, gpu=torch.cuda.get_device_name(), torch=torch.__version__), t0)
 
 
 if __name__ == "__main__":
