@@ -187,6 +187,16 @@ for st in "$@"; do
             --env rows:K3_COLS=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_cols.json"
           step layer_mla_tp8_w1_cols 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
             --env rows:K3_COLS=0 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_cols.json" ;;
+    # the column-split kernels' GPU tests alone; where their time goes (bench/cols_probe.py); Nsight Compute's
+    # launch statistics, occupancy and speed of light of the AttnRes form at M=4 (forced at group size 1)
+    colstests) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier" ;;
+    colsprobe) step cols_probe 240 python3 bench/cols_probe.py --out "$R/cols_probe.json" ;;
+    colsncu) step cols_ncu 120 env K3_COLS=1 K3_COLS_MAX_M=4 ncu --kernel-name regex:cols --launch-skip 2 --launch-count 1 \
+               --section LaunchStats --section Occupancy --section SpeedOfLight python3 -c "import torch
+from k3compile.kernels import simpeers
+run = simpeers.residual_norm_case(1, 4, 3, seed=1)[0]
+[run() for _ in range(4)]
+torch.cuda.synchronize()" ;;
     # L2 prefetch of a decode GEMM's weight while small kernels run (bench/l2_bench.py)
     l2) step l2 240 python3 bench/l2_bench.py --ms ${K3_MS:-1,4,16} --out "$R/l2.json" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
