@@ -97,6 +97,7 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
     monkeypatch.setattr(launch, "COLS_W", 32)
     monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)   # the form at every group size and up to 4 rows
     monkeypatch.setattr(launch, "COLS_MAX_M", 4)
+    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
     g = torch.Generator().manual_seed(world * 10 + nb + N)
     parts = [torch.randn(M, N, generator=g).to(dtype) for _ in range(world)]
     resid = torch.randn(M, N, generator=g).to(dtype) if res else None
@@ -123,17 +124,23 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
 
 def test_columns_split_plan_keeps_its_limits(monkeypatch):
     """cols_plan: by default at one row and group size >= 2 only; off with COLS (K3_COLS=0), above
-    COLS_MAX_M rows, past 8 sources; the programs within COLS_MAX_PROGRAMS and the peers' barrier
-    slots; the held tile and the exchange bounded."""
-    sim = SimGroup(8, 0, 1024, pad_bytes=512)
+    COLS_MAX_M rows, past 8 sources, and where the tile a program holds would pass COLS_MAX_TILE or
+    the programs COLS_MAX_PROGRAMS or the peers' barrier slots."""
+    sim = SimGroup(8, 0, 1024, pad_bytes=2048)
+    assert sim.peers.programs == 64
     assert launch.cols_plan(1, 7168, 4, None) is None                      # group size 1: the row kernels
     p = launch.cols_plan(1, 7168, 4, sim.peers)
-    assert (p.programs, p.w, p.rows, p.s_pad) == (14, 512, 1, 4) and sim.peers.programs == 16
+    assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
+    p = launch.cols_plan(1, 3584, 1, sim.peers)                           # the latent tail
+    assert (p.programs, p.w, p.s_pad) == (28, 128, 2)
+    assert launch.cols_plan(1, 7168, 6, sim.peers) is None                 # 64 columns: 112 programs
     assert launch.cols_plan(2, 7168, 4, sim.peers) is None                 # one row only
+    assert launch.cols_plan(1, 7168, 4, SimGroup(8, 0, 1024, pad_bytes=512).peers) is None   # 16 slots
     monkeypatch.setenv("K3_COLS", "1")
     p = launch.cols_plan(1, 7168, 4, None)
     assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
     monkeypatch.setattr(launch, "COLS_MAX_M", 4)
+    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
     p = launch.cols_plan(4, 7168, 8, None)
     assert p.rows * p.s_pad * p.w <= 4096 and p.programs <= launch.COLS_MAX_PROGRAMS
     assert launch.cols_plan(5, 7168, 4, None) is None
@@ -150,6 +157,7 @@ def test_moe_latent_tail_columns_split_over_programs(dtype, world, rank, M, monk
     monkeypatch.setattr(launch, "COLS_W", 32)
     monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
     monkeypatch.setattr(launch, "COLS_MAX_M", 4)
+    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
     g = torch.Generator().manual_seed(7 * M + world)
     TOPK, L, H = 3, 136, 200
     n = H // world

@@ -68,9 +68,16 @@ AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # (f1f0e95, `bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
 # rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
 # tail (+ up GEMM) 13.3 / 15.6; group size 1: 6.5 / 5.2, 15.1 / 13.3, 10.4 / 10.6. At M=4 and at 256
-# columns per program the AttnRes form took 80-700 us (unexplained; bench/cols_probe.py), so: M=1,
-# group size >= 2.
+# columns per program the AttnRes form took 80-700 us (spills: COLS_MAX_TILE below), so: M=1, group
+# size >= 2.
 COLS, COLS_MIN_WORLD, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 2, 1, 128, 64
+# COLS_MAX_TILE: the most elements of the [rows, sources, columns] tile one program holds. On the GPU
+# machine's Triton 3.6 the AttnRes form at 512 (one row, 4 sources, 128 columns) compiled to 168
+# registers without spills, at 1024 and more to 32 registers and 1.4-5.3 KB of spills per thread, and
+# took 82-707 us (bench/cols_probe.py at 41ffe02, bench/results/cols_probe_h200_41ffe02.json; with the
+# grid barrier skipped still 16-615 us): beyond it (e.g. 5-8 AttnRes sources at 7168 columns, which
+# would need more than COLS_MAX_PROGRAMS programs) the row kernels run.
+COLS_MAX_TILE = 512
 COLS_PROBE: dict = {}   # bench/cols_probe.py only: GEN / SYNC of the column-split kernels
 AR_W1_FIRST = True  # group size 1 (joint): the row's loads all before its store (triton_comm._ar_row_w1)
 
@@ -132,7 +139,8 @@ class ColsPlan:
 def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan | None:
     """The column-split form for M rows of width N with `sources` AttnRes sources per row (1: a
     plain norm), or None where the row kernels run: K3_COLS=0, a group smaller than COLS_MIN_WORLD
-    (unless K3_COLS=1), M > COLS_MAX_M, more than 8 sources, or a row too narrow to split."""
+    (unless K3_COLS=1), M > COLS_MAX_M, more than 8 sources, a row too narrow to split, or one that
+    would need more than COLS_MAX_PROGRAMS programs (or barrier slots) at COLS_MAX_TILE."""
     on = _env_flag("K3_COLS", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
     if not on or M < 1 or M > int(os.environ.get("K3_COLS_MAX_M", "") or COLS_MAX_M) or sources > 8 or N < 64:
         return None
@@ -140,12 +148,10 @@ def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan |
     s_pad = max(2, triton.next_power_of_2(sources))
     cap = min(COLS_MAX_PROGRAMS, peers.programs if peers is not None else COLS_MAX_PROGRAMS)
     w = max(32, triton.next_power_of_2(int(os.environ.get("K3_COLS_W", "") or COLS_W)))
-    while w > 32 and rows * s_pad * w > 4096:   # the [rows, sources, w] tile held by a program
+    while w > 32 and rows * s_pad * w > COLS_MAX_TILE:   # the [rows, sources, w] tile a program holds
         w //= 2
-    while triton.cdiv(N, w) > cap:
-        w *= 2
     programs = triton.cdiv(N, w)
-    if programs < 2 or rows * s_pad * w > 16384 or \
+    if programs < 2 or programs > cap or rows * s_pad * w > COLS_MAX_TILE or \
             triton.next_power_of_2(programs) * rows * s_pad * s_pad > 16384:  # the exchange's load
         return None
     return ColsPlan(programs, w, rows, s_pad)
