@@ -158,30 +158,10 @@ def test_moe_latent_tail_columns_split_over_programs(dtype, world, rank, M, monk
     monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
     monkeypatch.setattr(launch, "COLS_MAX_M", 4)
     monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
-    g = torch.Generator().manual_seed(7 * M + world)
-    TOPK, L, H = 3, 136, 200
-    n = H // world
-    ys = [torch.randn(M, TOPK, L, generator=g).to(dtype) for _ in range(world)]
-    ws = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
-    sp = torch.randn(M, H, generator=g).to(dtype)
-    gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
-    w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
-    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
-    plan = launch.cols_plan(M, L, 1, sim.peers if sim else None)
+    case = _TailCase(dtype, world, rank, M, L=136, H=200, seed=7 * M + world)
+    plan = launch.cols_plan(M, 136, 1, case.sim.peers if case.sim else None)
     assert plan.programs == 5
-    if sim:
-        for p in range(world):
-            if p != rank:
-                sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
-        sim.arm(plan.programs)
-    out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
-    routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
-    ref = sp.clone()
-    ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
-                                       + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    if sim:
-        sim.check_signals(plan.programs, 0)
+    case.run_and_check(plan.programs)
 
 
 class FakePush:
@@ -356,34 +336,52 @@ def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
     monkeypatch.setattr(launch, "COLS", False)
     monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
     monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
-    g = torch.Generator().manual_seed(M + world)
-    TOPK, L, H = 3, 64, 96
-    n = H // world
-    ys = [torch.randn(M, TOPK, L, generator=g).to(dtype) for _ in range(world)]
-    ws = torch.softmax(torch.randn(M, TOPK, generator=g), -1)
-    sp = torch.randn(M, H, generator=g).to(dtype)
-    gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
-    w_up = (torch.randn(n, L, generator=g) / 8).to(dtype)
-    sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+    case = _TailCase(dtype, world, rank, M, L=64, H=96, seed=M + world)
     progs = programs or M
-    if programs and not sim:
+    if programs and not case.sim:
         monkeypatch.setattr(launch, "MAX_PROGRAMS", programs)   # TP=1: a program's rows in a loop
-    if sim:
-        sim.peers.programs = progs
-        for p in range(world):  # the peers' finalized partials, written by their own kernels
-            if p != rank:
-                sim.view(p, dtype, M, L).copy_((ys[p].float() * ws.unsqueeze(-1)).sum(1).to(dtype))
-        sim.arm(progs)
-    out = launch.moe_tail(ys[rank], ws, sim.peers if sim else None, sp, gam, w_up, 1e-5, rank)
-    routed = sum((y.float() * ws.unsqueeze(-1)).sum(1).to(dtype).float() for y in ys).to(dtype)
-    ref = sp.clone()
-    ref[:, rank * n:(rank + 1) * n] = (sp[:, rank * n:(rank + 1) * n].float()
-                                       + F.linear(rms_norm(routed, gam, 1e-5), w_up).float()).to(dtype)
-    torch.testing.assert_close(out, ref, **TOL[dtype])
-    if sim:
-        sim.check_signals(progs, 0)
-        mine = (ys[rank].float() * ws.unsqueeze(-1)).sum(1).to(dtype)
-        torch.testing.assert_close(sim.view(rank, dtype, M, L, half=0), mine, **TOL[dtype])
+    if case.sim:
+        case.sim.peers.programs = progs
+    case.run_and_check(progs)
+
+
+class _TailCase:
+    """The latent-tail op (launch.moe_tail) as rank `rank` of a simulated group: every rank's
+    [M, 3, L] expert outputs and top-k weights, the shared partial [M, H], the up-projection shard;
+    run_and_check(programs) arms the peers' signals for that many programs, runs the op, and checks
+    it, and what this rank left for its peers, against the PyTorch reference."""
+
+    def __init__(self, dtype, world, rank, M, L, H, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.dtype, self.world, self.rank, self.M, self.L = dtype, world, rank, M, L
+        self.n = H // world
+        self.ys = [torch.randn(M, 3, L, generator=g).to(dtype) for _ in range(world)]
+        self.ws = torch.softmax(torch.randn(M, 3, generator=g), -1)
+        self.sp = torch.randn(M, H, generator=g).to(dtype)
+        self.gam = (torch.rand(L, generator=g) + 0.5).to(dtype)
+        self.w_up = (torch.randn(self.n, L, generator=g) / 8).to(dtype)
+        self.sim = SimGroup(world, rank, M * L * 4) if world > 1 else None
+
+    def _mine(self, p):
+        return (self.ys[p].float() * self.ws.unsqueeze(-1)).sum(1).to(self.dtype)
+
+    def run_and_check(self, programs):
+        dt, rank, n, sim = self.dtype, self.rank, self.n, self.sim
+        if sim:
+            for p in range(self.world):  # the peers' finalized partials, written by their own kernels
+                if p != rank:
+                    sim.view(p, dt, self.M, self.L).copy_(self._mine(p))
+            sim.arm(programs)
+        out = launch.moe_tail(self.ys[rank], self.ws, sim.peers if sim else None, self.sp, self.gam, self.w_up,
+                              1e-5, rank)
+        routed = sum(self._mine(p).float() for p in range(self.world)).to(dt)
+        ref = self.sp.clone()
+        ref[:, rank * n:(rank + 1) * n] = (self.sp[:, rank * n:(rank + 1) * n].float()
+                                           + F.linear(rms_norm(routed, self.gam, 1e-5), self.w_up).float()).to(dt)
+        torch.testing.assert_close(out, ref, **TOL[dt])
+        if sim:
+            sim.check_signals(programs, 0)
+            torch.testing.assert_close(sim.view(rank, dt, self.M, self.L, half=0), self._mine(rank), **TOL[dt])
 
 
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 1), (4, 3)])

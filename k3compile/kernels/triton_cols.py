@@ -56,8 +56,11 @@ def grid_barrier_probe_kernel(bar, GEN: tl.constexpr):
 
 
 @triton.jit
-def _src(b, off2, mask2):
-    return tl.load(b + off2, mask=mask2, other=0.0).to(tl.float32)
+def _put(X, si, K: tl.constexpr, b, off2, mask2, NB: tl.constexpr):
+    """X with block K's rows (fp32) at source index K, when there is such a block (K < NB)."""
+    if K < NB:
+        X = tl.where(si == K, tl.load(b + off2, mask=mask2, other=0.0).to(tl.float32)[:, None, :], X)
+    return X
 
 
 @triton.jit
@@ -89,20 +92,13 @@ def ar_norm_cols_kernel(
     # the sources this program needs besides the updated row: loaded before any wait
     si = tl.arange(0, S_PAD)[None, :, None]
     X = tl.zeros([ROWS, S_PAD, W], tl.float32)
-    if NB > 0:
-        X = tl.where(si == 0, _src(b0, off2, mask2)[:, None, :], X)
-    if NB > 1:
-        X = tl.where(si == 1, _src(b1, off2, mask2)[:, None, :], X)
-    if NB > 2:
-        X = tl.where(si == 2, _src(b2, off2, mask2)[:, None, :], X)
-    if NB > 3:
-        X = tl.where(si == 3, _src(b3, off2, mask2)[:, None, :], X)
-    if NB > 4:
-        X = tl.where(si == 4, _src(b4, off2, mask2)[:, None, :], X)
-    if NB > 5:
-        X = tl.where(si == 5, _src(b5, off2, mask2)[:, None, :], X)
-    if NB > 6:
-        X = tl.where(si == 6, _src(b6, off2, mask2)[:, None, :], X)
+    X = _put(X, si, 0, b0, off2, mask2, NB)
+    X = _put(X, si, 1, b1, off2, mask2, NB)
+    X = _put(X, si, 2, b2, off2, mask2, NB)
+    X = _put(X, si, 3, b3, off2, mask2, NB)
+    X = _put(X, si, 4, b4, off2, mask2, NB)
+    X = _put(X, si, 5, b5, off2, mask2, NB)
+    X = _put(X, si, 6, b6, off2, mask2, NB)
     cm = cols < N
     wq = tl.load(w_norm + cols, mask=cm, other=0.0).to(tl.float32) * \
         tl.load(w_qk + cols, mask=cm, other=0.0).to(tl.float32)
