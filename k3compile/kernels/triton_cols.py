@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_comm import _epoch_end, _half, _signal, _wait
+from .triton_comm import _epoch_end, _half, _signal, _sum_peers, _wait
 
 
 @triton.jit
@@ -108,12 +108,7 @@ def ar_norm_cols_kernel(
             r = tl.load(res + off2, mask=mask2, other=0.0).to(tl.float32)
         if WORLD > 1:
             _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
-            y = tl.zeros([ROWS, W], tl.float32)
-            for p in tl.static_range(WORLD):
-                src = tl.load(ptrs + p).to(tl.pointer_type(DTYPE)) + base
-                y += tl.load(src + off2, mask=mask2, other=0.0).to(tl.float32)
-        else:
-            y = tl.load(local + off2, mask=mask2, other=0.0).to(tl.float32)
+        y = _sum_peers(ptrs, base, local, off2, mask2, WORLD, DTYPE)   # WORLD == 1: local itself
         y = y.to(DTYPE).to(tl.float32)                 # the all-reduce result, rounded
         if HAS_RES:
             y = (r + y).to(DTYPE).to(tl.float32)
@@ -197,10 +192,7 @@ def latent_tail_cols_kernel(
         tl.store(out + o2, tl.load(sp + o2, mask=m2, other=0.0), mask=m2)
         if WORLD > 1:
             _wait(pads, pid, epoch, RANK, WORLD, SEQ, VEC)
-            acc = tl.zeros([ROWS, W], tl.float32)
-            for p in tl.static_range(WORLD):
-                src = tl.load(ptrs + p).to(tl.pointer_type(DTYPE)) + base
-                acc += tl.load(src + off2, mask=mask2, other=0.0).to(tl.float32)
+            acc = _sum_peers(ptrs, base, ptrs, off2, mask2, WORLD, DTYPE)
             _epoch_end(epoch)
         r = acc.to(DTYPE).to(tl.float32)
         tl.store(slots + pid * ROWS + rows, tl.sum(r * r, axis=1))
