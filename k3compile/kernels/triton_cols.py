@@ -125,7 +125,7 @@ def ar_norm_cols_kernel(
             xj = tl.sum(tl.where(si == j, X, 0.0), axis=1)                     # [ROWS, W]
             G = tl.where(sj == j, tl.sum(X * xj[:, None, :], axis=2)[:, :, None], G)
         mine_s = slots + pid * (ROWS * SL)
-        tl.store(mine_s + ri * SL + tl.arange(0, S_PAD)[None, :, None] * S_PAD + sj, G)
+        tl.store(mine_s + ri * SL + si * S_PAD + sj, G)
         tl.store(mine_s + rows[:, None] * SL + S_PAD * S_PAD + tl.arange(0, S_PAD)[None, :], d)
         if WORLD > 1:
             _epoch_end(epoch)   # every read of the peers' buffers is done
@@ -142,7 +142,7 @@ def ar_norm_cols_kernel(
         dt = tl.sum(tl.load(slots + pp * (ROWS * SL) + rows[None, :, None] * SL + kd, mask=pm, other=0.0,
                             cache_modifier=".cg"), axis=0)                       # [ROWS, S_PAD]
         if NB > 0:
-            q = tl.sum(tl.where(tl.arange(0, S_PAD)[None, :, None] == sj, Gt, 0.0), axis=2)   # diagonal
+            q = tl.sum(tl.where(si == sj, Gt, 0.0), axis=2)   # diagonal
             logit = dt * (1.0 / tl.sqrt(q / N + eps))
             logit = tl.where(tl.arange(0, S_PAD)[None, :] <= NB, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
