@@ -180,6 +180,12 @@ for st in "$@"; do
     # (every form against the reference, eager and graphed; the grid barrier over 200 replays), the ops
     # with simulated peers (k3 = columns, k3_rows = the row kernels, k3_cNN = NN columns per program), and
     # both layers with the row kernels as a row (rows)
+    # the expert-grouped MXFP4 kernels at the larger batches: v4g (scales in the A tile) vs v3g and
+    # the CuTe GEMVs, cold routings; K3_TILES adds tile overrides
+    v4g) step v4g_tests 300 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mxfp4_expert_kernels"
+         step experts_v4g 400 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v3g,v4g} \
+           --no-reference-time --cold 8 --shapes ${K3_SHAPES:-tp8,tp2} --ms ${K3_MS:-16,32,64,128,256} \
+           ${K3_TILES:+--tiles "$K3_TILES"} --out "$R/experts_v4g.json" ;;
     cols) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier"
           step comm_sim_cols 240 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 \
             --ms ${K3_MS:-1,4,16} --oproj-blocks 3 --variants k3,k3_rows,k3_c64,k3_c256 --out "$R/comm_sim_cols.json"

@@ -245,7 +245,7 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
         assert torch.equal(outs[3], first[3]) and rel(outs[3], tail[1]) <= 1e-2
 
 
-@pytest.mark.parametrize("variant", ["v2b", "v3", "v3g", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)
+@pytest.mark.parametrize("variant", ["v2b", "v3", "v3g", "v4g", "cute"])  # cute: v3 where no artifact (K3_CUTE_DIR)
 def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch):
     """The MXFP4 expert kernels through k3::mxfp4_experts (bf16, K3's per-rank TP=8 expert
     width) equal the model op's reference, eagerly and replayed from a CUDA graph; each variant

@@ -742,6 +742,59 @@ def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
     assert not launch.mxfp4_experts_ok(x, big, w13, variant="v3g") and launch.mxfp4_experts_ok(x, big, w13, "v3")
 
 
+@pytest.mark.parametrize("P,E,TG", [(1, 4, 16), (7, 3, 4), (40, 5, 8), (33, 896, 4), (64, 2, 16), (300, 7, 16)])
+def test_mxfp4_group_count_kernel_tiles_each_experts_pairs(P, E, TG):
+    """mxfp4_group_count_kernel (no sort): order is a permutation of the pairs grouped into the
+    experts' runs in expert order (within a run any order), sorted_e their experts, and the tiles
+    (tstart >= 0, then -1) cut each run into pieces of TG: every pair in exactly one tile, a tile
+    never spans two experts. Scratch filled with garbage first: nothing in it is needed."""
+    import triton
+
+    from k3compile.kernels import triton_moe as KM
+    g = torch.Generator().manual_seed(P * 7 + E)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    order, sorted_e, tstart = (torch.full((P,), -7, dtype=torch.int32) for _ in range(3))
+    EB = triton.next_power_of_2(E)
+    ws = torch.randint(-100, 100, (3 * EB,), generator=g, dtype=torch.int32)
+    KM.mxfp4_group_count_kernel[(1,)](ids, order, sorted_e, tstart, ws, P, PB=triton.next_power_of_2(P), EB=EB, TG=TG)
+    assert torch.equal(order.sort()[0], torch.arange(P, dtype=torch.int32))
+    assert torch.equal(sorted_e, ids[order.long()]) and torch.equal(sorted_e, ids.sort()[0])
+    n = int((tstart >= 0).sum())
+    assert (tstart[n:] == -1).all() and torch.equal(tstart[:n], tstart[:n].sort()[0])
+    want = [i for i in range(P) if (i - next(j for j in range(i + 1) if sorted_e[j] == sorted_e[i])) % TG == 0]
+    assert tstart[:n].tolist() == want
+
+
+@pytest.mark.parametrize("N,K,E,I,L,tiles,skew", [
+    (1, 2, 4, 128, 128, None, False),
+    (5, 4, 6, 128, 256, dict(PROGS=1), False),
+    (6, 2, 4, 128, 512, dict(BI=64, BL=128, BKB_GU=64, GROUP="sort"), False),
+    (9, 3, 3, 256, 256, dict(BKB_GU=64, BKB_D=64, BI=16, BL=32, PROGS=3), True),
+    (40, 3, 3, 128, 256, dict(TG=32, PROGS=2), True)])
+def test_mxfp4_v4g_matches_reference(N, K, E, I, L, tiles, skew):
+    """v4g (v3's dequantisation with the block scales applied to the A tile, pairs grouped by
+    expert, one MMA column per pair) on the CPU interpreter's fp32 dot path, against the reference:
+    uniform and skewed routing (tiles of several pairs; 40 tokens on 3 experts: runs longer than a
+    tile), both grouping kernels, programs looping over tiles. Gate-up scales 2^-9 .. 2^3."""
+    from k3compile.model.moe_ops import mxfp4_experts_reference
+    g = torch.Generator().manual_seed(N * 100 + L)
+    x = torch.randn(N, L, generator=g).bfloat16().float()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).to(torch.int32)
+    if skew:
+        ids = ids[:1].repeat(N, 1)
+    w13, s13, w2, s2 = _v3_experts(g, E, I, L)
+    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=tiles)
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
+    ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
+    torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+    for bad in (dict(TG=8), dict(FP16=1), dict(GROUP="radix"), dict(BKB_GU=32)):   # N < 16, fp16, unknown, < 64 B
+        assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=bad)
+    # a scale past the A tile's range (2^(s-127), s >= 192) gives inf / NaN in that output, not a wrong number
+    s13[ids[0, 0].long(), 0, 0] = 200
+    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
+    assert not out[0, 0].isfinite().all()
+
+
 def test_mxfp4_variant_selection(monkeypatch):
     x = torch.zeros(1, 3584)
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)

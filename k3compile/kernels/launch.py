@@ -843,7 +843,7 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
     return next((b for b in options if n % b == 0), 0)
 
 
-MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "cute", "cute_h2")
+MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "v4g", "cute", "cute_h2")
 # From this many tokens the default Triton kernel is v3g (pairs grouped by expert), below it v3:
 # uniform routing, one H200, TP=8 / TP=2 shapes (c958188 with 2112 programs, be22071): v3g vs v3
 # 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256; with skewed routing (every
@@ -923,7 +923,13 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # v3's k loop over pairs grouped by expert, TG pairs per tile: the MMA's N is BKB/16 * TG
         # (one column per scale block and pair), so k steps stay short (64 bytes: N = 4 * TG)
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=8, FP16=0,
-                 PROGS=132 * 16, num_warps=4, num_stages=3)
+                 PROGS=132 * 16, GROUP="sort", num_warps=4, num_stages=3)
+    elif variant == "v4g":
+        # v3g's loop, the scales in the A tile: the MMA's N is TG (one column per pair), so k steps
+        # can be long (BKB_GU / BKB_D bytes, multiples of 64); TG >= 16 (tl.dot's smallest N)
+        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (128, 64)), BL=_divisor(L, (64, 128)),
+                 BKB_D=_divisor(I // 2, (128, 64)), TG=16, FP16=0, PROGS=132 * 8, GROUP="count",
+                 num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -938,10 +944,13 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     if variant == "v3":  # one MMA column per scale block of a k step
         ok = (ok and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64 and d["BKB_GU"] // 16 <= d["BT"]
               and d["BKB_D"] // 16 <= d["BT"] and d["BT"] >= 16 and rows_gu >= 16 and rows_d >= 16)
-    if variant == "v3g":  # one MMA column per scale block and pair: N = BKB / 16 * TG >= 16
+    if variant in ("v3g", "v4g"):  # v3g: one MMA column per scale block and pair: N = BKB / 16 * TG >= 16
         tg = d["TG"]
+        n_gu, n_d = (tg, tg) if variant == "v4g" else (d["BKB_GU"] // 16 * tg, d["BKB_D"] // 16 * tg)
         ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["PROGS"] >= 1 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
-              and d["BKB_GU"] // 16 * tg >= 16 and d["BKB_D"] // 16 * tg >= 16 and rows_gu >= 16 and rows_d >= 16)
+              and n_gu >= 16 and n_d >= 16 and rows_gu >= 16 and rows_d >= 16
+              and (variant == "v3g" or d["FP16"] == 0)    # v4g: bf16 tiles only
+              and d["GROUP"] in ("sort", "count"))        # the grouping kernel (module docstring)
     return d if ok else None
 
 
@@ -952,7 +961,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
     v = mxfp4_variant(variant, x, I)
     return (x.dim() == 2 and x.is_contiguous() and L % 32 == 0 and I % 32 == 0
             and _mxfp4_tiles(v, L, I, tiles) is not None
-            and (v != "v3g" or topk_ids.numel() <= MXFP4_GROUPED_MAX_P))
+            and (v not in ("v3g", "v4g") or topk_ids.numel() <= MXFP4_GROUPED_MAX_P))
 
 
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
@@ -997,15 +1006,21 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
         KM.mxfp4_down_v3_kernel[(P, L // d["BL"])](mid, ids, w2, w2_scale, out, I, L, BL=d["BL"], BKB=d["BKB_D"],
                                                   **v3)
         return out
-    if variant == "v3g":
+    if variant in ("v3g", "v4g"):
         if P > MXFP4_GROUPED_MAX_P:
-            raise ValueError(f"MXFP4 experts v3g groups at most {MXFP4_GROUPED_MAX_P} (token, expert) pairs "
+            raise ValueError(f"MXFP4 experts {variant} groups at most {MXFP4_GROUPED_MAX_P} (token, expert) pairs "
                              f"in one program; got {P}: use v3")
         # group the pairs by expert (one program), then the GEMVs' programs loop over the tiles
         order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
-        KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
-                                    num_warps=4 if P <= 1024 else 8)
-        g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), **opts)
+        if d.get("GROUP", "sort") == "count":
+            EB = triton.next_power_of_2(w13.shape[0])
+            ws = torch.empty(3 * EB, dtype=torch.int32, device=x.device)
+            KM.mxfp4_group_count_kernel[(1,)](ids, order, sorted_e, tstart, ws, P, PB=triton.next_power_of_2(P),
+                                              EB=EB, TG=d["TG"], num_warps=4 if P <= 1024 else 8)
+        else:
+            KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
+                                        num_warps=4 if P <= 1024 else 8)
+        g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), V4=variant == "v4g", **opts)
         # persistent over the tiles (at most P of them): about PROGS programs in all
         rb_gu, rb_d = I // d["BI"], L // d["BL"]
         KM.mxfp4_gate_up_v3g_kernel[(min(P, -(-d["PROGS"] // rb_gu)), rb_gu)](

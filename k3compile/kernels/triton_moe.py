@@ -289,7 +289,7 @@ def _v3_halves(b, FP16: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr, s=None):
     """Weight words [R, BW] (BW % 16 == 0) -> A tile [R, 8*BW] (bf16 / fp16 value * 2^-126 /
     2^-14; DOT_F32: fp32, see _v3_halves). K order, per group of 16 words (128 codes): position
     q = 32*c2 + 16*k1 + 8*k0 + 2*t + h holds code k + 4h (k = 2*k1 + k0) of word n = 4*t + c2.
@@ -297,7 +297,10 @@ def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr):
     and 2t+8, 2t+9 of each 16): each thread then takes whole words (4 consecutive, one 16-byte
     load) and each int32 pair is one operand register (two K-adjacent elements), so the tile can
     reach the dot without a shared-memory round trip. tl.join adds the new minor dim and
-    tl.reshape keeps row-major order, so the order is defined (unlike tl.cat's)."""
+    tl.reshape keeps row-major order, so the order is defined (unlike tl.cat's).
+    s (v4g; bf16, not FP16): the words' E8M0 scales [R, BW/4], applied to the tile: each value
+    times 2^(s-64), so A = value(c) * 2^(s-190) (module docstring, v4g). Word 4t + c2 of a group
+    lies in scale block t of that group, so every thread multiplies its 4 words by one scale."""
     R: tl.constexpr = w.shape[0]
     G: tl.constexpr = w.shape[1] // 16
     w4 = tl.reshape(w, [R, G, 4, 4])                    # [R, G, t, c2]
@@ -305,6 +308,17 @@ def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr):
     l1, h1 = _v3_halves(_v3_pair(w4, 1, FP16), FP16, DOT_F32)
     l2, h2 = _v3_halves(_v3_pair(w4, 2, FP16), FP16, DOT_F32)
     l3, h3 = _v3_halves(_v3_pair(w4, 3, FP16), FP16, DOT_F32)
+    if s is not None:
+        # 2^(s-64) from its exponent field s + 63 (bf16 / fp32 bits); s >= 192 would overflow the
+        # field: clamped to 255, +inf, so such a weight shows as inf / NaN, not as a wrong number
+        f = tl.minimum(s.to(tl.int32) + 63, 255)
+        if DOT_F32:
+            sc = (f << 23).to(tl.float32, bitcast=True)
+        else:
+            sc = (f << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        sc = tl.reshape(sc, [R, G, 4])[:, :, :, None]
+        l0, h0, l1, h1 = l0 * sc, h0 * sc, l1 * sc, h1 * sc
+        l2, h2, l3, h3 = l2 * sc, h2 * sc, l3 * sc, h3 * sc
     x = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)),
                 tl.join(tl.join(l2, h2), tl.join(l3, h3)))          # [R, G, t, c2, h, k0, k1]
     x = tl.permute(x, (0, 1, 3, 6, 5, 2, 4))                         # [R, G, c2, k1, k0, t, h]
@@ -436,6 +450,41 @@ def mxfp4_group_kernel(ids, order, sorted_e, tstart, P, PB: tl.constexpr, TG: tl
 
 
 @triton.jit
+def mxfp4_group_count_kernel(ids, order, sorted_e, tstart, ws, P, PB: tl.constexpr, EB: tl.constexpr,
+                             TG: tl.constexpr):
+    """mxfp4_group_kernel's outputs without a sort (one program, a counting sort by atomics): the
+    experts' pair counts, their exclusive prefix sums (where each expert's run starts) and tile
+    bases, then each pair takes the next slot of its expert's run with an atomic. The experts'
+    runs and tiles are in expert order, as the sort's; within a run the pairs are in the order
+    the atomics served them (not by pair): a pair's output does not depend on its column. ws:
+    int32 scratch [3 * EB] (EB: a power of two > every expert id), left with no contents needed
+    by the next call. The loads after the atomics read L2 (.cg), where the atomics ran."""
+    i = tl.arange(0, PB)
+    live = i < P
+    e = tl.load(ids + i, mask=live, other=0).to(tl.int32)
+    b = tl.arange(0, EB)
+    tl.store(ws + b, tl.zeros([EB], tl.int32))
+    tl.store(tstart + i, -1, mask=live)
+    tl.debug_barrier()
+    tl.atomic_add(ws + e, 1, mask=live, sem="relaxed", scope="cta")                  # pairs per expert
+    tl.debug_barrier()
+    cnt = tl.load(ws + b, cache_modifier=".cg")
+    start = tl.cumsum(cnt, 0) - cnt
+    ntile = (cnt + TG - 1) // TG
+    tl.debug_barrier()
+    tl.store(ws + b, start)
+    tl.store(ws + EB + b, start)                                                     # the runs' cursors
+    tl.store(ws + 2 * EB + b, tl.cumsum(ntile, 0) - ntile)                          # first tile of each run
+    tl.debug_barrier()
+    pos = tl.atomic_add(ws + EB + e, 1, mask=live, sem="relaxed", scope="cta")
+    rank = pos - tl.load(ws + e, mask=live, other=0, cache_modifier=".cg")
+    tile = tl.load(ws + 2 * EB + e, mask=live, other=0, cache_modifier=".cg") + rank // TG
+    tl.store(order + pos, i, mask=live)
+    tl.store(sorted_e + pos, e, mask=live)
+    tl.store(tstart + tile, pos, mask=live & (rank % TG == 0))
+
+
+@triton.jit
 def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
               TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
     """acc [R, TG] += the BW words' (NB = BW/4 scale blocks') products for TG activation vectors
@@ -463,14 +512,35 @@ def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, 
 
 
 @triton.jit
+def _v4g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """acc [R, TG] += A @ B for the BW words of each row from word kw: A the scaled weight tile
+    (_v3_a_tile with s: value * 2^(s-190)), B the TG activation vectors at v_ptr + voff[i] (vok:
+    live ones) in A's K order, times 2^63: one plain MMA column per vector."""
+    w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
+    s = tl.load(s_ptr + rows[:, None] * row_scales + kw // 4 + tl.arange(0, BW // 4)[None, :])
+    a = _v3_a_tile(w, False, DOT_F32, s)                                                  # [R, 8BW]
+    code = _v3_code(tl.arange(0, 8 * BW))
+    v = tl.load(v_ptr + voff[:, None] + 8 * kw + code[None, :], mask=vok[:, None], other=0.0).to(tl.float32)
+    v = v * 9.223372036854775808e18                                                       # 2^63
+    if DOT_F32:
+        return tl.dot(a, tl.trans(v), acc)
+    return tl.dot(a, tl.trans(v.to(tl.bfloat16)), acc)
+
+
+@triton.jit
 def _fp4_dot_v3g(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, voff, vok, KB: tl.constexpr,
-                 BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+                 BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr,
+                 V4: tl.constexpr = False):
     BW: tl.constexpr = BKB // 4
     wp = w_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([rows.shape[0], TG], tl.float32)
     for kw in tl.range(0, KB // 4, BW):
-        acc = _v3g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, TG, FP16,
-                        DOT_F32)
+        if V4:
+            acc = _v4g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, DOT_F32)
+        else:
+            acc = _v3g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, TG, FP16,
+                            DOT_F32)
     return acc
 
 
@@ -491,8 +561,9 @@ def _v3g_tile(order, sorted_e, tstart, t, P, TG: tl.constexpr):
 @triton.jit
 def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl.constexpr, I,
                              L: tl.constexpr, beta, lbeta, BI: tl.constexpr, BKB: tl.constexpr, TG: tl.constexpr,
-                             FP16: tl.constexpr, DOT_F32: tl.constexpr):
-    """Persistent over tiles: program (q, rb) takes tiles q, q + grid0, ... until the first empty one."""
+                             FP16: tl.constexpr, DOT_F32: tl.constexpr, V4: tl.constexpr = False):
+    """Persistent over tiles: program (q, rb) takes tiles q, q + grid0, ... until the first empty one.
+    V4: the v4g k step (scales in the A tile, TG plain MMA columns)."""
     r = tl.arange(0, 2 * BI)
     rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -503,7 +574,7 @@ def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl
         wb = w13 + e * (2 * I) * (L // 2)
         sb = s13 + e * (2 * I) * (L // 32)
         acc = _fp4_dot_v3g(wb, sb, rows, L // 2, L // 32, x, (pair // K).to(tl.int64) * L, ok, L // 2, BKB, TG,
-                           FP16, DOT_F32)                                                  # [2BI, TG]
+                           FP16, DOT_F32, V4)                                                  # [2BI, TG]
         gu = tl.reshape(acc, [2, BI, TG])
         g = tl.sum(tl.where(first, gu, 0.0), 0)
         u = tl.sum(tl.where(first, 0.0, gu), 0)
@@ -514,13 +585,14 @@ def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl
 
 @triton.jit
 def mxfp4_down_v3g_kernel(mid, order, sorted_e, tstart, w2, s2, out, P, I: tl.constexpr, L, BL: tl.constexpr,
-                          BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr):
+                          BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr,
+                          V4: tl.constexpr = False):
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     t = tl.program_id(0)
     ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
     while ts >= 0:
         acc = _fp4_dot_v3g(w2 + e * L * (I // 2), s2 + e * L * (I // 32), rows, I // 2, I // 32, mid,
-                           pair.to(tl.int64) * I, ok, I // 2, BKB, TG, FP16, DOT_F32)     # [BL, TG]
+                           pair.to(tl.int64) * I, ok, I // 2, BKB, TG, FP16, DOT_F32, V4)  # [BL, TG]
         tl.store(out + pair[None, :].to(tl.int64) * L + rows[:, None], acc.to(out.dtype.element_ty),
                  mask=ok[None, :])
         t += tl.num_programs(0)
