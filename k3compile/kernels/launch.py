@@ -954,6 +954,16 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     return d if ok else None
 
 
+def _v4g_operand(x: torch.Tensor) -> torch.Tensor:
+    """v4g's gate-up B operand (triton_moe.v4g_operand_kernel): x's columns in the A tile's K order,
+    times 2^63, in bf16 (fp32 on the CPU interpreter's fp32 dot path)."""
+    from . import triton_moe as KM
+    N, L = x.shape
+    out = torch.empty(N, L, dtype=torch.bfloat16 if x.is_cuda else torch.float32, device=x.device)
+    KM.v4g_operand_kernel[(N, triton.cdiv(L, 1024))](x, out, L, BLOCK=1024)
+    return out
+
+
 def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict | None = None) -> bool:
     """Shapes the MXFP4 expert kernels of `variant` take: L % 32 == 0, I % 32 == 0 (row bytes split
     into 16-byte scale blocks) and row/byte tiles that divide I, L, L/2 and I/2."""
@@ -1021,10 +1031,14 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
             KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
                                         num_warps=4 if P <= 1024 else 8)
         g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), V4=variant == "v4g", **opts)
+        xg = x
+        if variant == "v4g":   # B operands in the A tile's K order, times 2^63 (triton_moe: v4g)
+            xg, mid = _v4g_operand(x), torch.empty(P, I, dtype=torch.bfloat16 if x.is_cuda else torch.float32,
+                                                   device=x.device)
         # persistent over the tiles (at most P of them): about PROGS programs in all
         rb_gu, rb_d = I // d["BI"], L // d["BL"]
         KM.mxfp4_gate_up_v3g_kernel[(min(P, -(-d["PROGS"] // rb_gu)), rb_gu)](
-            x, order, sorted_e, tstart, w13, w13_scale, mid, P, K, I, L, float(beta), float(linear_beta),
+            xg, order, sorted_e, tstart, w13, w13_scale, mid, P, K, I, L, float(beta), float(linear_beta),
             BI=d["BI"], BKB=d["BKB_GU"], **g)
         KM.mxfp4_down_v3g_kernel[(min(P, -(-d["PROGS"] // rb_d)), rb_d)](
             mid, order, sorted_e, tstart, w2, w2_scale, out, P, I, L, BL=d["BL"], BKB=d["BKB_D"], **g)

@@ -512,20 +512,38 @@ def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, 
 
 
 @triton.jit
+def _v3_pos(c):
+    """The inverse of _v3_code: the A-tile K position of code c (relative to its group's first
+    code): word n = c // 8 = 4t + c2, nibble j = c % 8 = k + 4h -> q = 32*c2 + 8*k + 2*t + h."""
+    n = (c >> 3) & 15
+    j = c & 7
+    return (c & -128) + 32 * (n & 3) + 8 * (j & 3) + 2 * (n >> 2) + (j >> 2)
+
+
+@triton.jit
+def v4g_operand_kernel(x, out, L, BLOCK: tl.constexpr):
+    """out[n, q] = x[n, code(q)] * 2^63 (in out's dtype): v4g's gate-up B operand, the activation's
+    columns in the A tile's K order (_v3_code; L % 128 == 0), so the expert kernel's B loads are
+    contiguous. Exact for |x| < 2^65 (bf16 x into bf16: a power-of-two scaling)."""
+    n = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = q < L
+    v = tl.load(x + n * L + _v3_code(q), mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + n * L + q, (v * 9.223372036854775808e18).to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _v4g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
               DOT_F32: tl.constexpr):
     """acc [R, TG] += A @ B for the BW words of each row from word kw: A the scaled weight tile
     (_v3_a_tile with s: value * 2^(s-190)), B the TG activation vectors at v_ptr + voff[i] (vok:
-    live ones) in A's K order, times 2^63: one plain MMA column per vector."""
+    live ones), stored already in A's K order and times 2^63 (bf16; fp32 with DOT_F32): a
+    contiguous [TG, 8BW] load, one plain MMA column per vector."""
     w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
     s = tl.load(s_ptr + rows[:, None] * row_scales + kw // 4 + tl.arange(0, BW // 4)[None, :])
     a = _v3_a_tile(w, False, DOT_F32, s)                                                  # [R, 8BW]
-    code = _v3_code(tl.arange(0, 8 * BW))
-    v = tl.load(v_ptr + voff[:, None] + 8 * kw + code[None, :], mask=vok[:, None], other=0.0).to(tl.float32)
-    v = v * 9.223372036854775808e18                                                       # 2^63
-    if DOT_F32:
-        return tl.dot(a, tl.trans(v), acc)
-    return tl.dot(a, tl.trans(v.to(tl.bfloat16)), acc)
+    v = tl.load(v_ptr + voff[:, None] + 8 * kw + tl.arange(0, 8 * BW)[None, :], mask=vok[:, None], other=0.0)
+    return tl.dot(a, tl.trans(v), acc)
 
 
 @triton.jit
@@ -578,7 +596,13 @@ def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl
         gu = tl.reshape(acc, [2, BI, TG])
         g = tl.sum(tl.where(first, gu, 0.0), 0)
         u = tl.sum(tl.where(first, 0.0, gu), 0)
-        tl.store(mid + pair[None, :].to(tl.int64) * I + cols[:, None], _situ(g, u, beta, lbeta), mask=ok[None, :])
+        y = _situ(g, u, beta, lbeta)
+        if V4:   # down's B operand as _v4g_step reads it: A's K order, rounded to bf16, times 2^63
+            pos = _v3_pos(cols)
+            y = y.to(tl.bfloat16).to(tl.float32) * 9.223372036854775808e18
+        else:
+            pos = cols
+        tl.store(mid + pair[None, :].to(tl.int64) * I + pos[:, None], y.to(mid.dtype.element_ty), mask=ok[None, :])
         t += tl.num_programs(0)
         ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
 
