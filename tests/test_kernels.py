@@ -813,10 +813,10 @@ def test_mxfp4_variant_selection(monkeypatch):
     lo, hi = launch.choose.CUTE_M["mxfp4_experts"]
     g = launch.MXFP4_GROUPED_MIN_N
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == launch.mxfp4_variant(None, CudaX(), 384, hi)
-    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v3g" and lo < g <= hi
+    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v4g" and lo < g <= hi
     monkeypatch.setenv("K3_CUTE", "0")
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == launch.mxfp4_variant(None, CudaX(), 384, g - 1)
-    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v3g" == launch.mxfp4_variant(None, CudaX(), 384, 256)
+    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v4g" == launch.mxfp4_variant(None, CudaX(), 384, 256)
     assert launch.mxfp4_variant(None, CudaX(), 384, launch.MXFP4_GROUPED_MAX_N + 1) == "v3"   # not run above
     monkeypatch.delenv("K3_CUTE")
     monkeypatch.setenv("K3_MXFP4", "dot")
@@ -1106,7 +1106,7 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setenv("K3_CUTE_JIT", "0")
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_CUTE_JIT=0))")
     monkeypatch.setattr(choose, "_FOUND", {})
-    assert "Triton v3g (pairs grouped by expert) (M=129; CuTe at M in [1, 128])" in describe(
+    assert "Triton v4g (pairs grouped by expert) (M=129; CuTe at M in [1, 128])" in describe(
         "cuda", None, (384, 3584, 16, 129, True))
     assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
     monkeypatch.setenv("K3_MXFP4", "v3")
@@ -1123,7 +1123,7 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
     monkeypatch.setattr(choose, "_FOUND", {})
     assert describe("cuda", None, (384, 3584, 16, 16, True)).endswith(f"MXFP4 experts: CuTe f16x2 GEMVs ({d})")
-    assert "at M in [1, 128], Triton v3g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
+    assert "at M in [1, 128], Triton v4g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
 
 
 def test_gemv_cfg_env_forces_one_shape(monkeypatch):

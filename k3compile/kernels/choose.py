@@ -6,7 +6,8 @@ Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, c
 so they are the default there for bf16 activations; up to M=128 since c958188's and be22071's
 runs (uniform routing, TP=8 / TP=2 shapes): 1.4-1.6x v3 at M = 96, 128, 256, and faster than
 the expert-grouped v3g up to M=128 (at 128: 1.14x / 1.02x), slower from 192 (0.92x / 0.77x),
-where v3g is the default (up to launch.MXFP4_GROUPED_MAX_N = 256, the largest M run). With skewed routing v3g is faster from
+where the grouped Triton kernel is the default (v4g since the twenty-fifth session, 1.4-1.5x v3g at
+M=256; up to launch.MXFP4_GROUPED_MAX_N = 256, the largest M run). With skewed routing v3g was faster from
 M=16 on, but dispatch cannot see the routing. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
 epilogue, `push_gemm`) has none: on 2 x H200 (c9fc013, cold weights, 3 AttnRes blocks) the op was
@@ -412,8 +413,8 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     if v == "v2b":
         return ("MXFP4 experts: Triton v2b (activations not bf16)" if not bf16
                 else f"MXFP4 experts: Triton v2b (v3's tiles do not fit I={I} L={L})")
-    if v in ("v3", "v3g"):
-        name = "Triton v3" if v == "v3" else "Triton v3g (pairs grouped by expert)"
+    if v in ("v3", "v4g"):
+        name = "Triton v3" if v == "v3" else "Triton v4g (pairs grouped by expert)"
         if M is None:
             return f"MXFP4 experts: {name} (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
         return f"MXFP4 experts: {name} (M={M}; CuTe at M in [{lo}, {hi}])"
@@ -424,6 +425,6 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
         arts, why, jit = None, f"loader error: {type(e).__name__}: {e}", False
     if arts is None and not jit:
         return f"MXFP4 experts: Triton {_triton_mxfp4(M)} ({why})"
-    where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v3g above (M is dynamic)"
+    where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v4g above (M is dynamic)"
     how = "built just in time on the first call into " if jit else ""
     return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({how}{_artifact_dir()})"

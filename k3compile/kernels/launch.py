@@ -844,16 +844,16 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
 
 
 MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "v4g", "cute", "cute_h2")
-# From this many tokens the default Triton kernel is v3g (pairs grouped by expert), below it v3:
-# uniform routing, one H200, TP=8 / TP=2 shapes (c958188 with 2112 programs, be22071): v3g vs v3
-# 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256; with skewed routing (every
-# token's experts from one pool of 32) 2.2-3.6x at M = 16..256. (cute_h2 runs below CUTE_M's top.)
-# Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: v3g's grouping is one
-# program sorting all P = M * top-k expert ids (mxfp4_experts_ok refuses more).
+# From this many tokens the default Triton kernel is v4g (pairs grouped by expert), below it v3.
+# v4g replaced v3g there: cold routings, one H200, TP=8 / TP=2 shapes (e611435, BENCHMARKS.md
+# twenty-fifth session), v4g (BL=128) vs v3g 1.22-1.20x at M=16, 1.25-1.23x at 64, 1.48-1.39x at
+# 256. (v3g vs v3 before: 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256.)
+# Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: the grouping is one
+# program over all P = M * top-k expert ids (mxfp4_experts_ok refuses more).
 MXFP4_GROUPED_MIN_N, MXFP4_GROUPED_MAX_N, MXFP4_GROUPED_MAX_P = 65, 256, 8192
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
 # math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
-# misaligned) they run the Triton default (CUTE_FALLBACK, or v3g at MXFP4_GROUPED_MIN_N..MAX_N
+# misaligned) they run the Triton default (CUTE_FALLBACK, or v4g at MXFP4_GROUPED_MIN_N..MAX_N
 # tokens) and choose.fallbacks() says why
 CUTE_FALLBACK = "v3"
 
@@ -871,8 +871,8 @@ def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: 
                   N: int | None = None) -> str:
     """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: for bf16
     activations where v3's tiles fit the shapes, "cute_h2" (the CuTe f16x2 GEMVs) on CUDA at the
-    batch sizes choose.CUTE_M measured it faster (it falls back to v3 / v3g, with the reason, where
-    no artifact fits), else "v3", or "v3g" from MXFP4_GROUPED_MIN_N tokens (v3 with the pairs
+    batch sizes choose.CUTE_M measured it faster (it falls back to v3 / v4g, with the reason, where
+    no artifact fits), else "v3", or "v4g" from MXFP4_GROUPED_MIN_N tokens (v3 with the pairs
     grouped by expert) (v3: 1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
     activations and the SiTU output to bf16 / fp16, which a bf16 model does anyway); other
     activations and shapes "v2b" (fp32 products of the exact activations)."""
@@ -896,7 +896,7 @@ def default_mxfp4_variant(bf16: bool, L: int, I: int, cuda: bool, N: int | None)
 
 def _triton_mxfp4(N: int | None) -> str:
     """The Triton expert kernel for bf16 activations at N tokens (unknown N: v3)."""
-    return "v3g" if N is not None and MXFP4_GROUPED_MIN_N <= N <= MXFP4_GROUPED_MAX_N else CUTE_FALLBACK
+    return "v4g" if N is not None and MXFP4_GROUPED_MIN_N <= N <= MXFP4_GROUPED_MAX_N else CUTE_FALLBACK
 
 
 def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | None:
@@ -927,7 +927,7 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
     elif variant == "v4g":
         # v3g's loop, the scales in the A tile: the MMA's N is TG (one column per pair), so k steps
         # can be long (BKB_GU / BKB_D bytes, multiples of 64); TG >= 16 (tl.dot's smallest N)
-        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (128, 64)), BL=_divisor(L, (64, 128)),
+        d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (128, 64)), BL=_divisor(L, (128, 64)),
                  BKB_D=_divisor(I // 2, (128, 64)), TG=16, FP16=0, PROGS=132 * 8, GROUP="count",
                  num_warps=4, num_stages=3)
     elif variant == "v2b":
