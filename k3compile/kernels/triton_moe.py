@@ -46,6 +46,14 @@ v3  (`mxfp4_gate_up_v3_kernel`, `mxfp4_down_v3_kernel`): dequantisation two code
     DOT_F32=1 (the CPU interpreter only, whose bf16 tl.dot is wrong and which flushes bf16
     subnormals) runs the same bit patterns, permutation and scales with an fp32 dot.
     Always the pipelined runtime loop (num_stages).
+v3g (`mxfp4_*_v3g_kernel`, below): v3 over the pairs grouped by expert (block-diagonal columns
+    per pair and scale block). v4g (the same kernels with V4=1): the grouping of v3g (by
+    mxfp4_group_count_kernel, a counting sort) with the E8M0 scales multiplied into v3's A tile
+    (each value times 2^(s-64) in bf16: A = value(c) * 2^(s-190), exact for 57 <= s <= 191; s >= 192
+    gives inf, smaller s lose bits) and one plain MMA column per pair. The B operands are stored in
+    the A tile's K order and times 2^63 beforehand (v4g_operand_kernel for x; gate-up stores mid,
+    rounded to bf16, that way), so each k step's B is a contiguous [TG, 8*BW] load that Triton
+    pipelines with cp.async, and the products value * x * 2^(s-127) are exact.
 
 Each variant has two kernels, one program per (token, slot) pair and row block; each pair reads only its own
 expert's bytes, which is what decode is bound by:
