@@ -172,12 +172,14 @@ def variants():
     # the pairs grouped by expert: v3g (block-diagonal activation columns) and v4g (scaled A tile)
     grp = dict(moe, order="*i32", sorted_e="*i32", tstart="*i32", P="i32", ws="*i32")
     out.append(("mxfp4_group_count", KM.mxfp4_group_count_kernel, grp, dict(PB=4096, EB=1024, TG=16)))
-    for v, (bkb_gu, bkb_d, tg) in (("v3g", (64, 64, 8)), ("v4g", (128, 64, 16))):
+    for v, (bkb_gu, bkb_d, tg) in (("v3g", (64, 64, 8)), ("v4g", (128, 64, 16))):   # V4=1 for v4g
         t = dict(grp, mid="*bf16") if v == "v4g" else grp     # v4g's mid: down's bf16 B operand
         out.append((f"mxfp4_{v}_gate_up", KM.mxfp4_gate_up_v3g_kernel, t,
-                    dict(K=16, L=3584, BI=32, BKB=bkb_gu, TG=tg, FP16=0, DOT_F32=0, V4=v == "v4g")))
+                    dict(K=16, L=3584, BI=32, BKB=bkb_gu, TG=tg, FP16=0, DOT_F32=0, V4=int(v == "v4g"))))
         out.append((f"mxfp4_{v}_down", KM.mxfp4_down_v3g_kernel, t,
-                    dict(I=384, BL=64, BKB=bkb_d, TG=tg, FP16=0, DOT_F32=0, V4=v == "v4g")))
+                    dict(I=384, BL=64, BKB=bkb_d, TG=tg, FP16=0, DOT_F32=0, V4=int(v == "v4g"))))
+    out.append(("mxfp4_v4g2_gate_up", KM.mxfp4_gate_up_v3g_kernel, dict(grp, mid="*bf16"),
+                dict(K=16, L=3584, BI=32, BKB=128, TG=16, FP16=0, DOT_F32=0, V4=2)))
     out.append(("mxfp4_v4g_operand", KM.v4g_operand_kernel, moe, dict(BLOCK=1024)))
     return out
 
@@ -190,7 +192,7 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "l2_prefetch": ["cp.async.bulk.prefetch.L2.global"],
           "mxfp4_dot": ["mma"],  # dot_scaled must reach the tensor cores (mma.sync or wgmma)
           "mxfp4_v3": ["mma"],   # v3's bf16 / fp16 tl.dot too
-          "mxfp4_v4g_gate_up": ["wgmma", "cp.async"], "mxfp4_v4g_down": ["wgmma", "cp.async"],
+          "mxfp4_v4g_gate_up": ["wgmma", "cp.async"], "mxfp4_v4g2_gate_up": ["wgmma", "mul.rn.bf16x2"], "mxfp4_v4g_down": ["wgmma", "cp.async"],
           # the counts and slots by atomics, read back from L2 (.cg: not a stale L1 line)
           "mxfp4_group_count": ["atom.global.cta.relaxed.add", "ld.global.cg"],
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],

@@ -929,7 +929,7 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # can be long (BKB_GU / BKB_D bytes, multiples of 64); TG >= 16 (tl.dot's smallest N)
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (128, 64)), BL=_divisor(L, (128, 64)),
                  BKB_D=_divisor(I // 2, (128, 64)), TG=16, FP16=0, PROGS=132 * 8, GROUP="count",
-                 num_warps=4, num_stages=3)
+                 MUL2=1, num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -950,7 +950,8 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["PROGS"] >= 1 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
               and n_gu >= 16 and n_d >= 16 and rows_gu >= 16 and rows_d >= 16
               and (variant == "v3g" or d["FP16"] == 0)    # v4g: bf16 tiles only
-              and d["GROUP"] in ("sort", "count"))        # the grouping kernel (module docstring)
+              and d["GROUP"] in ("sort", "count")         # the grouping kernel (module docstring)
+              and d.get("MUL2", 0) in (0, 1))
     return d if ok else None
 
 
@@ -1002,7 +1003,9 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
     d = d or _mxfp4_tiles(variant, L, I, tiles)
     if d is None:
         raise ValueError(f"MXFP4 experts variant {variant}: shapes L={L} I={I} do not fit tiles {tiles}")
-    mid = torch.empty(P, I, dtype=torch.float32, device=x.device)
+    # fp32 SiTU outputs; v4g's are down's bf16 B operand (its gate-up rounds them to bf16 anyway)
+    mid = torch.empty(P, I, dtype=torch.bfloat16 if variant == "v4g" and x.is_cuda else torch.float32,
+                      device=x.device)
     ids = topk_ids.reshape(-1).contiguous()
     opts = dict(num_warps=d["num_warps"])
     if d["num_stages"] is not None:
@@ -1022,7 +1025,7 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                              f"in one program; got {P}: use v3")
         # group the pairs by expert (one program), then the GEMVs' programs loop over the tiles
         order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
-        if d.get("GROUP", "sort") == "count":
+        if d["GROUP"] == "count":
             EB = triton.next_power_of_2(w13.shape[0])
             ws = torch.empty(3 * EB, dtype=torch.int32, device=x.device)
             KM.mxfp4_group_count_kernel[(1,)](ids, order, sorted_e, tstart, ws, P, PB=triton.next_power_of_2(P),
@@ -1030,11 +1033,11 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
         else:
             KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
                                         num_warps=4 if P <= 1024 else 8)
-        g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda), V4=variant == "v4g", **opts)
+        g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda),
+                 V4=0 if variant == "v3g" else 2 if d["MUL2"] else 1, **opts)
         xg = x
         if variant == "v4g":   # B operands in the A tile's K order, times 2^63 (triton_moe: v4g)
-            xg, mid = _v4g_operand(x), torch.empty(P, I, dtype=torch.bfloat16 if x.is_cuda else torch.float32,
-                                                   device=x.device)
+            xg = _v4g_operand(x)
         # persistent over the tiles (at most P of them): about PROGS programs in all
         rb_gu, rb_d = I // d["BI"], L // d["BL"]
         KM.mxfp4_gate_up_v3g_kernel[(min(P, -(-d["PROGS"] // rb_gu)), rb_gu)](

@@ -297,7 +297,14 @@ def _v3_halves(b, FP16: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr, s=None):
+def _bf16x2_mul(b, m):
+    """Two bf16 products in one instruction: the bf16 pairs packed in int32 words b and m."""
+    return tl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [b, m], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr, s=None, MUL2: tl.constexpr = False):
     """Weight words [R, BW] (BW % 16 == 0) -> A tile [R, 8*BW] (bf16 / fp16 value * 2^-126 /
     2^-14; DOT_F32: fp32, see _v3_halves). K order, per group of 16 words (128 codes): position
     q = 32*c2 + 16*k1 + 8*k0 + 2*t + h holds code k + 4h (k = 2*k1 + k0) of word n = 4*t + c2.
@@ -308,23 +315,32 @@ def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr, s=None):
     tl.reshape keeps row-major order, so the order is defined (unlike tl.cat's).
     s (v4g; bf16, not FP16): the words' E8M0 scales [R, BW/4], applied to the tile: each value
     times 2^(s-64), so A = value(c) * 2^(s-190) (module docstring, v4g). Word 4t + c2 of a group
-    lies in scale block t of that group, so every thread multiplies its 4 words by one scale."""
+    lies in scale block t of that group, so every thread multiplies its 4 words by one scale.
+    MUL2 (GPU only): the scale multiplies each packed pair of patterns with one bf16x2 instruction
+    instead of two bf16 ones."""
     R: tl.constexpr = w.shape[0]
     G: tl.constexpr = w.shape[1] // 16
     w4 = tl.reshape(w, [R, G, 4, 4])                    # [R, G, t, c2]
-    l0, h0 = _v3_halves(_v3_pair(w4, 0, FP16), FP16, DOT_F32)
-    l1, h1 = _v3_halves(_v3_pair(w4, 1, FP16), FP16, DOT_F32)
-    l2, h2 = _v3_halves(_v3_pair(w4, 2, FP16), FP16, DOT_F32)
-    l3, h3 = _v3_halves(_v3_pair(w4, 3, FP16), FP16, DOT_F32)
+    b0 = _v3_pair(w4, 0, FP16)
+    b1 = _v3_pair(w4, 1, FP16)
+    b2 = _v3_pair(w4, 2, FP16)
+    b3 = _v3_pair(w4, 3, FP16)
     if s is not None:
         # 2^(s-64) from its exponent field s + 63 (bf16 / fp32 bits); s >= 192 would overflow the
         # field: clamped to 255, +inf, so such a weight shows as inf / NaN, not as a wrong number
-        f = tl.minimum(s.to(tl.int32) + 63, 255)
+        f = tl.reshape(tl.minimum(s.to(tl.int32) + 63, 255), [R, G, 4])[:, :, :, None]
+        if MUL2 and not DOT_F32:
+            m = (f << 7) | (f << 23)
+            b0, b1, b2, b3 = _bf16x2_mul(b0, m), _bf16x2_mul(b1, m), _bf16x2_mul(b2, m), _bf16x2_mul(b3, m)
+    l0, h0 = _v3_halves(b0, FP16, DOT_F32)
+    l1, h1 = _v3_halves(b1, FP16, DOT_F32)
+    l2, h2 = _v3_halves(b2, FP16, DOT_F32)
+    l3, h3 = _v3_halves(b3, FP16, DOT_F32)
+    if s is not None and not (MUL2 and not DOT_F32):
         if DOT_F32:
             sc = (f << 23).to(tl.float32, bitcast=True)
         else:
             sc = (f << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        sc = tl.reshape(sc, [R, G, 4])[:, :, :, None]
         l0, h0, l1, h1 = l0 * sc, h0 * sc, l1 * sc, h1 * sc
         l2, h2, l3, h3 = l2 * sc, h2 * sc, l3 * sc, h3 * sc
     x = tl.join(tl.join(tl.join(l0, h0), tl.join(l1, h1)),
@@ -542,14 +558,14 @@ def v4g_operand_kernel(x, out, L, BLOCK: tl.constexpr):
 
 @triton.jit
 def _v4g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, kw, BW: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              DOT_F32: tl.constexpr, MUL2: tl.constexpr):
     """acc [R, TG] += A @ B for the BW words of each row from word kw: A the scaled weight tile
     (_v3_a_tile with s: value * 2^(s-190)), B the TG activation vectors at v_ptr + voff[i] (vok:
     live ones), stored already in A's K order and times 2^63 (bf16; fp32 with DOT_F32): a
     contiguous [TG, 8BW] load, one plain MMA column per vector."""
     w = tl.load(w_ptr + rows[:, None] * row_words + kw + tl.arange(0, BW)[None, :])          # int32 [R, BW]
     s = tl.load(s_ptr + rows[:, None] * row_scales + kw // 4 + tl.arange(0, BW // 4)[None, :])
-    a = _v3_a_tile(w, False, DOT_F32, s)                                                  # [R, 8BW]
+    a = _v3_a_tile(w, False, DOT_F32, s, MUL2)                                            # [R, 8BW]
     v = tl.load(v_ptr + voff[:, None] + 8 * kw + tl.arange(0, 8 * BW)[None, :], mask=vok[:, None], other=0.0)
     return tl.dot(a, tl.trans(v), acc)
 
@@ -557,13 +573,14 @@ def _v4g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, 
 @triton.jit
 def _fp4_dot_v3g(w_ptr, s_ptr, rows, row_bytes, row_scales, v_ptr, voff, vok, KB: tl.constexpr,
                  BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr,
-                 V4: tl.constexpr = False):
+                 V4: tl.constexpr = 0):
     BW: tl.constexpr = BKB // 4
     wp = w_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([rows.shape[0], TG], tl.float32)
     for kw in tl.range(0, KB // 4, BW):
-        if V4:
-            acc = _v4g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, DOT_F32)
+        if V4:   # 1: the scales by bf16 multiplies, 2: by bf16x2 ones
+            acc = _v4g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, DOT_F32,
+                            V4 == 2)
         else:
             acc = _v3g_step(acc, wp, s_ptr, rows, row_bytes // 4, row_scales, v_ptr, voff, vok, kw, BW, TG, FP16,
                             DOT_F32)
@@ -587,9 +604,9 @@ def _v3g_tile(order, sorted_e, tstart, t, P, TG: tl.constexpr):
 @triton.jit
 def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl.constexpr, I,
                              L: tl.constexpr, beta, lbeta, BI: tl.constexpr, BKB: tl.constexpr, TG: tl.constexpr,
-                             FP16: tl.constexpr, DOT_F32: tl.constexpr, V4: tl.constexpr = False):
+                             FP16: tl.constexpr, DOT_F32: tl.constexpr, V4: tl.constexpr = 0):
     """Persistent over tiles: program (q, rb) takes tiles q, q + grid0, ... until the first empty one.
-    V4: the v4g k step (scales in the A tile, TG plain MMA columns)."""
+    V4: the v4g k step (scales in the A tile, TG plain MMA columns; 2: scaled by bf16x2 multiplies)."""
     r = tl.arange(0, 2 * BI)
     rows = tl.program_id(1) * BI + tl.where(r < BI, r, I + r - BI)
     cols = tl.program_id(1) * BI + tl.arange(0, BI)
@@ -618,7 +635,7 @@ def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl
 @triton.jit
 def mxfp4_down_v3g_kernel(mid, order, sorted_e, tstart, w2, s2, out, P, I: tl.constexpr, L, BL: tl.constexpr,
                           BKB: tl.constexpr, TG: tl.constexpr, FP16: tl.constexpr, DOT_F32: tl.constexpr,
-                          V4: tl.constexpr = False):
+                          V4: tl.constexpr = 0):
     rows = tl.program_id(1) * BL + tl.arange(0, BL)
     t = tl.program_id(0)
     ts, e, pair, ok = _v3g_tile(order, sorted_e, tstart, t, P, TG)
