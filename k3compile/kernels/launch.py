@@ -847,7 +847,8 @@ MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "v4g", "cute", "cute_h2")
 # From this many tokens the default Triton kernel is v4g (pairs grouped by expert), below it v3.
 # v4g replaced v3g there: cold routings, one H200, TP=8 / TP=2 shapes (e611435, BENCHMARKS.md
 # twenty-fifth session), v4g (BL=128) vs v3g 1.22-1.20x at M=16, 1.25-1.23x at 64, 1.48-1.39x at
-# 256. (v3g vs v3 before: 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256.)
+# 256; MUL2 (the scales by bf16x2 multiplies) 1.20-1.23x more at M = 64, 256 (3fae985). (v3g vs v3
+# before: 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256.)
 # Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: the grouping is one
 # program over all P = M * top-k expert ids (mxfp4_experts_ok refuses more).
 MXFP4_GROUPED_MIN_N, MXFP4_GROUPED_MAX_N, MXFP4_GROUPED_MAX_P = 65, 256, 8192
