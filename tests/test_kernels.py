@@ -693,26 +693,6 @@ def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-@pytest.mark.parametrize("P,E,TG", [(1, 4, 4), (7, 3, 4), (40, 5, 8), (33, 896, 4), (64, 2, 16)])
-def test_mxfp4_group_kernel_tiles_each_experts_pairs(P, E, TG):
-    """mxfp4_group_kernel: order is the pairs sorted by (expert, pair), sorted_e their experts, and
-    the tiles (tstart >= 0, then -1) cut each expert's run into pieces of TG: every pair in exactly
-    one tile, a tile never spans two experts."""
-    import triton
-
-    from k3compile.kernels import triton_moe as KM
-    g = torch.Generator().manual_seed(P * 7 + E)
-    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
-    order, sorted_e, tstart = (torch.full((P,), -7, dtype=torch.int32) for _ in range(3))
-    KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=TG)
-    key = ids.long() * P + torch.arange(P)
-    assert torch.equal(order.long(), torch.argsort(key)) and torch.equal(sorted_e, ids[order.long()])
-    n = int((tstart >= 0).sum())
-    assert (tstart[:n] >= 0).all() and (tstart[n:] == -1).all() and torch.equal(tstart[:n], tstart[:n].sort()[0])
-    want = [i for i in range(P) if (i - next(j for j in range(i + 1) if sorted_e[j] == sorted_e[i])) % TG == 0]
-    assert tstart[:n].tolist() == want
-
-
 @pytest.mark.parametrize("N,K,E,I,L,tiles,skew,fp16", [
     (1, 2, 4, 128, 128, None, False, 0),
     (5, 4, 6, 128, 256, dict(PROGS=1, TG=4), False, 1),
@@ -738,7 +718,7 @@ def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
     tol = 1e-2 if not fp16 else 5e-3
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
     assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=dict(TG=3))   # not a power of 2
-    big = torch.zeros(launch.MXFP4_GROUPED_MAX_P // K + 1, K, dtype=torch.int32)     # one sort program: too many pairs
+    big = torch.zeros(launch.MXFP4_GROUPED_MAX_P // K + 1, K, dtype=torch.int32)     # one grouping program: too many pairs
     assert not launch.mxfp4_experts_ok(x, big, w13, variant="v3g") and launch.mxfp4_experts_ok(x, big, w13, "v3")
 
 
@@ -768,7 +748,7 @@ def test_mxfp4_group_count_kernel_tiles_each_experts_pairs(P, E, TG):
 @pytest.mark.parametrize("N,K,E,I,L,tiles,skew", [
     (1, 2, 4, 128, 128, None, False),
     (5, 4, 6, 128, 256, dict(PROGS=1), False),
-    (6, 2, 4, 128, 512, dict(BI=64, BL=128, BKB_GU=64, GROUP="sort"), False),
+    (6, 2, 4, 128, 512, dict(BI=64, BL=128, BKB_GU=64, MUL2=0), False),
     (9, 3, 3, 256, 256, dict(BKB_GU=64, BKB_D=64, BI=16, BL=32, PROGS=3), True),
     (40, 3, 3, 128, 256, dict(TG=32, PROGS=2), True)])
 def test_mxfp4_v4g_matches_reference(N, K, E, I, L, tiles, skew):
@@ -787,7 +767,7 @@ def test_mxfp4_v4g_matches_reference(N, K, E, I, L, tiles, skew):
     out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    for bad in (dict(TG=8), dict(FP16=1), dict(GROUP="radix"), dict(BKB_GU=32)):   # N < 16, fp16, unknown, < 64 B
+    for bad in (dict(TG=8), dict(FP16=1), dict(MUL2=2), dict(BKB_GU=32)):   # N < 16, fp16, unknown, < 64 B
         assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=bad)
     # a scale past the A tile's range (2^(s-127), s >= 192) gives inf / NaN in that output, not a wrong number
     s13[ids[0, 0].long(), 0, 0] = 200

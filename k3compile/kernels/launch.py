@@ -924,13 +924,13 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         # v3's k loop over pairs grouped by expert, TG pairs per tile: the MMA's N is BKB/16 * TG
         # (one column per scale block and pair), so k steps stay short (64 bytes: N = 4 * TG)
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=64, BL=_divisor(L, (128, 64)), BKB_D=64, TG=8, FP16=0,
-                 PROGS=132 * 16, GROUP="sort", num_warps=4, num_stages=3)
+                 PROGS=132 * 16, num_warps=4, num_stages=3)
     elif variant == "v4g":
         # v3g's loop, the scales in the A tile: the MMA's N is TG (one column per pair), so k steps
         # can be long (BKB_GU / BKB_D bytes, multiples of 64); TG >= 16 (tl.dot's smallest N)
         d = dict(BI=_divisor(I, (32, 16)), BKB_GU=_divisor(L // 2, (128, 64)), BL=_divisor(L, (128, 64)),
-                 BKB_D=_divisor(I // 2, (128, 64)), TG=16, FP16=0, PROGS=132 * 8, GROUP="count",
-                 MUL2=1, num_warps=4, num_stages=3)
+                 BKB_D=_divisor(I // 2, (128, 64)), TG=16, FP16=0, PROGS=132 * 8, MUL2=1,
+                 num_warps=4, num_stages=3)
     elif variant == "v2b":
         d = dict(BI=_divisor(I, (16,)), BKB_GU=_divisor(L // 2, (256, 128, 64, 32, 16)), BL=_divisor(L, (32, 16)),
                  BKB_D=_divisor(I // 2, (64, 32, 16)), LOOP=0, num_warps=4, num_stages=None)
@@ -951,7 +951,6 @@ def _mxfp4_tiles(variant: str, L: int, I: int, tiles: dict | None) -> dict | Non
         ok = (ok and tg >= 1 and tg & (tg - 1) == 0 and d["PROGS"] >= 1 and d["BKB_GU"] >= 64 and d["BKB_D"] >= 64
               and n_gu >= 16 and n_d >= 16 and rows_gu >= 16 and rows_d >= 16
               and (variant == "v3g" or d["FP16"] == 0)    # v4g: bf16 tiles only
-              and d["GROUP"] in ("sort", "count")         # the grouping kernel (module docstring)
               and d.get("MUL2", 0) in (0, 1))
     return d if ok else None
 
@@ -1026,14 +1025,10 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                              f"in one program; got {P}: use v3")
         # group the pairs by expert (one program), then the GEMVs' programs loop over the tiles
         order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
-        if d["GROUP"] == "count":
-            EB = triton.next_power_of_2(w13.shape[0])
-            ws = torch.empty(3 * EB, dtype=torch.int32, device=x.device)
-            KM.mxfp4_group_count_kernel[(1,)](ids, order, sorted_e, tstart, ws, P, PB=triton.next_power_of_2(P),
-                                              EB=EB, TG=d["TG"], num_warps=4 if P <= 1024 else 8)
-        else:
-            KM.mxfp4_group_kernel[(1,)](ids, order, sorted_e, tstart, P, PB=triton.next_power_of_2(P), TG=d["TG"],
-                                        num_warps=4 if P <= 1024 else 8)
+        EB = triton.next_power_of_2(w13.shape[0])
+        ws = torch.empty(3 * EB, dtype=torch.int32, device=x.device)
+        KM.mxfp4_group_count_kernel[(1,)](ids, order, sorted_e, tstart, ws, P, PB=triton.next_power_of_2(P),
+                                          EB=EB, TG=d["TG"], num_warps=4 if P <= 1024 else 8)
         g = dict(TG=d["TG"], FP16=d["FP16"], DOT_F32=int(not x.is_cuda),
                  V4=0 if variant == "v3g" else 2 if d["MUL2"] else 1, **opts)
         xg = x

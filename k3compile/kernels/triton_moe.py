@@ -53,7 +53,10 @@ v3g (`mxfp4_*_v3g_kernel`, below): v3 over the pairs grouped by expert (block-di
     gives inf, smaller s lose bits) and one plain MMA column per pair. The B operands are stored in
     the A tile's K order and times 2^63 beforehand (v4g_operand_kernel for x; gate-up stores mid,
     rounded to bf16, that way), so each k step's B is a contiguous [TG, 8*BW] load that Triton
-    pipelines with cp.async, and the products value * x * 2^(s-127) are exact.
+    pipelines with cp.async, and the products value * x * 2^(s-127) are exact. V4=2 (the default,
+    launch's MUL2): the scale multiplies each int32 pair of patterns with one mul.rn.bf16x2
+    (inline PTX; 1.2x the scalar bf16 multiplies of V4=1 on the H200). The CPU interpreter takes
+    the scalar path in fp32 (DOT_F32).
 
 Each variant has two kernels, one program per (token, slot) pair and row block; each pair reads only its own
 expert's bytes, which is what decode is bound by:
@@ -439,8 +442,8 @@ def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.const
 
 # ---------------------------------------------------------------- variant "v3g" (v3, pairs grouped by expert)
 # The per-pair kernels above dequantise an expert's weights once for every token routed to it. v3g
-# groups the pairs by expert first (mxfp4_group_kernel: one program sorts the P expert ids and
-# cuts each expert's run into tiles of up to TG pairs), then runs v3's k loop once per (tile, row
+# groups the pairs by expert first (mxfp4_group_count_kernel: one program counts the P expert ids
+# into runs and cuts each expert's run into tiles of up to TG pairs), then runs v3's k loop once per (tile, row
 # block) with the tile's TG activation vectors as MMA columns: B [8*BW, NB*TG], column j*TG + i
 # holds token i's activation on the K positions of scale block j (block-diagonal per token, as
 # v3's one column per block), so each weight is dequantised once per TG tokens. The GEMV programs
@@ -452,37 +455,17 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def mxfp4_group_kernel(ids, order, sorted_e, tstart, P, PB: tl.constexpr, TG: tl.constexpr):
-    """One program: order = the pairs 0..P-1 sorted by (expert, pair), sorted_e = their experts,
-    tstart[t] = the sorted position where tile t starts (each expert's run cut into tiles of TG
-    pairs), -1 for t >= the number of tiles. PB: a power of two >= P; experts < 2^31 / PB."""
-    i = tl.arange(0, PB)
-    live = i < P
-    e = tl.load(ids + i, mask=live, other=0).to(tl.int32)
-    key = tl.sort(tl.where(live, e * PB + i, 2147483647))           # padding sorts last
-    se = key // PB
-    tl.store(order + i, key % PB, mask=live)
-    tl.store(sorted_e + i, se, mask=live)
-    tl.store(tstart + i, -1, mask=live)
-    tl.debug_barrier()                                              # the stores above, then re-read shifted
-    prev = tl.load(sorted_e + i - 1, mask=live & (i > 0), other=-1)
-    first = live & ((i == 0) | (prev != se))                        # an expert's first pair
-    gs = tl.associative_scan(tl.where(first, i, 0), 0, _max_combine)   # where this expert's run starts
-    tile = live & ((i - gs) % TG == 0)
-    t = tl.cumsum(tile.to(tl.int32), 0) - 1
-    tl.store(tstart + t, i, mask=tile)
-
-
-@triton.jit
 def mxfp4_group_count_kernel(ids, order, sorted_e, tstart, ws, P, PB: tl.constexpr, EB: tl.constexpr,
                              TG: tl.constexpr):
-    """mxfp4_group_kernel's outputs without a sort (one program, a counting sort by atomics): the
-    experts' pair counts, their exclusive prefix sums (where each expert's run starts) and tile
-    bases, then each pair takes the next slot of its expert's run with an atomic. The experts'
-    runs and tiles are in expert order, as the sort's; within a run the pairs are in the order
-    the atomics served them (not by pair): a pair's output does not depend on its column. ws:
+    """One program groups the P pairs by expert (a counting sort by atomics): order = the pairs
+    in their experts' runs, the runs in expert order (within a run in the order the atomics served
+    them, not by pair: a pair's output does not depend on its column), sorted_e = their experts,
+    tstart[t] = the position where tile t starts (each run cut into tiles of TG pairs), -1 for t
+    >= the number of tiles. The experts' pair counts, their exclusive prefix sums (where each run
+    starts) and tile bases, then each pair takes the next slot of its run with an atomic. ws:
     int32 scratch [3 * EB] (EB: a power of two > every expert id), left with no contents needed
-    by the next call. The loads after the atomics read L2 (.cg), where the atomics ran."""
+    by the next call. The loads after the atomics read L2 (.cg), where the atomics ran. (A
+    one-program tl.sort of the keys, the first form, measured within 1.5% of this at M = 16..256.)"""
     i = tl.arange(0, PB)
     live = i < P
     e = tl.load(ids + i, mask=live, other=0).to(tl.int32)
