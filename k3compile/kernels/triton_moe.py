@@ -450,11 +450,6 @@ def mxfp4_down_v3_kernel(mid, ids, w2, s2, out, I: tl.constexpr, L, BL: tl.const
 # are persistent: program (q, rb) takes tiles q, q + grid0, ... (launch: about PROGS in all).
 
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def mxfp4_group_count_kernel(ids, order, sorted_e, tstart, ws, P, PB: tl.constexpr, EB: tl.constexpr,
                              TG: tl.constexpr):
     """One program groups the P pairs by expert (a counting sort by atomics): order = the pairs
@@ -518,6 +513,11 @@ def _v3g_step(acc, w_ptr, s_ptr, rows, row_words, row_scales, v_ptr, voff, vok, 
     return acc + tl.sum(tl.reshape(part, [rows.shape[0], NB, TG]) * sc[:, :, None], 1)
 
 
+# v4g's activations (B operands) are stored times 2^63: with the A tile's value * 2^(s-190) the
+# products are value * x * 2^(s-127), exact
+V4G_X_SCALE = tl.constexpr(2.0 ** 63)
+
+
 @triton.jit
 def _v3_pos(c):
     """The inverse of _v3_code: the A-tile K position of code c (relative to its group's first
@@ -536,7 +536,7 @@ def v4g_operand_kernel(x, out, L, BLOCK: tl.constexpr):
     q = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = q < L
     v = tl.load(x + n * L + _v3_code(q), mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + n * L + q, (v * 9.223372036854775808e18).to(out.dtype.element_ty), mask=ok)
+    tl.store(out + n * L + q, (v * V4G_X_SCALE).to(out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -607,7 +607,7 @@ def mxfp4_gate_up_v3g_kernel(x, order, sorted_e, tstart, w13, s13, mid, P, K: tl
         y = _situ(g, u, beta, lbeta)
         if V4:   # down's B operand as _v4g_step reads it: A's K order, rounded to bf16, times 2^63
             pos = _v3_pos(cols)
-            y = y.to(tl.bfloat16).to(tl.float32) * 9.223372036854775808e18
+            y = y.to(tl.bfloat16).to(tl.float32) * V4G_X_SCALE
         else:
             pos = cols
         tl.store(mid + pair[None, :].to(tl.int64) * I + pos[:, None], y.to(mid.dtype.element_ty), mask=ok[None, :])
