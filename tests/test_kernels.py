@@ -769,6 +769,8 @@ def test_mxfp4_v4g_matches_reference(N, K, E, I, L, tiles, skew):
     torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
     for bad in (dict(TG=8), dict(FP16=1), dict(MUL2=2), dict(BKB_GU=32)):   # N < 16, fp16, unknown, < 64 B
         assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=bad)
+    many = torch.zeros(launch.MXFP4_GROUPED_MAX_P + 1, 1, 1, dtype=torch.uint8).expand(-1, *w13.shape[1:])
+    assert not launch.mxfp4_experts_ok(x, ids, many, variant="v4g")        # more experts than one program takes
     # a scale past the A tile's range (2^(s-127), s >= 192) gives inf / NaN in that output, not a wrong number
     s13[ids[0, 0].long(), 0, 0] = 200
     out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)

@@ -850,7 +850,7 @@ MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "v4g", "cute", "cute_h2")
 # 256; MUL2 (the scales by bf16x2 multiplies) 1.20-1.23x more at M = 64, 256 (3fae985). (v3g vs v3
 # before: 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256.)
 # Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: the grouping is one
-# program over all P = M * top-k expert ids (mxfp4_experts_ok refuses more).
+# program over all P = M * top-k expert ids and all experts (mxfp4_experts_ok refuses more of either).
 MXFP4_GROUPED_MIN_N, MXFP4_GROUPED_MAX_N, MXFP4_GROUPED_MAX_P = 65, 256, 8192
 # "cute" / "cute_h2": the AOT-built CuTe DSL GEMVs (kernels/cute/mxfp4_experts.py, fp32 / f16x2
 # math, through the driver-only loader); where no artifact fits (or not CUDA / not bf16 /
@@ -972,7 +972,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
     v = mxfp4_variant(variant, x, I)
     return (x.dim() == 2 and x.is_contiguous() and L % 32 == 0 and I % 32 == 0
             and _mxfp4_tiles(v, L, I, tiles) is not None
-            and (v not in ("v3g", "v4g") or topk_ids.numel() <= MXFP4_GROUPED_MAX_P))
+            and (v not in ("v3g", "v4g") or max(topk_ids.numel(), w13.shape[0]) <= MXFP4_GROUPED_MAX_P))
 
 
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
@@ -1020,9 +1020,9 @@ def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear
                                                   **v3)
         return out
     if variant in ("v3g", "v4g"):
-        if P > MXFP4_GROUPED_MAX_P:
+        if max(P, w13.shape[0]) > MXFP4_GROUPED_MAX_P:
             raise ValueError(f"MXFP4 experts {variant} groups at most {MXFP4_GROUPED_MAX_P} (token, expert) pairs "
-                             f"in one program; got {P}: use v3")
+                             f"of as many experts in one program; got {P} pairs, {w13.shape[0]} experts: use v3")
         # group the pairs by expert (one program), then the GEMVs' programs loop over the tiles
         order, sorted_e, tstart = (torch.empty(P, dtype=torch.int32, device=x.device) for _ in range(3))
         EB = triton.next_power_of_2(w13.shape[0])
