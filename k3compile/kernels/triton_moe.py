@@ -328,18 +328,19 @@ def _v3_a_tile(w, FP16: tl.constexpr, DOT_F32: tl.constexpr, s=None, MUL2: tl.co
     b1 = _v3_pair(w4, 1, FP16)
     b2 = _v3_pair(w4, 2, FP16)
     b3 = _v3_pair(w4, 3, FP16)
+    PACKED: tl.constexpr = MUL2 and not DOT_F32    # the scale on the packed pairs, else on the halves
     if s is not None:
         # 2^(s-64) from its exponent field s + 63 (bf16 / fp32 bits); s >= 192 would overflow the
         # field: clamped to 255, +inf, so such a weight shows as inf / NaN, not as a wrong number
         f = tl.reshape(tl.minimum(s.to(tl.int32) + 63, 255), [R, G, 4])[:, :, :, None]
-        if MUL2 and not DOT_F32:
+        if PACKED:
             m = (f << 7) | (f << 23)
             b0, b1, b2, b3 = _bf16x2_mul(b0, m), _bf16x2_mul(b1, m), _bf16x2_mul(b2, m), _bf16x2_mul(b3, m)
     l0, h0 = _v3_halves(b0, FP16, DOT_F32)
     l1, h1 = _v3_halves(b1, FP16, DOT_F32)
     l2, h2 = _v3_halves(b2, FP16, DOT_F32)
     l3, h3 = _v3_halves(b3, FP16, DOT_F32)
-    if s is not None and not (MUL2 and not DOT_F32):
+    if s is not None and not PACKED:
         if DOT_F32:
             sc = (f << 23).to(tl.float32, bitcast=True)
         else:
