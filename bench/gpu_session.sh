@@ -192,6 +192,9 @@ for st in "$@"; do
                 --shapes tp8,tp2 --ms ${K3_XMS:-96,128,192} --out "$R/experts_x.json"
               step layer_kda_tp8_w1 200 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json"
               step layer_mla_tp8_w1 200 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
+    # the CuTe / v4g crossover alone (no tests): sets choose.CUTE_M["mxfp4_experts"]
+    xover) step experts_x 240 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v4g} --no-reference-time \
+             --cold 8 --shapes tp8,tp2 --ms ${K3_XMS:-32,48,64,80,96,128} --out "$R/experts_x.json" ;;
     cols) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier"
           step comm_sim_cols 240 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 \
             --ms ${K3_MS:-1,4,16} --oproj-blocks 3 --variants k3,k3_rows,k3_c64,k3_c256 --out "$R/comm_sim_cols.json"

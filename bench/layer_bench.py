@@ -197,7 +197,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
         res, peak, kernels, errs, reports, top_kernels, attribution, timeline = {}, {}, {}, {}, {}, {}, {}, {}
-        ref, timers, us_rounds = {}, {}, {}
+        ref, timers, us_rounds, row_errs = {}, {}, {}, {}
         base0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
 
         def measure(name, fn):
@@ -213,6 +213,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 ref["out"] = out
             errs[name] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
                              for a, b in zip(out, ref["out"]))
+            row_errs[name] = _row_errs(out, ref["out"], M)
             rep = k3compile.last_report()
             if rep is not None:
                 reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
@@ -238,11 +239,13 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 us_rounds[name].append(t.time(iters=20))
         res = {name: median(ts) for name, ts in us_rounds.items()}
         timers.clear()
-        distinct = _distinct_experts(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else 0
+        distinct, margin = _routing(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else (0, None)
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
         row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
                    kernels=kernels, top_kernels=top_kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct, us_rounds=us_rounds)
+        if margin is not None:  # the error split by how close eager's router came to another top-k set
+            row.update(_err_by_margin(row_errs, margin))
         if attribution:
             row["attribution"] = attribution
         if timeline:
@@ -256,7 +259,9 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             print(f"{kind} {shapes} M={M:<4} " + " ".join(f"{k}={v:8.1f}us" for k, v in res.items())
                   + (f"  k3 x{row['speedup_vs_baseline']:.2f} vs best baseline, {row['k3_vs_floor']:.2f}x floor "
                      f"({row['floor_us']:.1f}us); kernels {kernels}" if res else "")
-                  + f"  err {errs}  passes {reports.get('k3')}", flush=True)
+                  + f"  err {errs}  passes {reports.get('k3')}"
+                  + (f"  near-tie rows {row['near_tie_rows']}/{M}, err over the others "
+                     f"{row['err_vs_eager_clear_rows']}" if "near_tie_rows" in row else ""), flush=True)
     # ablation_base: the row the `without` ablation rows are compared with (report.py)
     from k3compile.model import attention_ops
     kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops._fla_fused_recurrent_kda()
@@ -283,15 +288,43 @@ def _best_standalone_experts():
     torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
 
 
-def _distinct_experts(layer, prefix, delta, blocks, cache, M):
-    """How many distinct experts this batch routes to (the bytes the expert op must read)."""
+# a row whose eager top-k scores (sigmoid + bias) leave less than this between the k-th and the
+# (k+1)-th expert may pick another set under any other GEMM order: its error is reported apart
+ROUTE_TIE = 1e-2
+
+
+def _row_errs(out, ref, M):
+    """Per token row: the largest |out - eager| over the layer's [M, ...] outputs, each relative to
+    that output's largest |eager| (the err_vs_eager measure, row by row)."""
+    per = [((a.float() - b.float()).abs().reshape(M, -1).amax(1) / b.float().abs().max().clamp_min(1e-6))
+           for a, b in zip(out, ref) if a.dim() and a.shape[0] == M]
+    return None if not per else __import__("torch").stack(per).amax(0).cpu()
+
+
+def _err_by_margin(row_errs, margin):
+    """err_vs_eager over the rows eager routed without a near tie (margin >= ROUTE_TIE) and over the
+    rest: a wrong kernel shows in the first; a top-k flip on a near tie only in the second."""
+    near = margin < ROUTE_TIE
+    clear = {n: float(e[~near].max()) if (~near).any() else 0.0 for n, e in row_errs.items() if e is not None}
+    tied = {n: float(e[near].max()) if near.any() else 0.0 for n, e in row_errs.items() if e is not None}
+    return dict(route_tie=ROUTE_TIE, near_tie_rows=int(near.sum()), min_route_margin=float(margin.min()),
+                err_vs_eager_clear_rows=clear, err_vs_eager_near_tie_rows=tied)
+
+
+def _routing(layer, prefix, delta, blocks, cache, M):
+    """How many distinct experts this batch routes to (the bytes the expert op must read), and per
+    row the gap between the k-th and (k+1)-th largest selection score of eager's router top-k."""
     import torch
-    seen = []
+    seen, margins = [], []
     op = torch.ops.k3model.mxfp4_experts.default
 
     def hook(mode_op, args):
         if mode_op is op:
             seen.append(int(torch.unique(args[1]).numel()))
+        elif mode_op is torch.ops.aten.topk.default and not margins:  # the router's selection
+            k = int(args[1])
+            top = args[0].float().topk(min(k + 1, args[0].shape[-1]), dim=-1).values
+            margins.append((top[:, k - 1] - top[:, k]).cpu() if top.shape[-1] > k else torch.full((M,), 1.0))
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -304,7 +337,7 @@ def _distinct_experts(layer, prefix, delta, blocks, cache, M):
         layer(prefix, delta, list(blocks), cache, M, 1)
     for t, s in zip(cache.tensors(), state):
         t.copy_(s)
-    return seen[0] if seen else 0
+    return (seen[0] if seen else 0), (margins[0] if margins else None)
 
 
 def _attribute(fn, top=40):

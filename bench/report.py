@@ -37,6 +37,13 @@ def _ablated(us: dict) -> list[str]:
     return sorted(k[3:] for k in us if k.startswith("k3-"))
 
 
+def _tie(r: dict) -> str:
+    """Where eager's router had near-tied rows (layer_bench.ROUTE_TIE): k3's error over the other rows."""
+    if not r.get("near_tie_rows"):
+        return ""
+    return f" ({r['err_vs_eager_clear_rows']['k3']:.3g} without the {r['near_tie_rows']} near-tie rows)"
+
+
 def table(d: dict) -> str:
     r0 = d["rows"][0]
     out = [f"**{r0['layer'].upper()} layer {r0['layer_id']}, {r0['shapes']} per-rank shapes on {r0['world']} GPUs** "
@@ -51,7 +58,7 @@ def table(d: dict) -> str:
         out.append(f"| {r['M']} | {us['eager']:.1f} | {us['inductor']:.1f} | {us['k3']:.1f} | "
                    f"{r['speedup_vs_baseline']:.2f}x | {allp} | {r['floor_us']:.1f} | {r['k3_vs_floor']:.2f}x | "
                    f"{kn['eager']}/{kn['inductor']}/{kn['k3']} | "
-                   + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g} |")
+                   + "/".join(f"{pk[m] / 2**20:.0f}" for m in MODES) + f" | {r['err_vs_eager']['k3']:.3g}{_tie(r)} |")
     extra = [v for v in EXTRA if any(v in r["us"] for r in d["rows"])]
     if extra:
         out += ["", "Extra variants, same run (" + "; ".join(f"`{v}`: {EXTRA[v]}" for v in extra) + "):", "",

@@ -66,3 +66,21 @@ def test_gemv_chain_config_from_the_sweep():
     assert chain_cfg(sweep, "tp8 shared_down", 2, 768) == (8, 512, 4, 3)
     assert chain_cfg(sweep, "tp8 shared_down", 8, 768) == (8, 512, 4, 3)   # above the sweep: its largest M
     assert chain_cfg(sweep, "tp8 oproj", 1, 1536) == (8, 512, 4, 3)
+
+
+def test_layer_bench_splits_the_error_by_router_margin():
+    """A row eager routed on a near tie (margin < ROUTE_TIE) is reported apart: its error does not
+    reach the clear rows' maximum, and the clear rows' error is kept whole."""
+    import torch
+    sys.path.insert(0, ROOT)
+    from bench import layer_bench as lb
+    a = torch.zeros(3, 4)
+    ref = torch.ones(3, 4)
+    a[0] = 1.0                 # row 0 exact
+    a[1] = 1.5                 # row 1 off by 0.5 (a near tie below)
+    a[2, 0] = 0.9              # row 2 off by 0.1 somewhere, and 1.0 elsewhere
+    e = lb._row_errs((a,), (ref,), 3)
+    assert torch.allclose(e, torch.tensor([0.0, 0.5, 1.0]))
+    r = lb._err_by_margin({"k3": e}, torch.tensor([0.5, lb.ROUTE_TIE / 2, 0.3]))
+    assert r["near_tie_rows"] == 1 and r["err_vs_eager_clear_rows"]["k3"] == 1.0
+    assert r["err_vs_eager_near_tie_rows"]["k3"] == 0.5
