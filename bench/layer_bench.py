@@ -234,6 +234,17 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             # ENV: read by the kernels, CFG: by Inductor, when the variant compiles and is captured
             with common_env(env.get(name, {})), torch._inductor.config.patch(CFG.get(name, {})):
                 measure(name, fn)
+        # the layer's own sensitivity: eager again on inputs moved by about one bf16 ulp. Where this
+        # error is as large as the compiled modes', their difference from eager is within what one
+        # rounding of the inputs already does (the router's top-k picking another expert), not a bug
+        restore()
+        sign = lambda t: torch.where(torch.rand(t.shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)  # noqa: E731
+        bumped = [(t.float() * (1 + 2.0 ** -7 * sign(t))).to(t.dtype) for t in (prefix, delta, *blocks)]
+        out = step(*bumped)
+        errs["eager_ulp"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+                                for a, b in zip(out, ref["out"]))
+        row_errs["eager_ulp"] = _row_errs(out, ref["out"], M)
+        restore()
         for _ in range(rounds - 1):  # every variant's graph timed again, in turn: drift hits them alike
             for name, t in timers.items():
                 us_rounds[name].append(t.time(iters=20))
@@ -246,6 +257,9 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct, us_rounds=us_rounds)
         if margin is not None:  # the error split by how close eager's router came to another top-k set
             row.update(_err_by_margin(row_errs, margin))
+            row["route_margin"] = [round(float(v), 6) for v in margin]  # per row, with the errors below
+        row["row_err_vs_eager"] = {n: [round(float(v), 6) for v in e] for n, e in row_errs.items()
+                                   if e is not None and n in ("inductor", "k3", "eager_ulp")}
         if attribution:
             row["attribution"] = attribution
         if timeline:

@@ -38,10 +38,12 @@ def _ablated(us: dict) -> list[str]:
 
 
 def _tie(r: dict) -> str:
-    """Where eager's router had near-tied rows (layer_bench.ROUTE_TIE): k3's error over the other rows."""
-    if not r.get("near_tie_rows"):
-        return ""
-    return f" ({r['err_vs_eager_clear_rows']['k3']:.3g} without the {r['near_tie_rows']} near-tie rows)"
+    """eager's own error on inputs moved by one bf16 ulp (the layer's sensitivity; layer_bench), and
+    where eager's router had near-tied rows (layer_bench.ROUTE_TIE), k3's error over the other rows."""
+    out = f" (eager, inputs +-1 ulp: {r['err_vs_eager']['eager_ulp']:.3g})" if "eager_ulp" in r["err_vs_eager"] else ""
+    if r.get("near_tie_rows"):
+        out += f" ({r['err_vs_eager_clear_rows']['k3']:.3g} without the {r['near_tie_rows']} near-tie rows)"
+    return out
 
 
 def table(d: dict) -> str:

@@ -30,9 +30,10 @@ import warnings
 
 import torch
 
-# mxfp4_experts up to 96 since the twenty-fifth session: at 128 tokens v4g was faster (TP=8 / TP=2
-# shapes, cold routings, 182a112: 977 vs 1059 us, 3641 vs 4319 us; at 96: 892 vs 804, 3334 vs 3294)
-CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 96)}   # from GPU benchmark runs (docstring)
+# mxfp4_experts up to 79 since the twenty-sixth session: with v4g's bf16x2 scale (6e8cc72, TP=8 / TP=2
+# shapes, cold routings, cute_h2 / v4g us) M=64: 551 / 620, 2220 / 2232; M=80: 683 / 687, 2795 / 2473;
+# M=96: 811 / 754, 3308 / 2696. (Before that form, 182a112: up to 96.)
+CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 79)}   # from GPU benchmark runs (docstring)
 # Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains): on at
 # every batch. Measured with a different routing each call, as in a model (`experts_bench.py --cold 8`,
 # d5905b1, one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
