@@ -58,7 +58,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
     # KDA layer, TP=8 shapes, M=1 (92e6e28, medians of 3 rounds): -1.6 us with every other pass
     # (k3-prefetch 187.7 vs k3-fold_kda_gate 189.3), -1.3 us alone (k3+fold_kda_gate 217.7 vs k3none
-    # 219.0); no ablation ran at M > 1 yet
+    # 219.0). At M = 64 / 256 (70fb2a7, as fuse_residual_norm below) it cost +5.0 / +52.8 us
     "fold_kda_gate": (1, 1),
     # KDA layer, TP=8 per-rank widths on ONE H200 (world 1: no communication; the pass only changes
     # GEMMs), 3dba9ee, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
@@ -70,24 +70,30 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # k3-fuse_residual_norm) KDA -5.6 / -2.6 us at M = 1 / 4 (M=16 cut by the step's time limit),
     # MLA -6.7 / -1.3 / -2.0 us at M = 1 / 4 / 16 (bench/results/layer_*_tp8_w1_h200_c31c5e5*); with
     # the gate applying it, 3d59b9d: KDA -0.5 / -7.2 / -5.4, MLA -3.6 / -13.6 / -3.0 us; alone within
-    # the runs' noise (-9.1 to +6.9 us). No two-GPU run yet (its all-reduce is the o-proj op's kernel)
-    "fuse_residual_norm": (1, 16),
+    # the runs' noise (-9.1 to +6.9 us). No two-GPU run yet (its all-reduce is the o-proj op's kernel).
+    # M = 64 / 256 (70fb2a7, `--ablate 64,256`, bench/results/layer_{kda,mla}_tp8_w1_h200_70fb2a7_ablate.json),
+    # every pass vs every pass but this one: KDA -9.7 / -11.9 us, MLA -15.8 / -15.8 us
+    "fuse_residual_norm": (1, 256),
     # the router's selection in one kernel: part of shard_router_latent (TP > 1, M = 1..16) until
     # 2026-12-02, its own pass since, so that TP=1 graphs get it too. Op alone, 2 x H200 (6eecf90,
     # bench/router_bench.py): 5.4 us vs Inductor's 17.9-20.6 us at M = 1..64; the layer rows:
-    # BENCHMARKS.md, seventeenth session
-    "fuse_router_topk": (1, 16),
+    # BENCHMARKS.md, seventeenth session.
+    # M = 64 / 256 (70fb2a7, `--ablate 64,256`, bench/results/layer_{kda,mla}_tp8_w1_h200_70fb2a7_ablate.json),
+    # every pass vs every pass but this one: KDA -29.8 / -23.5 us, MLA -26.3 / -22.5 us
+    "fuse_router_topk": (1, 256),
     # the KDA short conv in one kernel. KDA layer at TP=8 widths on ONE H200, 02711a2
     # (bench/results/layer_kda_tp8_w1_h200_02711a2_conv.json), medians of 3 rounds, every pass vs every
     # pass but this one: -3.4 / +1.2 / +0.2 us at M = 1 / 4 / 16 (kernels 26 -> 22 at M=1); alone
     # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
-    # fold_kda_gate, whose raw q / k inputs it produces
+    # fold_kda_gate, whose raw q / k inputs it produces (with it, at M = 64 / 256, 70fb2a7: -7.2 / +4.8 us)
     "fold_kda_conv": (1, 1),
     # The three MLA folds. MLA layer at TP=8 widths on ONE H200, medians of 3 rounds, every pass vs every
     # pass but this one, us at M = 1 / 4 / 16 (bench/results/layer_mla_tp8_w1_h200_*):
     # the kv_a norm + cat in the attention kernel, the q_rope copy dropped: -9.2 / -2.7 / -5.5 (b4de30d),
-    # -4.7 / -5.0 / -6.1 (ad84e26); 3 kernels fewer
-    "fold_mla_prologue": (1, 16),
+    # -4.7 / -5.0 / -6.1 (ad84e26); 3 kernels fewer.
+    # M = 64 / 256 (70fb2a7, `--ablate 64,256`, bench/results/layer_{kda,mla}_tp8_w1_h200_70fb2a7_ablate.json),
+    # every pass vs every pass but this one: -7.6 / -5.6 us
+    "fold_mla_prologue": (1, 256),
     # the q_a norm folded into the q_b GEMV (M=1; at 4 and 16 a norm kernel + cuBLAS, as before): -0.1 /
     # +0.1 / -0.4 (0cdc747), -0.4 / +0.3 / -5.3 (ad84e26): nothing beyond the rounds' noise (the GEMV
     # takes 6.1-6.3 us with the norm instead of 4.8, the norm kernel's 1.7 us go). So off on CUDA with
