@@ -672,7 +672,9 @@ def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
     ids = torch.zeros(2, 1, dtype=torch.long)
     torch._dynamo.reset()
     out = torch.compile(m, backend=be, fullgraph=True)(ids, m.new_cache(2))
-    assert torch.equal(out, m(ids, m.new_cache(2)))
+    # against eager within fp32 rounding: the backend's decompositions (Inductor's table) and fold_kda_conv
+    # round differently from eager's kernels on some CPUs (3.5e-6 on an AMD EPYC; bit-equal on others)
+    torch.testing.assert_close(out, m(ids, m.new_cache(2)), rtol=1e-5, atol=1e-5)
     bmms = [n for n in seen["g"].nodes if n.target is torch.ops.k3.decode_bmm.default]
     assert [n.args[2] for n in bmms] == [False, True] * len(cfg.mla_layers), bmms
     # the value up-projection took the output gate (its sigmoid multiply is gone), the absorption none
@@ -682,6 +684,15 @@ def test_lower_decode_gemm_takes_the_mla_per_head_bmms():
     assert not any(n.target is torch.ops.aten.bmm.default and n.args[1].op != "call_function" for n in seen["g"].nodes)
     rep = k3compile.last_report().get("lower_decode_gemm")
     assert rep.matched == rep.expected and rep.matched >= 2 * len(cfg.mla_layers)
+    # the lowering itself is exact: this pass alone equals the same backend with no pass, bit for bit
+    alone = {}
+    for passes in ([], ["lower_decode_gemm"]):
+        o = K3Options.make(mode="eager", dtypes=("float32",), passes=passes)
+        torch._dynamo.reset()
+        alone[len(passes)] = torch.compile(m, backend=lambda gm, ex, o=o: _compile(gm, ex, o), fullgraph=True)(
+            ids, m.new_cache(2))
+    assert k3compile.last_report().get("lower_decode_gemm").matched >= 2 * len(cfg.mla_layers)
+    assert torch.equal(alone[1], alone[0])
 
     # near-miss: the weight's dims 1 and 0 swapped before the bmm (not a per-head [K, N] / [N, K] slice)
     g = torch.fx.Graph()
