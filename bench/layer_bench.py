@@ -211,9 +211,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             out = fn(prefix, delta, *blocks)
             if name == "eager":
                 ref["out"] = out
-            errs[name] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-                             for a, b in zip(out, ref["out"]))
-            row_errs[name] = _row_errs(out, ref["out"], M)
+            errs[name], row_errs[name] = _err(out, ref["out"]), _row_errs(out, ref["out"], M)
             rep = k3compile.last_report()
             if rep is not None:
                 reports[name] = {p.name: [p.matched, p.expected, p.skipped] for p in rep.passes}
@@ -241,9 +239,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         sign = lambda t: torch.where(torch.rand(t.shape, generator=gen, device=dev) < 0.5, -1.0, 1.0)  # noqa: E731
         bumped = [(t.float() * (1 + 2.0 ** -7 * sign(t))).to(t.dtype) for t in (prefix, delta, *blocks)]
         out = step(*bumped)
-        errs["eager_ulp"] = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-                                for a, b in zip(out, ref["out"]))
-        row_errs["eager_ulp"] = _row_errs(out, ref["out"], M)
+        errs["eager_ulp"], row_errs["eager_ulp"] = _err(out, ref["out"]), _row_errs(out, ref["out"], M)
         restore()
         for _ in range(rounds - 1):  # every variant's graph timed again, in turn: drift hits them alike
             for name, t in timers.items():
@@ -307,12 +303,21 @@ def _best_standalone_experts():
 ROUTE_TIE = 1e-2
 
 
+def _rel(a, b):
+    """|a - b| relative to b's largest magnitude, elementwise."""
+    return (a.float() - b.float()).abs() / b.float().abs().max().clamp_min(1e-6)
+
+
+def _err(out, ref) -> float:
+    """err_vs_eager: the largest relative difference over the layer's outputs."""
+    return max(_rel(a, b).max().item() for a, b in zip(out, ref))
+
+
 def _row_errs(out, ref, M):
-    """Per token row: the largest |out - eager| over the layer's [M, ...] outputs, each relative to
-    that output's largest |eager| (the err_vs_eager measure, row by row)."""
-    per = [((a.float() - b.float()).abs().reshape(M, -1).amax(1) / b.float().abs().max().clamp_min(1e-6))
-           for a, b in zip(out, ref) if a.dim() and a.shape[0] == M]
-    return None if not per else __import__("torch").stack(per).amax(0).cpu()
+    """The same per token row, over the layer's [M, ...] outputs."""
+    import torch
+    per = [_rel(a, b).reshape(M, -1).amax(1) for a, b in zip(out, ref) if a.dim() and a.shape[0] == M]
+    return torch.stack(per).amax(0).cpu() if per else None
 
 
 def _err_by_margin(row_errs, margin):

@@ -58,7 +58,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
     # KDA layer, TP=8 shapes, M=1 (92e6e28, medians of 3 rounds): -1.6 us with every other pass
     # (k3-prefetch 187.7 vs k3-fold_kda_gate 189.3), -1.3 us alone (k3+fold_kda_gate 217.7 vs k3none
-    # 219.0). At M = 64 / 256 (70fb2a7, as fuse_residual_norm below) it cost +5.0 / +52.8 us
+    # 219.0). At M = 64 / 256 (70fb2a7, as fuse_residual_norm below) it cost +4.9 / +52.7 us
     "fold_kda_gate": (1, 1),
     # KDA layer, TP=8 per-rank widths on ONE H200 (world 1: no communication; the pass only changes
     # GEMMs), 3dba9ee, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
@@ -72,7 +72,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # the gate applying it, 3d59b9d: KDA -0.5 / -7.2 / -5.4, MLA -3.6 / -13.6 / -3.0 us; alone within
     # the runs' noise (-9.1 to +6.9 us). No two-GPU run yet (its all-reduce is the o-proj op's kernel).
     # M = 64 / 256 (70fb2a7, `--ablate 64,256`, bench/results/layer_{kda,mla}_tp8_w1_h200_70fb2a7_ablate.json),
-    # every pass vs every pass but this one: KDA -9.7 / -11.9 us, MLA -15.8 / -15.8 us
+    # every pass vs every pass but this one: KDA -9.8 / -12.0 us, MLA -15.8 / -15.8 us
     "fuse_residual_norm": (1, 256),
     # the router's selection in one kernel: part of shard_router_latent (TP > 1, M = 1..16) until
     # 2026-12-02, its own pass since, so that TP=1 graphs get it too. Op alone, 2 x H200 (6eecf90,
