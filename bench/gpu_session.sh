@@ -195,6 +195,10 @@ for st in "$@"; do
     # the CuTe / v4g crossover alone (no tests): sets choose.CUTE_M["mxfp4_experts"]
     xover) step experts_x 240 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v4g} --no-reference-time \
              --cold 8 --shapes tp8,tp2 --ms ${K3_XMS:-32,48,64,80,96,128} --out "$R/experts_x.json" ;;
+    # the CuTe MXFP4 experts at decode batches, cold routings, timed with and without the replay's host
+    # launch hidden (rows' k3_us_hidden_launch): the 70%-of-bandwidth target's points
+    xhide) step experts_hide 200 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} --no-reference-time \
+             --cold 8 --shapes tp8,tp2 --ms ${K3_XMS:-1,2,4,8,16} --out "$R/experts_hide.json" ;;
     cols) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier"
           step comm_sim_cols 240 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 \
             --ms ${K3_MS:-1,4,16} --oproj-blocks 3 --variants k3,k3_rows,k3_c64,k3_c256 --out "$R/comm_sim_cols.json"

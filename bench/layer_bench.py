@@ -2,7 +2,8 @@
 
 Each rank builds only the chosen layer (meta device, then random weights on its GPU: the
 full-size seeded init would need 80 GB of host memory per expert tensor), with `nb` AttnRes
-blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens, and times one decode
+blocks as a mid-depth layer has, an MLA context of `--ctx` cached tokens (random cache, KDA state and
+conv state unless `--cache zero`: a zero KDA state would leave the decay untested), and times one decode
 step of that layer, CUDA-graphed, for:
   eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
               kernel, the model's KDA decode op: fla-core's kernel where importable, else PyTorch;
@@ -31,8 +32,11 @@ Every compile is static (dynamic=False): after two sizes Dynamo would otherwise 
 graph, which is not what a decode step per batch size runs (the first GPU run hit that).
 Timing: each variant's step is captured 10 times in one CUDA graph and timed over 20 replays
 (median); every variant's graph is kept and timed again in `--rounds` rounds (default 3, in turn),
-and the median of the rounds is reported (`us`; every round in `us_rounds`). Peak memory leaves
-out the graphs kept from earlier variants.
+and the median of the rounds is reported (`us`; every round in `us_rounds`). `us_hidden_launch`: the
+same graphs timed with the replay's host launch hidden behind a GPU spin before the start event;
+`span_us` (eager, Inductor, k3 and the --env variants): the profiler's first-kernel-start to
+last-kernel-end of one graphed call and of ten per graph (per call). Peak memory leaves out the
+graphs kept from earlier variants.
 plus kernels per step (profiler, one graph replay; for k3 its timeline: each kernel's start, length
 and stream), the bytes-over-bandwidth floor (weights the
 step must read: every non-expert weight, the distinct experts' MXFP4 bytes, the KV cache and KDA
@@ -119,7 +123,7 @@ def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: i
 
 
 def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=False, gemv_table="", rounds=3,
-        push=False, ablate_passes=(), envs=None):
+        push=False, ablate_passes=(), envs=None, cache_fill="random"):
     import torch
 
     import k3compile
@@ -153,6 +157,11 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     for M in ms:
         cache = model.new_cache(M, max_seq=ctx + 8)
         cache.seq_lens.fill_(ctx)
+        if cache_fill == "random":   # a cache as after many steps: the decay and the attention see real values
+            for t in (*cache.conv.values(), *cache.kv.values()):
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev))
+            for t in cache.state.values():
+                t.copy_(0.5 * torch.randn(t.shape, generator=gen, device=dev))
         prefix = torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16)
         delta = torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16)
         blocks = [torch.randn(M, cfg.hidden, generator=gen, device=dev).to(torch.bfloat16) for _ in range(nb)]
@@ -197,7 +206,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 variants[f"k3-{p}"] = k3c(prefetch=False, skip=[p])
                 variants[f"k3+{p}"] = k3c(prefetch=False, passes=[p])
         res, peak, kernels, errs, reports, top_kernels, attribution, timeline = {}, {}, {}, {}, {}, {}, {}, {}
-        ref, timers, us_rounds, row_errs = {}, {}, {}, {}
+        ref, timers, us_rounds, row_errs, span, hidden_rounds = {}, {}, {}, {}, {}, {}
         base0 = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
 
         def measure(name, fn):
@@ -219,12 +228,15 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                 return
             timers[name] = GraphTimer(lambda: fn(prefix, delta, *blocks), reps=10)
             us_rounds[name] = [timers[name].time(iters=20)]
+            hidden_rounds[name] = [timers[name].time(iters=20, hide_launch=True)]
             peak[name] = torch.cuda.max_memory_allocated() - held
             kernels[name], top, line = _count_kernels(lambda: fn(prefix, delta, *blocks))
             if name in ("eager", "inductor", "k3", "k3all"):
                 top_kernels[name] = top  # [name, launches, us of device time] per kernel name, one replay
             if name == "k3" or name in (envs or {}):
                 timeline[name] = line
+            if name in ("eager", "inductor", "k3") or name in (envs or {}):
+                span[name] = _span_per_call(lambda: fn(prefix, delta, *blocks))
             if attribute and name in ("inductor", "k3"):
                 attribution[name] = _attribute(lambda: fn(prefix, delta, *blocks))
 
@@ -244,11 +256,13 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
         for _ in range(rounds - 1):  # every variant's graph timed again, in turn: drift hits them alike
             for name, t in timers.items():
                 us_rounds[name].append(t.time(iters=20))
+                hidden_rounds[name].append(t.time(iters=20, hide_launch=True))
         res = {name: median(ts) for name, ts in us_rounds.items()}
         timers.clear()
+        restore()   # the replays above moved the KDA state: the margins are those of the checked calls' inputs
         distinct, margin = _routing(layer, prefix, delta, blocks, cache, M) if not layer.is_dense else (0, None)
         fl = _floor_bytes(layer, cfg, tp.size, M, ctx, distinct)
-        row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, us=res,
+        row = dict(layer=kind, layer_id=idx, shapes=shapes, world=world, M=M, blocks=nb, ctx=ctx, cache=cache_fill, us=res,
                    kernels=kernels, top_kernels=top_kernels, peak_bytes=peak, err_vs_eager=errs, reports=reports,
                    floor_bytes=fl, floor_us=fl / bw * 1e6, distinct_experts=distinct, us_rounds=us_rounds)
         if margin is not None:  # the error split by how close eager's router came to another top-k set
@@ -260,6 +274,14 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
             row["attribution"] = attribution
         if timeline:
             row["timeline"] = timeline
+        if span:
+            row["span_us"] = span
+        if hidden_rounds:   # the same graphs timed with the replay's launch hidden behind a GPU spin
+            hid = {name: median(ts) for name, ts in hidden_rounds.items()}
+            row["us_hidden_launch"] = hid
+            row["us_hidden_launch_rounds"] = hidden_rounds
+            row["speedup_vs_baseline_hidden_launch"] = min(hid["eager"], hid["inductor"]) / hid["k3"]
+            row["k3_vs_floor_hidden_launch"] = hid["k3"] / row["floor_us"]
         if res:
             base = min(res["eager"], res["inductor"])
             row["speedup_vs_baseline"] = base / res["k3"]
@@ -406,6 +428,33 @@ def _count_kernels(fn) -> tuple:
     return len(evs), [[n, c, round(t, 2)] for n, (c, t) in rows], line
 
 
+def _span_per_call(fn, reps: int = 10) -> dict:
+    """From the first kernel's start to the last one's end (profiler) of one graphed call ("one"), and
+    of `reps` calls in one graph divided by reps ("per_call", what GraphTimer's events time, less the
+    replay's launch): where per_call exceeds one, consecutive calls do not follow each other as
+    closely as one call's kernels do."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    out = {}
+    for key, n in (("one", 1), ("per_call", reps)):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                fn()
+        torch.cuda.synchronize()
+        g.replay()   # once unprofiled: the profiled replay is not the graph's first
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g.replay()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        if evs:
+            t0 = min(e.time_range.start for e in evs)
+            t1 = max(e.time_range.start + e.device_time for e in evs)
+            out[key] = round((t1 - t0) / n, 2)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layer", choices=["kda", "mla"], default="kda")
@@ -426,6 +475,9 @@ def main():
                     help="times every variant's kept graph this many times, in turn; the median is reported")
     ap.add_argument("--env", action="append", default=[], metavar="NAME:K=V[,K=V]",
                     help="one more k3 variant NAME, compiled, run and captured with these environment variables")
+    ap.add_argument("--cache", choices=["random", "zero"], default="random",
+                    help="the KV cache, KDA state and conv state the step starts from: random values (as after many "
+                         "steps; the default since the twenty-seventh session) or zeros (the runs before it)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     envs = {}
@@ -442,7 +494,8 @@ def main():
     ablate = {int(m) for m in a.ablate.split(",") if m}
     res = run_ranks(run, world, a.layer, a.shapes, ms, 16 if a.smoke else a.ctx, ablate, a.smoke, a.pdl, a.attribute,
                     os.path.abspath(a.gemv_table) if a.gemv_table else "", max(1, a.rounds), a.push,
-                    tuple(p for p in a.ablate_passes.split(",") if p), envs, **({} if a.smoke else {"backend": "nccl"}))
+                    tuple(p for p in a.ablate_passes.split(",") if p), envs, a.cache,
+                    **({} if a.smoke else {"backend": "nccl"}))
     save(a.out, res[0], t)
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def test_layer_bench_smoke_runs_every_variant(tmp_path):
                  "k3-overlap_shared_expert"):
         assert errs[name] == 0.0, (name, errs)
     assert row["reports"]["k3"]["fold_moe_finalize"][:2] == row["reports"]["k3"]["fuse_router_topk"][:2] == [1, 1]
+    assert row["cache"] == "random"   # the step starts from a random KDA state: its decay is checked too
 
 
 def test_bench_env_context_restores_values(monkeypatch):
@@ -54,6 +55,11 @@ def test_report_compares_ablation_rows_with_the_prefetch_free_base_and_lists_pdl
     assert "| 1 | 195.0 | 180.0 | 195.0 | 1.00x | 170.0 | 1.15x |" in new, new
     old = table(dict(rows=[row]))
     assert "| 1 | fold_moe_finalize | 200.0 | -10.0 | 185.0 | +5.0 |" in old, old
+    assert "launch hidden" not in old
+    row["us_hidden_launch"] = {"eager": 280.0, "inductor": 190.0, "k3": 172.7}
+    row["span_us"] = {"eager": {"one": 281.0, "per_call": 279.5}, "k3": {"one": 171.0, "per_call": 170.2}}
+    hid = table(dict(rows=[row]))
+    assert "| 1 | 280.0 | 190.0 | 172.7 | 1.10x | 3.45x | 279.5/-/170.2 |" in hid, hid
 
 
 def test_gemv_chain_config_from_the_sweep():
