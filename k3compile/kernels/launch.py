@@ -23,8 +23,9 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 # (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
 # process must use the same one (the two leave different values in the signal slots).
 SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
-# bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, 96a1ab8,
-# where K3_AR_WARPS was read at each launch for layer_bench's env variants; layer_*_tp8_w1_h200_96a1ab8_warps.json)
+# bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, the
+# twenty-seventh session's run "96a1ab8", where K3_AR_WARPS was read at each launch for layer_bench's env
+# variants; layer_*_tp8_w1_h200_96a1ab8_warps.json, BENCHMARKS.md)
 # 16 warps were equal to the 8 of _warps and 32 slower (+1.5-4 us per layer step at M = 1 / 4 / 16)
 AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))
 # bench A/B only (read at launch): COMM_EARLY=0 puts the communication kernels' peer-independent
