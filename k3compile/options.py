@@ -2,7 +2,8 @@
 
 Options come from `k3compile.backend(**options)` / `torch.compile(..., options={...})`, then the
 environment: K3_PASSES=a,b (only these), K3_SKIP=a,b, K3_STRICT=1, K3_MODE=inductor|eager,
-K3_GATE=measured|off, K3_PDL=auto|on|off, K3_PIN_FORK=0|1.
+K3_GATE=measured|off, K3_UNGATED=a,b (these passes past the gate: A/B runs of one pass), K3_PDL=auto|on|off,
+K3_PIN_FORK=0|1.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ PASS_ORDER = (
     "fuse_residual_norm",     # after fuse_oproj_allreduce: the mixers that pass leaves
     "fold_kda_gate",
     "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
+    "fold_kda_fb",            # after fold_kda_gate: it folds the gate's f_b GEMV into that pass's op
     "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
@@ -103,7 +105,10 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
 }
-CUDA_UNMEASURED: set[str] = set()  # passes with no per-layer GPU run yet: the gate's reason says so
+# the f_b GEMV in the KDA recurrence kernel (2026-12-03): CPU and interpreter checked, no GPU run yet
+# passes with no per-layer GPU run yet: the gate's reason says so. fold_kda_fb (2026-12-03): checked on
+# CPU and in Triton's interpreter; no GPU was lent that session (bench/gpu_session.sh kdafb measures it)
+CUDA_UNMEASURED: set[str] = {"fold_kda_fb"}
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class K3Options:
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     m_ranges: dict = field(default_factory=lambda: dict(DEFAULT_M_RANGES))
     gate: str = "measured"  # "measured": on CUDA + Inductor apply a pass only in CUDA_PROFITABLE_M; "off"
+    ungated: tuple[str, ...] = ()  # passes (or "prefetch") the measured gate lets through at every M (K3_UNGATED)
     prefetch: bool = True
     prefetch_bytes: int = 40 << 20  # L2 budget per prefetch (H200 L2 is about 50-60 MB)
     # dynamic=True turns float module attributes (eps, SiTU betas) into graph inputs; bake them back
@@ -157,6 +163,12 @@ class K3Options:
             raise ValueError(f"mode must be 'inductor' or 'eager', got {kw['mode']!r}")
         if os.environ.get("K3_GATE") and "gate" not in kw:
             kw["gate"] = os.environ["K3_GATE"]
+        if "ungated" not in kw and env.get("K3_UNGATED"):
+            kw["ungated"] = tuple(p for p in env["K3_UNGATED"].split(",") if p)
+        kw["ungated"] = tuple(kw.get("ungated", ()))
+        bad = [p for p in kw["ungated"] if p not in (*PASS_ORDER, "prefetch")]
+        if bad:
+            raise ValueError(f"unknown pass(es) {bad} in ungated; valid: {list(PASS_ORDER)} and 'prefetch'")
         if kw.get("gate", "measured") not in ("measured", "off"):
             raise ValueError(f"gate must be 'measured' or 'off', got {kw['gate']!r}")
         if env.get("K3_PIN_FORK") and "pin_shared_fork" not in kw:

@@ -429,6 +429,17 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
         K3Options.make(gate="sometimes")
     monkeypatch.delenv("K3_GATE")
     assert gated_off("prefetch", cuda, K3Options.make()) and not gated_off("prefetch", cuda, K3Options.make(gate="off"))
+    # one pass (or prefetch) let through at every M, for an A/B run of it alone; a name that is none raises
+    p = PASSES["fold_kda_gate"]
+    assert p.skip_reason(cuda, K3Options.make()) and p.skip_reason(cuda, K3Options.make(ungated=["fold_kda_gate"])) is None
+    assert PASSES["fold_kda_conv"].skip_reason(cuda, K3Options.make(ungated=["fold_kda_gate"]))
+    monkeypatch.setenv("K3_UNGATED", "fold_kda_gate,prefetch")
+    assert K3Options.make().ungated == ("fold_kda_gate", "prefetch") and p.skip_reason(cuda, K3Options.make()) is None
+    assert not gated_off("prefetch", cuda, K3Options.make())
+    assert K3Options.make(ungated=()).ungated == ()
+    with pytest.raises(ValueError, match="in ungated"):
+        K3Options.make(ungated=["fold_kda_gates"])
+    monkeypatch.delenv("K3_UNGATED")
 
 
 def test_shipped_gate_table_matches_the_passes():
@@ -611,6 +622,9 @@ def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
     for name in ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "overlap_shared_expert"):
         assert r["passes"][name] == [92, 92], r["render"]
     assert r["passes"]["fuse_oproj_allreduce"] == [93, 93], r["render"]
+    # the KDA decode cores (69 of the 93 layers): their prologue, conv and gate projection
+    for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb"):
+        assert r["passes"][name] == [69, 69], r["render"]
     assert r["seconds"] <= 0.2 * r["total"], (r["seconds"], r["total"])
 
 

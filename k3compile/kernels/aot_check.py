@@ -18,6 +18,7 @@ from . import triton_moe as KM
 from . import triton_gemv as KG
 from . import triton_router as KR
 from . import triton_conv as KC
+from . import triton_kda as KK
 from . import triton_mla as KA
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -137,6 +138,11 @@ def variants():
                 dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32", snm="i32",
                      snc="i32", snt="i32"),
                 dict(KW=4, BLOCK=1024)))
+    # the KDA step with the gate's f_b GEMV (fold_kda_fb's k3::kda_decode_fb) at a TP=8 rank's widths
+    out.append(("kda_decode_fb", KK.kda_decode_fb_kernel,
+                dict(ints, a_log="*fp32", dt_bias="*fp32", state="*fp32", H="i32", sq="i32", sk="i32", sv="i32",
+                     sfa="i32", sb="i32", lower="fp32", scale="fp32"),
+                dict(K=128, V=128, R=128, BV=32, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     # the combine + value up-projection (fold_mla_output's k3::mla_decode_uv)
     out.append(("mla_combine_uv L512", KA.mla_combine_uv_kernel,
@@ -222,7 +228,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "kda_decode_fb", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl", "mma_gemm", "mla_", "cols ")
 
 

@@ -36,6 +36,8 @@
   value up-projection (and the sigmoid output gate) per (token, head, value block).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
+- kda_decode_fb: one Triton kernel (kernels/triton_kda.py): the gate's f_b GEMV, the norms, the gate
+  and the recurrence, per (token, head, block of value columns); the state updated in place.
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
@@ -225,6 +227,15 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
 @register("kda_decode_gated", "cuda", "fla_fused_recurrent_kda", _ok_kda_gated)
 def _kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return launch.kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower, scale)
+
+
+def _ok_kda_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    return qk_dtype in launch._TL and launch.kda_decode_fb_fits(q, k, v, fa, f_b, beta, a_log, dt_bias, state)
+
+
+@register("kda_decode_fb", "cuda", "triton_kda_fb", _ok_kda_fb)
+def _kda_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    return launch.kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
 
 
 def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):

@@ -827,6 +827,51 @@ def kda_conv_decode(xq, xk, xv, state, w, inplace: bool = False):
     return q, k, v, new_state
 
 
+# value columns per program of triton_kda (fla-core's fused_recurrent_kda uses 32 too)
+KDA_FB_BV = 32
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kda_decode_fb_fits(q, k, v, fa, f_b, beta, a_log, dt_bias, state) -> bool:
+    """Calls triton_kda takes: q, k [M, H, K] and v [M, H, V] with unit strides inside a row, K and V
+    powers of two in [16, 256], fa [M, R] (R a multiple of 8) with unit stride along R, f_b [H * K, R]
+    contiguous, all of one float dtype; beta [M, H] with unit stride along H; A_log [H] and dt_bias
+    [H * K] contiguous; the state [M, H, K, V] fp32 contiguous."""
+    if q.dim() != 3 or v.dim() != 3 or fa.dim() != 2 or f_b.dim() != 2 or beta.dim() != 2 or state.dim() != 4:
+        return False
+    M, H, K = q.shape
+    V, R = v.shape[-1], fa.shape[-1]
+    return (tuple(k.shape) == (M, H, K) and tuple(v.shape[:2]) == (M, H) and M > 0
+            and _pow2(K) and _pow2(V) and 16 <= K <= 256 and 16 <= V <= 256 and V % min(KDA_FB_BV, V) == 0
+            and R % 8 == 0 and fa.shape[0] == M and fa.stride(1) == 1
+            and tuple(f_b.shape) == (H * K, R) and f_b.is_contiguous()
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
+            and q.dtype in _TL and k.dtype == v.dtype == fa.dtype == f_b.dtype == q.dtype
+            and tuple(beta.shape) == (M, H) and beta.stride(1) == 1 and beta.dtype in _TL
+            and tuple(a_log.shape) == (H,) and a_log.is_contiguous() and dt_bias.numel() == H * K
+            and dt_bias.is_contiguous() and tuple(state.shape) == (M, H, K, V) and state.dtype == torch.float32
+            and state.is_contiguous() and len({t.device for t in (q, k, v, fa, f_b, beta, a_log, dt_bias, state)}) == 1)
+
+
+def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower: float, scale: float, eps: float,
+                  qk_dtype) -> torch.Tensor:
+    """k3::kda_decode_fb by triton_kda (the caller checked kda_decode_fb_fits): o [M, H, V] in v's
+    dtype; the state updated in place."""
+    from . import triton_kda as KK
+    M, H, K = q.shape
+    V, R = v.shape[-1], fa.shape[-1]
+    o = torch.empty(M, H, V, dtype=v.dtype, device=v.device)
+    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
+    KK.kda_decode_fb_kernel[(M * H * (V // bv),)](
+        q, k, v, fa, f_b, beta, a_log, dt_bias, state, o, H, q.stride(0), k.stride(0), v.stride(0), fa.stride(0),
+        beta.stride(0), float(lower), float(scale), float(eps), K=K, V=V, R=R, BV=bv, BR=min(32, R & -R),
+        QK_DT=_TL[qk_dtype], F_DT=_TL[fa.dtype], num_warps=4)
+    return o
+
+
 def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
     residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""

@@ -2,7 +2,7 @@
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
 tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
-Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`,
+Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`, `k3::kda_decode_fb`,
 `k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
 `k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes, and
 `k3::kda_conv_decode_`, which fold_kda_conv puts in a new one on the conv-state input.
@@ -181,6 +181,23 @@ def _(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return v.new_empty(v.shape)
 
 
+@torch.library.custom_op("k3::kda_decode_fb", mutates_args=("state",))
+def kda_decode_fb(q: Tensor, k: Tensor, v: Tensor, fa: Tensor, f_b: Tensor, beta: Tensor, a_log: Tensor,
+                  dt_bias: Tensor, state: Tensor, lower: float, scale: float, eps: float,
+                  qk_dtype: torch.dtype) -> Tensor:
+    """`k3::kda_decode_gated` with the gate's up-projection folded in: f = (fa @ f_b.T) as [M, H, K],
+    fa [M, R] the low-rank gate input, f_b [H * K, R] its weight (fold_kda_fb). Mutates `state`. On
+    CUDA: one Triton kernel (kernels/triton_kda.py) doing the f_b GEMV, the norms, the gate and the
+    recurrence, where cuBLAS's GEMV and fla's kernel ran one after the other."""
+    return _run("kda_decode_fb", ref.kda_decode_fb, q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale,
+                eps, qk_dtype)
+
+
+@kda_decode_fb.register_fake
+def _(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    return v.new_empty(v.shape)
+
+
 # ----------------------------------------------------------------- MLA decode with its prologue (fold_mla_prologue)
 @torch.library.custom_op("k3::mla_decode_normed", mutates_args=("kv_cache",))
 def mla_decode_normed(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
@@ -300,6 +317,7 @@ OPS = {
     "stream_join": torch.ops.k3.stream_join.default,
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
+    "kda_decode_fb": torch.ops.k3.kda_decode_fb.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
     "kda_conv_decode_": torch.ops.k3.kda_conv_decode_.default,
     "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,

@@ -121,6 +121,13 @@ def kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps,
     return torch.ops.k3model.kda_decode(qn, kn, v, g, b, state)
 
 
+def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
+    """k3::kda_decode_fb: the gate input f = fa @ f_b.T ([M, R] by [H * K, R], in the model dtype as
+    F.linear returns it) viewed as [M, H, K], then k3::kda_decode_gated (mutates state)."""
+    f = torch.mm(fa, f_b.t()).view(q.shape)
+    return kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
+
+
 def decode_gemm_normed(x, g, eps, w):
     """k3::decode_gemm_normed: the model's rms_norm(x, g, eps), then x @ w.T."""
     return torch.mm(rms_norm(x, g, eps), w.t())

@@ -18,7 +18,7 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     on CUDA with Inductor and gate="measured", only the M in options.CUDA_PROFITABLE_M[name]. A
     dynamic-M graph (vLLM's general graph) gets every pass with a non-empty range: its ops switch to
     their unfused paths at run time outside the tuned ranges (kernels/cuda.py ONESHOT_M)."""
-    if opts.gate != "measured" or opts.mode != "inductor" or info.device != "cuda":
+    if opts.gate != "measured" or opts.mode != "inductor" or info.device != "cuda" or name in opts.ungated:
         return None
     m = info.m_static
     lo, hi = CUDA_PROFITABLE_M.get(name, (1, 0))
@@ -28,7 +28,7 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     if name in CUDA_UNMEASURED:
         return (f"not applied ({where}): on CUDA with Inductor a pass applies only where the per-layer "
                 f"benchmark measured it faster, and {name} has not been measured on the GPU yet "
-                "(options.CUDA_PROFITABLE_M); gate='off' or K3_GATE=off applies it")
+                "(options.CUDA_PROFITABLE_M); gate='off', K3_GATE=off or K3_UNGATED={name} applies it")
     measured = f"M in [{lo}, {hi}]" if lo <= hi else "no M"
     return (f"not applied ({where}): on CUDA with Inductor the per-layer benchmark "
             f"measured {name} faster than Inductor alone at {measured} (options.CUDA_PROFITABLE_M, "

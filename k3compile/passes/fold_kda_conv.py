@@ -38,7 +38,7 @@ from ..patterns.structure import op_name
 from .base import K3Pass
 from .common import emit, emit_functionalized, getitem, last_of, replace
 
-_CORES = ("k3model::kda_decode", "k3::kda_decode_gated")
+_CORES = ("k3model::kda_decode", "k3::kda_decode_gated", "k3::kda_decode_fb")
 # the in-place op by default (K3_CONV_INPLACE=0 / 1 overrides: the A/B rows of bench/layer_bench.py)
 INPLACE = True
 
