@@ -455,6 +455,25 @@ def _span_per_call(fn, reps: int = 10) -> dict:
     return out
 
 
+def parse_env(spec: str) -> tuple:
+    """--env NAME:K=V[,K=V] -> (NAME, {K: V}); a comma-separated piece without "=" continues the value
+    before it (K3_UNGATED=a,b,K3_X=1: {K3_UNGATED: "a,b", K3_X: "1"}). (None, None) if malformed."""
+    name, _, kvs = spec.partition(":")
+    env = {}
+    last = None
+    for piece in kvs.split(","):
+        if "=" in piece:
+            last, v = piece.split("=", 1)
+            if not last:
+                return None, None
+            env[last] = v
+        elif last is not None and piece:
+            env[last] += "," + piece
+        else:
+            return None, None
+    return (name, env) if name and env else (None, None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layer", choices=["kda", "mla"], default="kda")
@@ -482,10 +501,10 @@ def main():
     a = ap.parse_args()
     envs = {}
     for spec in a.env:
-        name, _, kvs = spec.partition(":")
-        if not name or not kvs or name in ENV or any("=" not in kv for kv in kvs.split(",")):
+        name, env = parse_env(spec)
+        if name is None or name in ENV or name in envs:
             ap.error(f"--env {spec!r}: want NAME:K=V[,K=V] with a new NAME")
-        envs[name] = dict(kv.split("=", 1) for kv in kvs.split(","))
+        envs[name] = env
     from bench.common import save
     from k3compile.distributed import run_ranks
     t = time.time()

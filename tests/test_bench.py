@@ -26,6 +26,17 @@ def test_layer_bench_smoke_runs_every_variant(tmp_path):
     assert row["cache"] == "random"   # the step starts from a random KDA state: its decay is checked too
 
 
+def test_layer_bench_env_specs_take_comma_lists():
+    """--env NAME:K=V,...: a value may be a comma list (K3_UNGATED's passes)."""
+    sys.path.insert(0, ROOT)
+    from bench.layer_bench import parse_env
+    assert parse_env("fb:K3_UNGATED=fold_kda_gate,fold_kda_fb,K3_KDA_FB_BV=16") == \
+        ("fb", {"K3_UNGATED": "fold_kda_gate,fold_kda_fb", "K3_KDA_FB_BV": "16"})
+    assert parse_env("a:K=1") == ("a", {"K": "1"})
+    for bad in ("a", "a:", ":K=1", "a:x,K=1", "a:=1", "a:K=1,,"):
+        assert parse_env(bad) == (None, None), bad
+
+
 def test_bench_env_context_restores_values(monkeypatch):
     """A variant's environment (k3-cute's K3_CUTE=0; bench.common.env, used by the layer and op benches) is
     undone for the variants after it."""
