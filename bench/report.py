@@ -4,7 +4,8 @@
 
 Per result file (one layer kind x shape set): a Markdown table of eager / Inductor / k3 per M with
 k3's speed-up over the faster baseline, the floor and k3's distance from it, kernels per step and
-peak memory; an ablation table where the file has ablation variants; and two PNGs: latency vs M
+peak memory; a table of the --env variants (k3 under other environment variables) beside k3; an
+ablation table where the file has ablation variants; and two PNGs: latency vs M
 per mode (log-log), and the per-pass ablation at each ablated M (needs matplotlib: `pip install
 matplotlib`; tables are written without it).
 """
@@ -46,6 +47,39 @@ def _tie(r: dict) -> str:
     return out
 
 
+def env_specs(command: str | None) -> dict:
+    """{NAME: "K=V,..."} of the --env variants on a layer_bench command line."""
+    words = (command or "").split()
+    return dict(w.split(":", 1) for a, w in zip(words, words[1:]) if a == "--env" and ":" in w)
+
+
+def _env_table(d: dict) -> list[str]:
+    """The --env variants (k3 compiled and run under those variables) beside k3, same run: us, with the
+    launch hidden where timed so, the difference to k3, kernels and error against eager."""
+    specs = env_specs(d.get("command"))
+    names = [n for n in specs if any(n in r["us"] for r in d["rows"])]
+    if not names:
+        return []
+    out = ["", "k3 under other environment variables, same run (" + "; ".join(f"`{n}`: `{specs[n]}`" for n in names)
+           + "); us (launch hidden), the difference to k3 (negative = faster), kernels, error vs eager:", "",
+           "| M | k3 us (hidden) | " + " | ".join(f"{n} us (hidden) | {n} - k3 | {n} kernels / err" for n in names) + " |",
+           "|---|---|" + "---|---|---|" * len(names)]
+    for r in d["rows"]:
+        us, hid = r["us"], r.get("us_hidden_launch", {})
+        h = lambda n: f" ({hid[n]:.1f})" if n in hid else ""  # noqa: E731
+        cells = []
+        for n in names:
+            if n not in us:
+                cells.append(" | | ")
+                continue
+            diff = f"{us[n] - us['k3']:+.1f}" + (f" ({hid[n] - hid['k3']:+.1f})" if n in hid and "k3" in hid else "")
+            err = r.get("err_vs_eager", {}).get(n)
+            cells.append(f"{us[n]:.1f}{h(n)} | {diff} | {r['kernels'].get(n, '-')} / "
+                         + (f"{err:.3g}" if err is not None else "-"))
+        out.append(f"| {r['M']} | {us['k3']:.1f}{h('k3')} | " + " | ".join(cells) + " |")
+    return out
+
+
 def table(d: dict) -> str:
     r0 = d["rows"][0]
     out = [f"**{r0['layer'].upper()} layer {r0['layer_id']}, {r0['shapes']} per-rank shapes on {r0['world']} GPUs** "
@@ -84,6 +118,7 @@ def table(d: dict) -> str:
             best = min(us["eager"], us["inductor"], us.get("inductor_pdl", float("inf")))
             cells = " | ".join(f"{us[v]:.1f} | {best / us[v]:.2f}x" if v in us else " | " for v in extra)
             out.append(f"| {r['M']} | {best:.1f} | {us['k3']:.1f} | {cells} |")
+    out += _env_table(d)
     abl = [r for r in d["rows"] if any(k.startswith("k3-") for k in r["us"])]
     base_name = d.get("ablation_base")
     if abl:

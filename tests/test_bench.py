@@ -70,6 +70,14 @@ def test_report_compares_ablation_rows_with_the_prefetch_free_base_and_lists_pdl
     row["us_hidden_launch"] = {"eager": 280.0, "inductor": 190.0, "k3": 172.7}
     row["span_us"] = {"eager": {"one": 281.0, "per_call": 279.5}, "k3": {"one": 171.0, "per_call": 170.2}}
     hid = table(dict(rows=[row]))
+    # the --env variants of the command line, beside k3
+    row["us"]["fb"], row["us_hidden_launch"]["fb"] = 176.5, 170.0
+    row["kernels"]["fb"], row["err_vs_eager"]["fb"] = 16, 0.004
+    cmd = "python bench/layer_bench.py --ms 1 --env fb:K3_UNGATED=fold_kda_fb,K3_X=1 --env nope:K=1"
+    env = table(dict(rows=[row], command=cmd))
+    assert "`fb`: `K3_UNGATED=fold_kda_fb,K3_X=1`" in env and "nope" not in env.split("same run (")[1], env
+    assert "| 1 | 180.0 (172.7) | 176.5 (170.0) | -3.5 (-2.7) | 16 / 0.004 |" in env, env
+    assert "other environment variables" not in hid
     assert "| 1 | 280.0 | 190.0 | 172.7 | 1.10x | 3.45x | 279.5/-/170.2 |" in hid, hid
 
 
