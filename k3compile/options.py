@@ -21,6 +21,7 @@ PASS_ORDER = (
     "fold_kda_gate",
     "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
     "fold_kda_fb",            # after fold_kda_gate: it folds the gate's f_b GEMV into that pass's op
+    "fold_kda_step",          # after fold_kda_conv and fold_kda_fb: their two ops into one
     "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
@@ -106,9 +107,10 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fold_mla_output": (1, 16),
 }
 # the f_b GEMV in the KDA recurrence kernel (2026-12-03): CPU and interpreter checked, no GPU run yet
-# passes with no per-layer GPU run yet: the gate's reason says so. fold_kda_fb (2026-12-03): checked on
-# CPU and in Triton's interpreter; no GPU was lent that session (bench/gpu_session.sh kdafb measures it)
-CUDA_UNMEASURED: set[str] = {"fold_kda_fb"}
+# passes with no per-layer GPU run yet: the gate's reason says so. fold_kda_fb and fold_kda_step (2026-12-03):
+# checked on CPU and in Triton's interpreter; no GPU was lent that session (bench/gpu_session.sh kdafb
+# measures them)
+CUDA_UNMEASURED: set[str] = {"fold_kda_fb", "fold_kda_step"}
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,16 @@ from __future__ import annotations
 import torch
 
 
-def replay_once(call, state0: torch.Tensor):
-    """Capture call(state) in a CUDA graph on a copy of state0 (the capture's warm-up moves it), put
-    state0 back into the copy, replay once: (the graph's output, the state it left)."""
-    st = state0.clone()
+def replay_once(call, *states0: torch.Tensor):
+    """Capture call(*states) in a CUDA graph on copies of states0, put states0 back into the copies
+    (in case anything ran during the capture), replay once: (the graph's output, the states it left;
+    one tensor where one state was given)."""
+    sts = [s.clone() for s in states0]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = call(st)
-    st.copy_(state0)
+        out = call(*sts)
+    for s, s0 in zip(sts, states0):
+        s.copy_(s0)
     graph.replay()
     torch.cuda.synchronize()
-    return out, st
+    return out, (sts[0] if len(sts) == 1 else sts)

@@ -622,8 +622,8 @@ def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
     for name in ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "overlap_shared_expert"):
         assert r["passes"][name] == [92, 92], r["render"]
     assert r["passes"]["fuse_oproj_allreduce"] == [93, 93], r["render"]
-    # the KDA decode cores (69 of the 93 layers): their prologue, conv and gate projection
-    for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb"):
+    # the KDA decode cores (69 of the 93 layers): their prologue, conv and gate projection, then the step
+    for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_step"):
         assert r["passes"][name] == [69, 69], r["render"]
     assert r["seconds"] <= 0.2 * r["total"], (r["seconds"], r["total"])
 

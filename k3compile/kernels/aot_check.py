@@ -143,6 +143,13 @@ def variants():
                 dict(ints, a_log="*fp32", dt_bias="*fp32", state="*fp32", H="i32", sq="i32", sk="i32", sv="i32",
                      sfa="i32", sb="i32", lower="fp32", scale="fp32"),
                 dict(K=128, V=128, R=128, BV=32, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16)))
+    # the whole KDA step (fold_kda_step's k3::kda_step_decode_): 4 programs per head (the arrival counter) or 1
+    for p in (4, 1):
+        out.append((f"kda_step_decode p{p}", KK.kda_step_decode_kernel,
+                    dict(ints, xq="*bf16", xk="*bf16", xv="*bf16", cstate="*bf16", cw="*bf16", a_log="*fp32",
+                         dt_bias="*fp32", state="*fp32", cnt="*i32", H="i32", sxq="i32", sxk="i32", sxv="i32",
+                         scm="i32", scc="i32", sct="i32", sfa="i32", sb="i32", lower="fp32", scale="fp32"),
+                    dict(K=128, V=128, R=128, BV=32, P=p, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     # the combine + value up-projection (fold_mla_output's k3::mla_decode_uv)
     out.append(("mla_combine_uv L512", KA.mla_combine_uv_kernel,
@@ -202,6 +209,8 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           # the counts and slots by atomics, read back from L2 (.cg: not a stale L1 line)
           "mxfp4_group_count": ["atom.global.cta.relaxed.add", "ld.global.cg"],
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
+          # the arrival counter: a gpu-scope acq_rel atomic, put back to zero by the last program
+          "kda_step_decode p4": ["atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"],
           # the tensor cores (mma.sync with the tokens as M, wgmma with the weight rows as M), the
           # weights through cp.async; a split counts in with a gpu-scope acq_rel atomic and the last
           # program reads the partials from L2 (.cg: not a stale L1 line)
@@ -218,17 +227,20 @@ ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
          # the CTA barrier after the partial stores comes before the counting atomic
          "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")],
          # the program's partials stored, then its arrival (after a CTA barrier)
-         "cols ar_norm w1": [("st.global", "atom.global.gpu.acq_rel.add")]}
+         "cols ar_norm w1": [("st.global", "atom.global.gpu.acq_rel.add")],
+         # the CTA barrier after the window loads comes before the count
+         "kda_step_decode p4": [("bar.sync", "atom.global.gpu.acq_rel.add")]}
 # PTX each kernel family must not contain: v2b multiplies fp32 subnormals (+-0.5 * 2^-126), so no
 # flush-to-zero on its float multiplies / FMAs. (v3's subnormal bf16 / fp16 operands go to the
 # MMA, which has no ftz form; its fp32 multiplies take normal numbers. v3's tl.dot path is never the fp32
 # interpreter one on the GPU: DOT_F32=0 in these entries.)
 FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
+          "kda_step_decode p1": ["atom.global"],   # one program per head: no counter
           "pushed ar_residual_norm": ["sys.release.exch"]}   # the push path sends no barrier signal
 
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
-QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "kda_decode_fb", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
+QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "kda_decode_fb", "kda_step", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
          "gemv pdl", "mma_gemm", "mla_", "cols ")
 
 

@@ -38,6 +38,8 @@
   beta's sigmoid in the kernel and the state updated in place (where fla-core imports).
 - kda_decode_fb: one Triton kernel (kernels/triton_kda.py): the gate's f_b GEMV, the norms, the gate
   and the recurrence, per (token, head, block of value columns); the state updated in place.
+- kda_step_decode_: one Triton kernel (kernels/triton_kda.py): kda_decode_fb's with the short conv of
+  the head's q, k, v channels in front, both states updated in place.
 
 Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
@@ -236,6 +238,17 @@ def _ok_kda_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps,
 @register("kda_decode_fb", "cuda", "triton_kda_fb", _ok_kda_fb)
 def _kda_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype):
     return launch.kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
+
+
+def _ok_kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+    return qk_dtype in launch._TL and launch.kda_step_decode_fits(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias,
+                                                                  conv_state, state)
+
+
+@register("kda_step_decode_", "cuda", "triton_kda_step", _ok_kda_step)
+def _kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+    return launch.kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps,
+                                  qk_dtype)
 
 
 def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):

@@ -835,25 +835,31 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _kda_fb_rest_fits(M, H, K, V, dtype, fa, f_b, beta, a_log, dt_bias, state) -> bool:
+    """The checks of kda_decode_fb_fits past q, k, v (of shapes [M, H, K] / [M, H, V] and dtype `dtype`)."""
+    R = fa.shape[-1] if fa.dim() == 2 else -1
+    return (M > 0 and _pow2(K) and _pow2(V) and 16 <= K <= 256 and 16 <= V <= 256 and V % min(KDA_FB_BV, V) == 0
+            and R > 0 and R % 8 == 0 and fa.shape[0] == M and fa.stride(1) == 1 and f_b.dim() == 2
+            and tuple(f_b.shape) == (H * K, R) and f_b.is_contiguous() and dtype in _TL and fa.dtype == f_b.dtype == dtype
+            and beta.dim() == 2 and tuple(beta.shape) == (M, H) and beta.stride(1) == 1 and beta.dtype in _TL
+            and tuple(a_log.shape) == (H,) and a_log.is_contiguous() and dt_bias.numel() == H * K
+            and dt_bias.is_contiguous() and tuple(state.shape) == (M, H, K, V) and state.dtype == torch.float32
+            and state.is_contiguous() and len({t.device for t in (fa, f_b, beta, a_log, dt_bias, state)}) == 1)
+
+
 def kda_decode_fb_fits(q, k, v, fa, f_b, beta, a_log, dt_bias, state) -> bool:
     """Calls triton_kda takes: q, k [M, H, K] and v [M, H, V] with unit strides inside a row, K and V
     powers of two in [16, 256], fa [M, R] (R a multiple of 8) with unit stride along R, f_b [H * K, R]
     contiguous, all of one float dtype; beta [M, H] with unit stride along H; A_log [H] and dt_bias
     [H * K] contiguous; the state [M, H, K, V] fp32 contiguous."""
-    if q.dim() != 3 or v.dim() != 3 or fa.dim() != 2 or f_b.dim() != 2 or beta.dim() != 2 or state.dim() != 4:
+    if q.dim() != 3 or v.dim() != 3:
         return False
     M, H, K = q.shape
-    V, R = v.shape[-1], fa.shape[-1]
-    return (tuple(k.shape) == (M, H, K) and tuple(v.shape[:2]) == (M, H) and M > 0
-            and _pow2(K) and _pow2(V) and 16 <= K <= 256 and 16 <= V <= 256 and V % min(KDA_FB_BV, V) == 0
-            and R % 8 == 0 and fa.shape[0] == M and fa.stride(1) == 1
-            and tuple(f_b.shape) == (H * K, R) and f_b.is_contiguous()
+    V = v.shape[-1]
+    return (tuple(k.shape) == (M, H, K) and tuple(v.shape[:2]) == (M, H)
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
-            and q.dtype in _TL and k.dtype == v.dtype == fa.dtype == f_b.dtype == q.dtype
-            and tuple(beta.shape) == (M, H) and beta.stride(1) == 1 and beta.dtype in _TL
-            and tuple(a_log.shape) == (H,) and a_log.is_contiguous() and dt_bias.numel() == H * K
-            and dt_bias.is_contiguous() and tuple(state.shape) == (M, H, K, V) and state.dtype == torch.float32
-            and state.is_contiguous() and len({t.device for t in (q, k, v, fa, f_b, beta, a_log, dt_bias, state)}) == 1)
+            and k.dtype == v.dtype == q.dtype and q.device == k.device == v.device == state.device
+            and _kda_fb_rest_fits(M, H, K, V, q.dtype, fa, f_b, beta, a_log, dt_bias, state))
 
 
 def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower: float, scale: float, eps: float,
@@ -869,6 +875,48 @@ def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower: float, s
         q, k, v, fa, f_b, beta, a_log, dt_bias, state, o, H, q.stride(0), k.stride(0), v.stride(0), fa.stride(0),
         beta.stride(0), float(lower), float(scale), float(eps), K=K, V=V, R=R, BV=bv, BR=min(32, R & -R),
         QK_DT=_TL[qk_dtype], F_DT=_TL[fa.dtype], num_warps=4)
+    return o
+
+
+# programs per (token, head) of the KDA step kernel (value blocks of KDA_FB_BV split over them; the q / k
+# conv shift by the last to arrive: triton_kda's docstring); 1 where no counters are to be had
+KDA_STEP_P = 4
+
+
+def kda_step_decode_fits(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state) -> bool:
+    """Calls triton_kda's step kernel takes: the conv op's (kda_conv_decode_fits) with width 4 and the
+    value head width equal to the key's (one conv over [q | k | v] channels of H heads each), and
+    kda_decode_fb_fits on the conv's outputs viewed [M, H, K]."""
+    if xq.dim() != 2 or a_log.dim() != 1 or not kda_conv_decode_fits(xq, xk, xv, conv_state, w) or w.shape[1] != 4:
+        return False
+    M, H = xq.shape[0], a_log.shape[0]
+    if H == 0 or xq.shape[1] % H:
+        return False
+    K = xq.shape[1] // H   # the conv's outputs viewed [M, H, K], V = K
+    return (w.dtype == xq.dtype and conv_state.is_contiguous() and xq.device == state.device
+            and _kda_fb_rest_fits(M, H, K, K, xq.dtype, fa, f_b, beta, a_log, dt_bias, state))
+
+
+def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower: float, scale: float,
+                    eps: float, qk_dtype) -> torch.Tensor:
+    """k3::kda_step_decode_ by triton_kda (the caller checked kda_step_decode_fits): o [M, H, V]; the
+    conv state and the state updated in place."""
+    from . import triton_kda as KK
+    M, H = xq.shape[0], a_log.shape[0]
+    K = V = xq.shape[1] // H
+    R = fa.shape[-1]
+    o = torch.empty(M, H, V, dtype=xv.dtype, device=xv.device)
+    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
+    p = max(1, min(int(os.environ.get("K3_KDA_STEP_P", KDA_STEP_P)), V // bv))
+    while (V // bv) % p:
+        p -= 1
+    cnt = split_counters(xq.device) if p > 1 and M * H <= SPLIT_SLOTS else None
+    if cnt is None:   # no counters for this call: one program per (token, head)
+        p, cnt = 1, o
+    KK.kda_step_decode_kernel[(M * H * p,)](
+        xq, xk, xv, conv_state, w, fa, f_b, beta, a_log, dt_bias, state, o, cnt, H, xq.stride(0), xk.stride(0),
+        xv.stride(0), *conv_state.stride(), fa.stride(0), beta.stride(0), float(lower), float(scale), float(eps),
+        K=K, V=V, R=R, BV=bv, P=p, BR=min(32, R & -R), QK_DT=_TL[qk_dtype], F_DT=_TL[fa.dtype], num_warps=4)
     return o
 
 

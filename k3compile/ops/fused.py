@@ -5,7 +5,8 @@ tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU 
 Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`, `k3::kda_decode_fb`,
 `k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
 `k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes, and
-`k3::kda_conv_decode_`, which fold_kda_conv puts in a new one on the conv-state input.
+`k3::kda_conv_decode_`, which fold_kda_conv puts in a new one on the conv-state input, and
+`k3::kda_step_decode_`, which fold_kda_step puts in a new one on both states.
 """
 from __future__ import annotations
 
@@ -198,6 +199,23 @@ def _(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype
     return v.new_empty(v.shape)
 
 
+@torch.library.custom_op("k3::kda_step_decode_", mutates_args=("conv_state", "state"))
+def kda_step_decode_(xq: Tensor, xk: Tensor, xv: Tensor, w: Tensor, fa: Tensor, f_b: Tensor, beta: Tensor,
+                     a_log: Tensor, dt_bias: Tensor, conv_state: Tensor, state: Tensor, lower: float, scale: float,
+                     eps: float, qk_dtype: torch.dtype) -> Tensor:
+    """The whole KDA decode step from the input projection's slices: `k3::kda_conv_decode_` (conv_state
+    shifted in place) and `k3::kda_decode_fb` (state updated in place) in one (fold_kda_step); o [M, H, V].
+    On CUDA: one Triton kernel (kernels/triton_kda.py)."""
+    return _run("kda_step_decode_", ref.kda_step_decode_, xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state,
+                state, lower, scale, eps, qk_dtype)
+
+
+@kda_step_decode_.register_fake
+def _(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+    M, H = xq.shape[0], a_log.shape[0]
+    return xv.new_empty(M, H, xv.shape[1] // H)
+
+
 # ----------------------------------------------------------------- MLA decode with its prologue (fold_mla_prologue)
 @torch.library.custom_op("k3::mla_decode_normed", mutates_args=("kv_cache",))
 def mla_decode_normed(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
@@ -318,6 +336,7 @@ OPS = {
     "all_reduce_prefetch": torch.ops.k3.all_reduce_prefetch.default,
     "kda_decode_gated": torch.ops.k3.kda_decode_gated.default,
     "kda_decode_fb": torch.ops.k3.kda_decode_fb.default,
+    "kda_step_decode_": torch.ops.k3.kda_step_decode_.default,
     "kda_conv_decode": torch.ops.k3.kda_conv_decode.default,
     "kda_conv_decode_": torch.ops.k3.kda_conv_decode_.default,
     "mla_decode_normed": torch.ops.k3.mla_decode_normed.default,

@@ -128,6 +128,15 @@ def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, e
     return kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
 
 
+def kda_step_decode_(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+    """k3::kda_step_decode_: kda_conv_decode_ (the conv state shifted in place), then kda_decode_fb on its
+    q, k, v as [M, H, K] / [M, H, V] (mutates state); returns o [M, H, V]."""
+    M, H = xq.shape[0], a_log.shape[0]
+    q, k, v = kda_conv_decode_(xq, xk, xv, conv_state, w)
+    return kda_decode_fb(q.view(M, H, -1), k.view(M, H, -1), v.view(M, H, -1), fa, f_b, beta, a_log, dt_bias, state,
+                         lower, scale, eps, qk_dtype)
+
+
 def decode_gemm_normed(x, g, eps, w):
     """k3::decode_gemm_normed: the model's rms_norm(x, g, eps), then x @ w.T."""
     return torch.mm(rms_norm(x, g, eps), w.t())

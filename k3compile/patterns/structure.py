@@ -18,7 +18,7 @@ from .graph import c10d, dtype, is_call, shape
 
 ATTENTION_OPS = {"k3model::kda_decode", "k3model::kda_prefill", "k3model::mla_decode", "k3model::mla_prefill",
                  "k3::kda_decode_gated", "k3::mla_decode_normed",   # after fold_kda_gate / fold_mla_prologue
-                 "k3::kda_decode_fb",                               # after fold_kda_fb
+                 "k3::kda_decode_fb", "k3::kda_step_decode_",       # after fold_kda_fb / fold_kda_step
                  "k3::mla_decode_uv"}                               # after fold_mla_output
 EXPERT_OPS = {"k3model::mxfp4_experts", "k3::mxfp4_experts"}  # the second: after fold_moe_finalize lowered it
 
