@@ -195,17 +195,18 @@ for st in "$@"; do
     # the CuTe / v4g crossover alone (no tests): sets choose.CUTE_M["mxfp4_experts"]
     xover) step experts_x 240 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v4g} --no-reference-time \
              --cold 8 --shapes tp8,tp2 --ms ${K3_XMS:-32,48,64,80,96,128} --out "$R/experts_x.json" ;;
-    # the KDA gate's f_b GEMV in the recurrence kernel (fold_kda_fb, gated off until measured): its GPU tests
-    # at real widths and the KDA ones, then the KDA layer with it let through the gate (fb; at M > 1
-    # fold_kda_gate is gated off, so fbg lets all three KDA folds through, and kda3 the other two alone;
-    # fb16: 16 value columns per program instead of 32). Both steps fit one 600 s call: run it with `fla` first)
-    kdafb) step kdafb_tests 150 python3 -m pytest -m gpu -q -rA tests/test_kda_fb.py tests/test_kda_gate.py \
-             tests/test_kda_conv.py tests/test_gpu.py -k "kda or tp1"
+    # the KDA gate's f_b GEMV in the recurrence kernel (fold_kda_fb) and the whole step in one kernel
+    # (fold_kda_step), both gated off until measured: their GPU tests at real widths and the KDA ones, then
+    # the KDA layer with them let through the gate: fb (fold_kda_fb), step (both); at M > 1 fold_kda_gate
+    # and fold_kda_conv are gated off too: kda3 lets them and fold_kda_fb through, stepg all four.
+    # (K3_KDA_STEP_P=1 in an --env: one program per head.) Both steps fit one 600 s call: run it after `fla`
+    kdafb) step kdafb_tests 150 python3 -m pytest -m gpu -q -rA tests/test_kda_fb.py tests/test_kda_step.py \
+             tests/test_kda_gate.py tests/test_kda_conv.py tests/test_gpu.py -k "kda or tp1"
            step layer_kda_tp8_w1_fb 420 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-             --env fb:K3_UNGATED=fold_kda_fb --env fbg:K3_UNGATED=fold_kda_gate,fold_kda_conv,fold_kda_fb \
-             --env kda3:K3_UNGATED=fold_kda_gate,fold_kda_conv --env fb16:K3_UNGATED=fold_kda_fb,K3_KDA_FB_BV=16 \
-             --world 1 --layer kda --shapes tp8 \
-             --out "$R/layer_kda_tp8_w1_fb.json" ;;
+             --env fb:K3_UNGATED=fold_kda_fb --env step:K3_UNGATED=fold_kda_fb,fold_kda_step \
+             --env kda3:K3_UNGATED=fold_kda_gate,fold_kda_conv,fold_kda_fb \
+             --env stepg:K3_UNGATED=fold_kda_gate,fold_kda_conv,fold_kda_fb,fold_kda_step \
+             --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_fb.json" ;;
     # the CuTe MXFP4 experts at decode batches, cold routings, timed with and without the replay's host
     # launch hidden (rows' k3_us_hidden_launch): the 70%-of-bandwidth target's points
     xhide) step experts_hide 200 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} --no-reference-time \
