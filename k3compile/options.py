@@ -106,7 +106,6 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
 }
-# the f_b GEMV in the KDA recurrence kernel (2026-12-03): CPU and interpreter checked, no GPU run yet
 # passes with no per-layer GPU run yet: the gate's reason says so. fold_kda_fb and fold_kda_step (2026-12-03):
 # checked on CPU and in Triton's interpreter; no GPU was lent that session (bench/gpu_session.sh kdafb
 # measures them)

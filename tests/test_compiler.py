@@ -407,7 +407,8 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     # a pass never measured on the GPU is gated off there, and the reason says it is unmeasured
     monkeypatch.setattr(base, "CUDA_UNMEASURED", {"fold_kda_gate"})
     monkeypatch.setitem(CUDA_PROFITABLE_M, "fold_kda_gate", (1, 0))
-    assert "has not been measured on the GPU yet" in PASSES["fold_kda_gate"].skip_reason(cuda, K3Options.make())
+    why = PASSES["fold_kda_gate"].skip_reason(cuda, K3Options.make())
+    assert "has not been measured on the GPU yet" in why and "K3_UNGATED=fold_kda_gate" in why, why
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():

@@ -28,7 +28,7 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     if name in CUDA_UNMEASURED:
         return (f"not applied ({where}): on CUDA with Inductor a pass applies only where the per-layer "
                 f"benchmark measured it faster, and {name} has not been measured on the GPU yet "
-                "(options.CUDA_PROFITABLE_M); gate='off', K3_GATE=off or K3_UNGATED={name} applies it")
+                f"(options.CUDA_PROFITABLE_M); gate='off', K3_GATE=off or K3_UNGATED={name} applies it")
     measured = f"M in [{lo}, {hi}]" if lo <= hi else "no M"
     return (f"not applied ({where}): on CUDA with Inductor the per-layer benchmark "
             f"measured {name} faster than Inductor alone at {measured} (options.CUDA_PROFITABLE_M, "
