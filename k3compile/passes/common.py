@@ -20,6 +20,16 @@ def inherit(new: Node, src: Node) -> Node:
     return new
 
 
+# a KDA decode core in each form the passes leave it: the model's op, fold_kda_gate's, fold_kda_fb's
+KDA_DECODE_CORES = ("k3model::kda_decode", "k3::kda_decode_gated", "k3::kda_decode_fb")
+
+
+def kda_decode_cores(nodes) -> list:
+    """The KDA decode cores among `nodes` (one per KDA layer's decode step; KDA_DECODE_CORES)."""
+    from ..patterns.structure import op_name
+    return [n for n in nodes if op_name(n) in KDA_DECODE_CORES]
+
+
 def retarget_functionalized(node: Node, op, kwargs: dict) -> None:
     """Make an auto_functionalized node call `op` with `kwargs` (the mutated bases' keywords kept by
     the caller), and pair Inductor's record of its eager inputs with the new arguments (Inductor's

@@ -26,10 +26,9 @@ from ..ops import OPS
 from ..patterns.graph import Fail, dtype, match_linear, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
-from .common import retarget_functionalized
+from .common import kda_decode_cores, retarget_functionalized
 
 _CORE = "k3::kda_decode_gated"
-_KDA_DECODE = ("k3model::kda_decode", _CORE)   # a KDA decode core before / after fold_kda_gate
 
 
 class FoldKdaFb(K3Pass):
@@ -39,10 +38,10 @@ class FoldKdaFb(K3Pass):
     emits = "k3::kda_decode_fb, in place of kda_decode_gated"
 
     def expected(self, info):
-        return sum(op_name(n) in _KDA_DECODE for n in info.attention)   # one per KDA decode layer
+        return len(kda_decode_cores(info.attention))   # one per KDA decode layer
 
     def run(self, graph, info, opts, report):
-        cores = [n for n in graph.nodes if op_name(n) in _KDA_DECODE]
+        cores = kda_decode_cores(graph.nodes)   # (info may predate fold_kda_gate's cores)
         report.expected = len(cores)
         for node, lin in self.collect(cores, self.match, report):
             kw = {k: v for k, v in node.kwargs.items() if k != "f"}
@@ -53,8 +52,8 @@ class FoldKdaFb(K3Pass):
     @staticmethod
     def match(node):
         if op_name(node) != _CORE:
-            return Fail(node, "the KDA decode core is still k3model::kda_decode: fold_kda_gate did not fold its "
-                              "prologue (disabled, gated off or a near-miss there), and this pass folds into its op")
+            return Fail(node, f"the KDA decode core is {op_name(node)}: fold_kda_gate did not fold its prologue "
+                              f"(disabled, gated off or a near-miss there), and this pass folds into its {_CORE}")
         f = node.kwargs.get("f")
         if f is None:
             return Fail(node, "kda_decode_gated is not called with keyword argument f")

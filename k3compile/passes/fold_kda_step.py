@@ -31,10 +31,9 @@ from ..ops import OPS
 from ..patterns.graph import Fail, is_call, strip
 from ..patterns.structure import op_name
 from .base import K3Pass
-from .common import emit_functionalized, getitem, last_of
+from .common import emit_functionalized, getitem, kda_decode_cores, last_of
 
 _CORE = "k3::kda_decode_fb"
-_KDA_DECODE = ("k3model::kda_decode", "k3::kda_decode_gated", _CORE)
 _CONV = "k3::kda_conv_decode_"
 _HOPS = (torch.ops.higher_order.auto_functionalized, getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
 
@@ -64,10 +63,10 @@ class FoldKdaStep(K3Pass):
     emits = "k3::kda_step_decode_, auto-functionalized on the conv state and the state"
 
     def expected(self, info):
-        return sum(op_name(n) in _KDA_DECODE for n in info.attention)   # one per KDA decode layer
+        return len(kda_decode_cores(info.attention))   # one per KDA decode layer
 
     def run(self, graph, info, opts, report):
-        cores = [n for n in graph.nodes if op_name(n) in _KDA_DECODE]
+        cores = kda_decode_cores(graph.nodes)
         report.expected = len(cores)
         for core, conv, outs in self.collect(cores, self.match, report):
             kw = core.kwargs
