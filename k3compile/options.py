@@ -61,8 +61,11 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "prefetch": (1, 0),  # measured slower at every M tried: never applied by the gate
     # KDA layer, TP=8 shapes, M=1 (92e6e28, medians of 3 rounds): -1.6 us with every other pass
     # (k3-prefetch 187.7 vs k3-fold_kda_gate 189.3), -1.3 us alone (k3+fold_kda_gate 217.7 vs k3none
-    # 219.0). At M = 64 / 256 (70fb2a7, as fuse_residual_norm below) it cost +4.9 / +52.7 us
-    "fold_kda_gate": (1, 1),
+    # 219.0). At M = 64 / 256 (70fb2a7, as fuse_residual_norm below) it cost +4.9 / +52.7 us.
+    # M = 4 and 16 since 2026-12-04 (301a32c, ONE H200, TP=8 widths, bench/results/
+    # layer_kda_tp8_w1_h200_301a32c_fb.json, launch hidden, medians of 3 rounds): with fold_kda_conv and
+    # fold_kda_fb, against the layer without the three, 157.6 -> 148.3 us at M=4, 258.9 -> 251.0 at M=16
+    "fold_kda_gate": (1, 16),
     # KDA layer, TP=8 per-rank widths on ONE H200 (world 1: no communication; the pass only changes
     # GEMMs), 3dba9ee, medians of 3 rounds: every pass vs every pass but this one (k3-prefetch vs
     # k3-lower_decode_gemm) -6.2 / -14.3 / -19.1 us at M = 1 / 4 / 16; alone vs no pass -4.6 / -10.3 /
@@ -88,8 +91,17 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # (bench/results/layer_kda_tp8_w1_h200_02711a2_conv.json), medians of 3 rounds, every pass vs every
     # pass but this one: -3.4 / +1.2 / +0.2 us at M = 1 / 4 / 16 (kernels 26 -> 22 at M=1); alone
     # (no fold_kda_gate: the normalisations then read its output) +0.9 / +4.9 / +3.3 us. So M=1, as
-    # fold_kda_gate, whose raw q / k inputs it produces (with it, at M = 64 / 256, 70fb2a7: -7.2 / +4.8 us)
-    "fold_kda_conv": (1, 1),
+    # fold_kda_gate, whose raw q / k inputs it produces (with it, at M = 64 / 256, 70fb2a7: -7.2 / +4.8 us).
+    # M = 4 and 16 with fold_kda_gate and fold_kda_fb since 2026-12-04 (301a32c: see fold_kda_gate)
+    "fold_kda_conv": (1, 16),
+    # the f_b GEMV folded into the recurrence (one Triton kernel). 301a32c, same run as fold_kda_gate's
+    # M = 4 / 16 figures: at M=1 (gate and conv on in both) 118.3 -> 116.1 us (kernels 17 -> 16); at
+    # M = 4 / 16 only measured with gate + conv (-9.3 / -7.8 us for the three together)
+    "fold_kda_fb": (1, 16),
+    # fold_kda_conv's and fold_kda_fb's ops in one kernel (4 programs per head). 301a32c, same run,
+    # against gate + conv + fb: M = 1 / 4 / 16: -0.03 / -2.7 / -0.0 us (kernels 16 -> 15). On where it
+    # was measured faster than the round-to-round spread (M = 4; 1 and 16: a tie) up to M=4
+    "fold_kda_step": (1, 4),
     # The three MLA folds. MLA layer at TP=8 widths on ONE H200, medians of 3 rounds, every pass vs every
     # pass but this one, us at M = 1 / 4 / 16 (bench/results/layer_mla_tp8_w1_h200_*):
     # the kv_a norm + cat in the attention kernel, the q_rope copy dropped: -9.2 / -2.7 / -5.5 (b4de30d),
@@ -106,10 +118,9 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
 }
-# passes with no per-layer GPU run yet: the gate's reason says so. fold_kda_fb and fold_kda_step (2026-12-03):
-# checked on CPU and in Triton's interpreter; no GPU was lent that session (bench/gpu_session.sh kdafb
-# measures them)
-CUDA_UNMEASURED: set[str] = {"fold_kda_fb", "fold_kda_step"}
+# passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
+# here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb)
+CUDA_UNMEASURED: set[str] = set()
 
 
 @dataclass(frozen=True)
