@@ -207,6 +207,13 @@ for st in "$@"; do
              --env kda3:K3_UNGATED=fold_kda_gate,fold_kda_conv,fold_kda_fb \
              --env stepg:K3_UNGATED=fold_kda_gate,fold_kda_conv,fold_kda_fb,fold_kda_step \
              --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_fb.json" ;;
+    # fold_kda_onorm (the KDA output norm in the step kernel): its GPU tests and the step's, then the KDA layer
+    # rows with it let through (M = 1 / 4: onto the default's step; M=16: step + norm against step alone)
+    onorm) step onorm_tests 150 python3 -m pytest -m gpu -q -rA tests/test_kda_onorm.py tests/test_kda_step.py
+           step layer_kda_tp8_w1_onorm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
+             --env on:K3_UNGATED=fold_kda_onorm --env step:K3_UNGATED=fold_kda_step \
+             --env stepon:K3_UNGATED=fold_kda_step,fold_kda_onorm \
+             --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_onorm.json" ;;
     # the CuTe MXFP4 experts at decode batches, cold routings, timed with and without the replay's host
     # launch hidden (rows' k3_us_hidden_launch): the 70%-of-bandwidth target's points
     xhide) step experts_hide 200 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2} --no-reference-time \

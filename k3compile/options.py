@@ -22,6 +22,7 @@ PASS_ORDER = (
     "fold_kda_conv",          # after fold_kda_gate: it finds the conv from the core's v either way
     "fold_kda_fb",            # after fold_kda_gate: it folds the gate's f_b GEMV into that pass's op
     "fold_kda_step",          # after fold_kda_conv and fold_kda_fb: their two ops into one
+    "fold_kda_onorm",         # after fold_kda_step: the output norm into its op
     "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
@@ -119,8 +120,9 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fold_mla_output": (1, 16),
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
-# here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb)
-CUDA_UNMEASURED: set[str] = set()
+# here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
+# fold_kda_onorm (2026-12-04): bench/gpu_session.sh onorm
+CUDA_UNMEASURED: set[str] = {"fold_kda_onorm"}
 
 
 @dataclass(frozen=True)

@@ -624,7 +624,7 @@ def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
         assert r["passes"][name] == [92, 92], r["render"]
     assert r["passes"]["fuse_oproj_allreduce"] == [93, 93], r["render"]
     # the KDA decode cores (69 of the 93 layers): their prologue, conv and gate projection, then the step
-    for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_step"):
+    for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_step", "fold_kda_onorm"):
         assert r["passes"][name] == [69, 69], r["render"]
     assert r["seconds"] <= 0.2 * r["total"], (r["seconds"], r["total"])
 

@@ -46,7 +46,7 @@ def _step(variant="model", h=H, k=K):
         g = -5.0 * torch.sigmoid(torch.exp(a_log).view(1, h, 1) * (f + dt_bias.view(1, h, k)))
         o = torch.ops.k3model.kda_decode(qn.to(v.dtype), kn.to(v.dtype), v.view(-1, h, k), g,
                                          torch.sigmoid(b.float()), state)
-        return o + extra
+        return o + extra if variant == "conv q reused" else o
     return fn
 
 

@@ -144,12 +144,15 @@ def variants():
                      sfa="i32", sb="i32", lower="fp32", scale="fp32"),
                 dict(K=128, V=128, R=128, BV=32, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16)))
     # the whole KDA step (fold_kda_step's k3::kda_step_decode_): 4 programs per head (the arrival counter) or 1
+    # (+ norm: with fold_kda_onorm's output norm, done by the head's last program)
     for p in (4, 1):
-        out.append((f"kda_step_decode p{p}", KK.kda_step_decode_kernel,
-                    dict(ints, xq="*bf16", xk="*bf16", xv="*bf16", cstate="*bf16", cw="*bf16", a_log="*fp32",
-                         dt_bias="*fp32", state="*fp32", cnt="*i32", H="i32", sxq="i32", sxk="i32", sxv="i32",
-                         scm="i32", scc="i32", sct="i32", sfa="i32", sb="i32", lower="fp32", scale="fp32"),
-                    dict(K=128, V=128, R=128, BV=32, P=p, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16)))
+        for norm in (0, 1):
+            out.append((f"kda_step_decode p{p}{' norm' if norm else ''}", KK.kda_step_decode_kernel,
+                        dict(ints, xq="*bf16", xk="*bf16", xv="*bf16", cstate="*bf16", cw="*bf16", a_log="*fp32",
+                             dt_bias="*fp32", state="*fp32", cnt="*i32", H="i32", sxq="i32", sxk="i32", sxv="i32",
+                             scm="i32", scc="i32", sct="i32", sfa="i32", sb="i32", lower="fp32", scale="fp32",
+                             w_o="*bf16", gate="*bf16", sg="i32", o_eps="fp32"),
+                        dict(K=128, V=128, R=128, BV=32, P=p, BR=32, QK_DT=tl.bfloat16, F_DT=tl.bfloat16, NORM=norm)))
     out.append(("mla_combine L512", KA.mla_combine_kernel, mla, dict(L=512, BNS=16)))
     # the combine + value up-projection (fold_mla_output's k3::mla_decode_uv)
     out.append(("mla_combine_uv L512", KA.mla_combine_uv_kernel,
@@ -211,6 +214,8 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
           # the arrival counter: a gpu-scope acq_rel atomic, put back to zero by the last program
           "kda_step_decode p4": ["atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"],
+          # with the output norm the last program reads the head's outputs back from L2 (.cg)
+          "kda_step_decode p4 norm": ["ld.global.cg"], "kda_step_decode p1 norm": ["ld.global.cg"],
           # the tensor cores (mma.sync with the tokens as M, wgmma with the weight rows as M), the
           # weights through cp.async; a split counts in with a gpu-scope acq_rel atomic and the last
           # program reads the partials from L2 (.cg: not a stale L1 line)

@@ -240,15 +240,18 @@ def _kda_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk
     return launch.kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
 
 
-def _ok_kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
-    return qk_dtype in launch._TL and launch.kda_step_decode_fits(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias,
-                                                                  conv_state, state)
+def _ok_kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype,
+                 o_norm=None, gate=None, o_eps=0.0):
+    return (qk_dtype in launch._TL and launch.kda_step_decode_fits(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias,
+                                                                   conv_state, state)
+            and (o_norm is None or launch.kda_onorm_fits(xq, xv, a_log, o_norm, gate)))
 
 
 @register("kda_step_decode_", "cuda", "triton_kda_step", _ok_kda_step)
-def _kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+def _kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype,
+              o_norm=None, gate=None, o_eps=0.0):
     return launch.kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps,
-                                  qk_dtype)
+                                  qk_dtype, o_norm, gate, o_eps)
 
 
 def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):

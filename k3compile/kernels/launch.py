@@ -897,10 +897,22 @@ def kda_step_decode_fits(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_stat
             and _kda_fb_rest_fits(M, H, K, K, xq.dtype, fa, f_b, beta, a_log, dt_bias, state))
 
 
+def kda_onorm_fits(xq, xv, a_log, o_norm, gate) -> bool:
+    """The output norm kda_step_decode_kernel takes (NORM): a [V] weight and a gate [M, H * V] with unit
+    stride along it, both in the model dtype, V a power of two (one head's row in registers)."""
+    M, H = xq.shape[0], a_log.shape[0]
+    V = xq.shape[1] // H
+    return (gate is not None and o_norm.dim() == 1 and o_norm.shape[0] == V and o_norm.is_contiguous()
+            and gate.dim() == 2 and tuple(gate.shape) == (M, H * V) and gate.stride(1) == 1
+            and o_norm.dtype == gate.dtype == xv.dtype and V & (V - 1) == 0
+            and o_norm.device == gate.device == xq.device)
+
+
 def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower: float, scale: float,
-                    eps: float, qk_dtype) -> torch.Tensor:
-    """k3::kda_step_decode_ by triton_kda (the caller checked kda_step_decode_fits): o [M, H, V]; the
-    conv state and the state updated in place."""
+                    eps: float, qk_dtype, o_norm=None, gate=None, o_eps: float = 0.0) -> torch.Tensor:
+    """k3::kda_step_decode_ by triton_kda (the caller checked kda_step_decode_fits, and kda_onorm_fits
+    with o_norm): o [M, H, V] (with o_norm: normed and gated); the conv state and the state updated in
+    place."""
     from . import triton_kda as KK
     M, H = xq.shape[0], a_log.shape[0]
     K = V = xq.shape[1] // H
@@ -913,10 +925,13 @@ def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, st
     cnt = split_counters(xq.device) if p > 1 and M * H <= SPLIT_SLOTS else None
     if cnt is None:   # no counters for this call: one program per (token, head)
         p, cnt = 1, o
+    norm = o_norm is not None
     KK.kda_step_decode_kernel[(M * H * p,)](
         xq, xk, xv, conv_state, w, fa, f_b, beta, a_log, dt_bias, state, o, cnt, H, xq.stride(0), xk.stride(0),
         xv.stride(0), *conv_state.stride(), fa.stride(0), beta.stride(0), float(lower), float(scale), float(eps),
-        K=K, V=V, R=R, BV=bv, P=p, BR=min(32, R & -R), QK_DT=_TL[qk_dtype], F_DT=_TL[fa.dtype], num_warps=4)
+        o_norm if norm else o, gate if norm else o, gate.stride(0) if norm else 0, float(o_eps),
+        K=K, V=V, R=R, BV=bv, P=p, BR=min(32, R & -R), QK_DT=_TL[qk_dtype], F_DT=_TL[fa.dtype], NORM=norm,
+        num_warps=4)
     return o
 
 

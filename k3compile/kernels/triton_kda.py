@@ -23,6 +23,10 @@ gpu-scope acq_rel atomic; the one that arrives last shifts the q / k state and p
 back to 0 (mma_gemm_kernel's split-K protocol; no program waits for another, so no co-residency is
 assumed). Its v channels belong to one program, which shifts them after the same barrier. With
 P == 1 no counter is used.
+NORM (fold_kda_onorm's output norm): the program that arrives last (P == 1: the head's one program,
+after a CTA barrier) reads the head's V outputs back (stored by every program before its count, read
+past L1) and overwrites them with the model's rms_norm(o, w_o, o_eps) * sigmoid(gate), rounded where
+the model rounds (the normed row, the sigmoid, the product).
 """
 from __future__ import annotations
 
@@ -109,10 +113,24 @@ def _shift(cs, sct, s1, s2, x):
 
 
 @triton.jit
+def _onorm_head(po, w_o, pg, o_eps, V: tl.constexpr):
+    """The V outputs at po (model dtype, every program's stored) -> rms_norm(., w_o, o_eps) * sigmoid(gate
+    at pg), stored back at po: the model's rounding (the normed row to the model dtype, the sigmoid, the
+    product)."""
+    ov = tl.arange(0, V)
+    DT = po.dtype.element_ty
+    x = tl.load(po + ov, cache_modifier=".cg").to(tl.float32)
+    y = (x * (1.0 / tl.sqrt(tl.sum(x * x, 0) / V + o_eps)) * tl.load(w_o + ov).to(tl.float32)).to(DT)
+    s = tl.sigmoid(tl.load(pg + ov).to(tl.float32)).to(DT)
+    tl.store(po + ov, (y.to(tl.float32) * s.to(tl.float32)).to(DT))
+
+
+@triton.jit
 def kda_step_decode_kernel(xq, xk, xv, cstate, cw, fa, fb, beta, a_log, dt_bias, state, o, cnt,
                            H, sxq, sxk, sxv, scm, scc, sct, sfa, sb, lower, scale, eps,
+                           w_o, gate, sg, o_eps,
                            K: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, P: tl.constexpr,
-                           BR: tl.constexpr, QK_DT: tl.constexpr, F_DT: tl.constexpr):
+                           BR: tl.constexpr, QK_DT: tl.constexpr, F_DT: tl.constexpr, NORM: tl.constexpr = False):
     pid = tl.program_id(0)
     NB: tl.constexpr = V // BV // P          # value blocks per program
     i_p = pid % P
@@ -150,10 +168,15 @@ def kda_step_decode_kernel(xq, xk, xv, cstate, cw, fa, fb, beta, a_log, dt_bias,
     if P == 1:
         _shift(cs_q, sct, q1, q2, qx)
         _shift(cs_k, sct, k1, k2, kx)
+        if NORM:
+            tl.debug_barrier()        # every thread's o stores before the head's outputs are read back
+            _onorm_head(o + (m * H + h) * V, w_o, gate + m * sg + h * V, o_eps, V)
     else:
-        tl.debug_barrier()            # every thread's q / k window loads ...
+        tl.debug_barrier()            # every thread's q / k window loads (and o stores) ...
         done = tl.atomic_add(cnt + m * H + h, 1, sem="acq_rel", scope="gpu")   # ... before the count
         if done == P - 1:
             _shift(cs_q, sct, q1, q2, qx)
             _shift(cs_k, sct, k1, k2, kx)
+            if NORM:
+                _onorm_head(o + (m * H + h) * V, w_o, gate + m * sg + h * V, o_eps, V)
             tl.atomic_xchg(cnt + m * H + h, 0, sem="relaxed", scope="gpu")

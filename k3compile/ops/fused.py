@@ -202,16 +202,19 @@ def _(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype
 @torch.library.custom_op("k3::kda_step_decode_", mutates_args=("conv_state", "state"))
 def kda_step_decode_(xq: Tensor, xk: Tensor, xv: Tensor, w: Tensor, fa: Tensor, f_b: Tensor, beta: Tensor,
                      a_log: Tensor, dt_bias: Tensor, conv_state: Tensor, state: Tensor, lower: float, scale: float,
-                     eps: float, qk_dtype: torch.dtype) -> Tensor:
+                     eps: float, qk_dtype: torch.dtype, o_norm: Optional[Tensor] = None, gate: Optional[Tensor] = None,
+                     o_eps: float = 0.0) -> Tensor:
     """The whole KDA decode step from the input projection's slices: `k3::kda_conv_decode_` (conv_state
     shifted in place) and `k3::kda_decode_fb` (state updated in place) in one (fold_kda_step); o [M, H, V].
-    On CUDA: one Triton kernel (kernels/triton_kda.py)."""
+    With o_norm (fold_kda_onorm): the output norm too, rms_norm(o, o_norm, o_eps) * sigmoid(gate) with
+    gate [M, H * V] (unit stride along it). On CUDA: one Triton kernel (kernels/triton_kda.py)."""
     return _run("kda_step_decode_", ref.kda_step_decode_, xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state,
-                state, lower, scale, eps, qk_dtype)
+                state, lower, scale, eps, qk_dtype, o_norm, gate, o_eps)
 
 
 @kda_step_decode_.register_fake
-def _(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+def _(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype, o_norm=None,
+      gate=None, o_eps=0.0):
     M, H = xq.shape[0], a_log.shape[0]
     return xv.new_empty(M, H, xv.shape[1] // H)
 

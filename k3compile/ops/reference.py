@@ -128,13 +128,18 @@ def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower, scale, e
     return kda_decode_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk_dtype)
 
 
-def kda_step_decode_(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype):
+def kda_step_decode_(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, scale, eps, qk_dtype,
+                     o_norm=None, gate=None, o_eps=0.0):
     """k3::kda_step_decode_: kda_conv_decode_ (the conv state shifted in place), then kda_decode_fb on its
-    q, k, v as [M, H, K] / [M, H, V] (mutates state); returns o [M, H, V]."""
+    q, k, v as [M, H, K] / [M, H, V] (mutates state); returns o [M, H, V], or with o_norm (fold_kda_onorm)
+    the model's output norm of it: rms_norm(o, o_norm, o_eps) * sigmoid(gate viewed [M, H, V])."""
     M, H = xq.shape[0], a_log.shape[0]
     q, k, v = kda_conv_decode_(xq, xk, xv, conv_state, w)
-    return kda_decode_fb(q.view(M, H, -1), k.view(M, H, -1), v.view(M, H, -1), fa, f_b, beta, a_log, dt_bias, state,
-                         lower, scale, eps, qk_dtype)
+    o = kda_decode_fb(q.view(M, H, -1), k.view(M, H, -1), v.view(M, H, -1), fa, f_b, beta, a_log, dt_bias, state,
+                      lower, scale, eps, qk_dtype)
+    if o_norm is None:
+        return o
+    return rms_norm(o, o_norm, o_eps) * torch.sigmoid(gate.reshape(o.shape))
 
 
 def decode_gemm_normed(x, g, eps, w):

@@ -27,7 +27,8 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_step, fold_mla_output, fold_mla_prologue,
+from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
+               fold_mla_prologue,
                fold_moe_finalize, fold_norm_gemv, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
                lower_decode_gemm, overlap_shared_expert, shard_router_latent)
 
@@ -44,6 +45,7 @@ PASSES = {
         fold_kda_conv.FoldKdaConv(),
         fold_kda_fb.FoldKdaFb(),
         fold_kda_step.FoldKdaStep(),
+        fold_kda_onorm.FoldKdaOnorm(),
         fold_mla_prologue.FoldMlaPrologue(),
         overlap_shared_expert.OverlapSharedExpert(),
         lower_decode_gemm.LowerDecodeGemm(),
