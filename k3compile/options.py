@@ -100,9 +100,15 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # M = 4 / 16 only measured with gate + conv (-9.3 / -7.8 us for the three together)
     "fold_kda_fb": (1, 16),
     # fold_kda_conv's and fold_kda_fb's ops in one kernel (4 programs per head). 301a32c, same run,
-    # against gate + conv + fb: M = 1 / 4 / 16: -0.03 / -2.7 / -0.0 us (kernels 16 -> 15). On where it
-    # was measured faster than the round-to-round spread (M = 4; 1 and 16: a tie) up to M=4
-    "fold_kda_step": (1, 4),
+    # against gate + conv + fb: M = 1 / 4 / 16: -0.03 / -2.7 / -0.0 us (kernels 16 -> 15); a96ee5a
+    # (bench/results/layer_kda_tp8_w1_h200_a96ee5a_onorm.json) at M=16: +1.8 alone, but with
+    # fold_kda_onorm (which needs it) -2.5 against the default then (251.9 -> 249.4). So 1..16, with it
+    "fold_kda_step": (1, 16),
+    # the KDA output norm in the step kernel (one launch fewer). a96ee5a, KDA layer at TP=8 widths on ONE
+    # H200, launch hidden, medians of 3 rounds (every round lower), against the default (step at 1 / 4):
+    # -0.8 / -1.8 us at M = 1 / 4 (116.1 -> 115.3, 146.1 -> 144.3; kernels 15 -> 14); at 16 with step
+    # -2.5 (above)
+    "fold_kda_onorm": (1, 16),
     # The three MLA folds. MLA layer at TP=8 widths on ONE H200, medians of 3 rounds, every pass vs every
     # pass but this one, us at M = 1 / 4 / 16 (bench/results/layer_mla_tp8_w1_h200_*):
     # the kv_a norm + cat in the attention kernel, the q_rope copy dropped: -9.2 / -2.7 / -5.5 (b4de30d),
@@ -121,8 +127,8 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
-# fold_kda_onorm (2026-12-04): bench/gpu_session.sh onorm
-CUDA_UNMEASURED: set[str] = {"fold_kda_onorm"}
+# fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
+CUDA_UNMEASURED: set[str] = set()
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ Near-misses: the core is not fold_kda_step's (that pass did not apply), o is rea
 norm, the norm has no [V] weight, the gate is not sigmoid(view(G)) of a [M, H * V] tensor, or the
 dtypes differ.
 Expected: one site per KDA decode core. Skipped: model dtype / TP size not supported, static M
-outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (not yet
-measured on the GPU: options.CUDA_UNMEASURED).
+outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16:
+0.8 / 1.8 us faster per KDA layer step at M = 1 / 4 on an H200, 2.5 at 16 with fold_kda_step, which
+the gate lets through to 16 for it).
 """
 from __future__ import annotations
 

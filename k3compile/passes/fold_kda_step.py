@@ -18,8 +18,9 @@ Its reference is kda_conv_decode_'s, then kda_decode_fb's: exact on CPU.
 Near-misses: the core is not fold_kda_fb's (that pass did not apply: disabled, gated off or a
 near-miss), its q, k, v are not one kda_conv_decode_'s outputs, or those are read elsewhere too.
 Expected: one site per KDA decode core. Skipped: model dtype / TP size not supported, static M
-outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..4:
-2.7 us per KDA layer step at M=4 on an H200, a tie at M = 1 and 16).
+outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16:
+2.7 us per KDA layer step at M=4 on an H200, a tie at M=1; at 16 slower alone, 2.5 us faster with
+fold_kda_onorm, which needs it).
 """
 from __future__ import annotations
 
