@@ -20,7 +20,7 @@ import k3compile
 import k3compile.ops  # noqa: F401  (registers k3::)
 from k3compile.model.functional import rms_norm
 from k3compile.ops import reference as ref
-from test_kda_step import FOLDS, H, K, R, _err, _inputs, _kernel_args, _step
+from test_kda_step import FOLDS, H, K, R, _err, _inputs, _kernel_args, _step, check_site
 
 ALL = [*FOLDS, "fold_kda_onorm"]
 EPS = 1e-5
@@ -64,19 +64,7 @@ def test_fold_kda_onorm_matches_the_step_or_says_why(variant, passes, why):
         want = _step_norm(variant)(x, st_e[0], *args[2:8], st_e[1], *args[9:])
         got = fn(x, st_c[0], *args[2:8], st_c[1], *args[9:])
         x = x.roll(1, 0)
-    rep = k3compile.last_report()
-    p = rep.get("fold_kda_onorm")
-    assert p.expected == 1 and p.error is None and p.skipped is None, rep.render()
-    if why is None:
-        assert p.matched == 1 and not p.near_misses
-        tol = dict(rtol=0, atol=0)       # the op's reference is the model's math
-    else:
-        assert p.matched == 0 and len(p.near_misses) == 1, p.near_misses
-        assert why in p.near_misses[0].reason, p.near_misses[0].reason
-        tol = {}
-    torch.testing.assert_close(got, want, **tol)
-    for c, e in zip(st_c, st_e):
-        torch.testing.assert_close(c, e, **tol)
+    check_site("fold_kda_onorm", why, got, want, st_c, st_e)
 
 
 def test_inductor_keeps_the_states_in_place_and_no_norm_kernel():

@@ -76,18 +76,11 @@ def _two_steps(fn, variant, args):
     return got, want, st_c, st_e
 
 
-@pytest.mark.parametrize("variant, passes, why", [
-    ("model", FOLDS, None),
-    ("model", ["fold_kda_gate", "fold_kda_conv", "fold_kda_step"], "not fold_kda_fb's"),
-    ("conv q reused", FOLDS, "read elsewhere too"),
-])
-def test_fold_kda_step_matches_the_step_or_says_why(variant, passes, why):
-    args = _inputs()
-    fn = torch.compile(_step(variant), backend=k3compile.backend(mode="eager", passes=passes), fullgraph=True,
-                       dynamic=False)
-    got, want, st_c, st_e = _two_steps(fn, variant, args)
+def check_site(name, why, got, want, st_c, st_e):
+    """The pass `name` matched the one site exactly (why None: the output and both states equal eager
+    bit for bit, the op's reference being the model's math), or missed it with `why` in its reason."""
     rep = k3compile.last_report()
-    p = rep.get("fold_kda_step")
+    p = rep.get(name)
     assert p.expected == 1 and p.error is None and p.skipped is None, rep.render()
     if why is None:
         assert p.matched == 1 and not p.near_misses
@@ -99,6 +92,19 @@ def test_fold_kda_step_matches_the_step_or_says_why(variant, passes, why):
     torch.testing.assert_close(got, want, **tol)
     for c, e in zip(st_c, st_e):
         torch.testing.assert_close(c, e, **tol)
+
+
+@pytest.mark.parametrize("variant, passes, why", [
+    ("model", FOLDS, None),
+    ("model", ["fold_kda_gate", "fold_kda_conv", "fold_kda_step"], "not fold_kda_fb's"),
+    ("conv q reused", FOLDS, "read elsewhere too"),
+])
+def test_fold_kda_step_matches_the_step_or_says_why(variant, passes, why):
+    args = _inputs()
+    fn = torch.compile(_step(variant), backend=k3compile.backend(mode="eager", passes=passes), fullgraph=True,
+                       dynamic=False)
+    got, want, st_c, st_e = _two_steps(fn, variant, args)
+    check_site("fold_kda_step", why, got, want, st_c, st_e)
 
 
 @pytest.mark.parametrize("v2", [True, False])
