@@ -98,7 +98,14 @@ for st in "$@"; do
              step layer_kda_tp8_w1_conv 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
                --ablate-passes fold_kda_conv --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_conv.json" ;;
     mlatests) step mla_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mla or reduce_overhead or tp1" ;;
-    gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA tests/test_gpu.py ;;  # test_gpu.py only
+    # test_gpu.py only; a test still running after 120 s dumps every thread's stack into the log
+    gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA -o faulthandler_timeout=120 tests/test_gpu.py ;;
+    # the reduce-overhead test that ran past 420 s at a96ee5a and 5d56fa4 (BENCHMARKS.md, thirtieth
+    # session), with each of the session-28/30 KDA folds skipped in turn, 100 s each, stacks after 60 s
+    hang) for sk in none fold_kda_onorm fold_kda_step fold_kda_fb; do
+            step "hang_$sk" 100 env K3_SKIP=$([ $sk = none ] || echo $sk) python3 -m pytest -m gpu -q -rA -x \
+              -o faulthandler_timeout=60 tests/test_gpu.py -k reduce_overhead_uses_cuda_graphs
+          done ;;
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
