@@ -553,6 +553,39 @@ def test_inductor_end_to_end_dynamic_batch():
         assert "inductor: PDL off (no CUDA inputs)" in rep.render(), rep.render()
 
 
+def test_inductor_lowers_k3_ops_without_its_implicit_fallback_path(monkeypatch, caplog):
+    """Inductor's implicit fallback for an unknown custom op first logs operator_str(args), eagerly in
+    torch 2.11, and in a graph of k3 ops that string holds every fallback kernel before the op (it
+    doubled per op: the GPU suite's reduce-overhead compile ran for minutes at 00795e4). The pass
+    manager registers the k3 ops as fallbacks first: here, with the registrations undone and the
+    log on, that path must not run for any k3 op, and the tiny model still compiles and matches."""
+    import logging
+
+    import torch._inductor.exc as exc
+    import torch._inductor.lowering as L
+    from k3compile.passes import manager
+    seen: list = []
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str",
+                        staticmethod(lambda target, args, kwargs: seen.append(str(target)) or str(target)))
+    k3ops = {op: fn for op, fn in L.lowerings.items() if str(op).startswith(("k3.", "k3model."))}
+    for op in k3ops:
+        monkeypatch.delitem(L.lowerings, op)
+    monkeypatch.setattr(manager, "_FALLBACKS_DONE", set())
+    caplog.set_level(logging.INFO, logger="torch._inductor.graph")
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=2)
+    m = K3Model(cfg)
+    ids = torch.randint(0, cfg.vocab, (2, 1), generator=torch.Generator().manual_seed(0))
+    f = torch.compile(m, backend=k3compile.backend(gate="off"), fullgraph=True, dynamic=False)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out = f(ids, m.new_cache(2))
+    rep = k3compile.last_report()
+    assert rep.get("fold_kda_onorm").matched == 1 and rep.get("fold_moe_finalize").matched == 1, rep.render()
+    assert not [t for t in seen if t.startswith(("k3.", "k3model."))], seen
+    assert "k3.kda_step_decode_.default" in [str(op) for op in L.lowerings if str(op).startswith("k3.")]
+    ref = m(ids, m.new_cache(2))
+    assert (out.float() - ref.float()).abs().max() <= 5e-2 * ref.float().abs().max()
+
+
 def test_k3_compiles_with_inductor_shape_padding_off(monkeypatch):
     """pad_mm's padded GEMMs (pad -> mm -> slice, chosen by a compile-time benchmark) hid the sites
     from the passes on the GPU: the backend turns shape_padding off for its compiles."""

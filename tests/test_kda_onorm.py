@@ -49,7 +49,7 @@ def _norm_inputs(M=2, dtype=torch.bfloat16, device="cpu", seed=0, h=H, k=K):
 
 @pytest.mark.parametrize("variant, passes, why", [
     ("model", ALL, None),
-    ("model", ["fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_onorm"], "not fold_kda_step's"),
+    ("model", ["fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_onorm"], "needs fold_kda_step's ops"),
     ("o read elsewhere", ALL, "readers"),
     ("tanh gate", ALL, "sigmoid"),
 ])

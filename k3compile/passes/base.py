@@ -40,6 +40,10 @@ class K3Pass:
     description: str = ""  # one line: what it replaces with what
     pattern: str = ""      # one line: the op chain it matches, per site
     emits: str = ""        # the k3:: op(s) it emits
+    # passes whose emitted ops this one anchors on: where one of them does not run in a compile
+    # (disabled, skipped, gated off or rolled back), this pass is skipped with that reason, not
+    # reported as 0/N sites with a near-miss at every site
+    needs: tuple[str, ...] = ()
 
     def expected(self, info: GraphInfo) -> int:
         """How many sites the graph's layer structure says should match."""

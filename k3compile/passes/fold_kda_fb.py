@@ -32,6 +32,7 @@ _CORE = "k3::kda_decode_gated"
 
 class FoldKdaFb(K3Pass):
     name = "fold_kda_fb"
+    needs = ("fold_kda_gate",)
     description = "KDA gate up-projection (f_b GEMV) + the gated recurrence -> k3::kda_decode_fb"
     pattern = "kda_decode_gated(..., f=view(mm(fa, f_b^T)), ...) (per KDA decode layer, after fold_kda_gate)"
     emits = "k3::kda_decode_fb, in place of kda_decode_gated"

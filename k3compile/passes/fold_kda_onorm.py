@@ -48,6 +48,7 @@ def _sigmoid_gate(n):
 
 class FoldKdaOnorm(K3Pass):
     name = "fold_kda_onorm"
+    needs = ("fold_kda_step",)
     description = "KDA output norm (per-head RMSNorm(o) * sigmoid(g)) -> into k3::kda_step_decode_'s kernel"
     pattern = "mul(rms_norm(o, W_o), sigmoid(view(g))) with o = kda_step_decode_(...)[0] (per KDA decode layer)"
     emits = "k3::kda_step_decode_ with o_norm, gate, o_eps (its o normed and gated)"

@@ -37,6 +37,7 @@ def _sole_reader(n, site) -> bool:
 
 class FoldNormGemv(K3Pass):
     name = "fold_norm_gemv"
+    needs = ("lower_decode_gemm",)
     description = "RMSNorm read only by a decode GEMM -> k3::decode_gemm_normed (the norm in the GEMV's x loads)"
     pattern = "k3::decode_gemm(rms_norm(x, g, eps), W), the norm read by nothing else (MLA q_a -> q_b)"
     emits = "k3::decode_gemm_normed"

@@ -117,6 +117,7 @@ class PassManager(CustomGraphPass):
         return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{env}"
 
     def __call__(self, graph: Graph) -> None:
+        register_inductor_fallbacks()
         try:
             self._run(graph)
         except K3StrictError:
@@ -151,7 +152,7 @@ class PassManager(CustomGraphPass):
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
                 continue
-            reason = p.skip_reason(info, self.opts) or self._range_reason(name)
+            reason = _needs_reason(p, report) or p.skip_reason(info, self.opts) or self._range_reason(name)
             if reason:
                 pr.skipped = reason
                 continue
@@ -212,6 +213,54 @@ class PassManager(CustomGraphPass):
         if lo <= s and e <= hi:
             return None
         return f"compile range [{s}, {e}] is not inside this pass's batch range [{lo}, {hi}]"
+
+
+def _needs_reason(p, report: CompileReport) -> str | None:
+    """Why `p` cannot run here because a pass it anchors on (p.needs) did not run in this compile."""
+    for need in getattr(p, "needs", ()):
+        pr = next((q for q in report.passes if q.name == need), None)
+        why = ("not in this pass manager" if pr is None else f"skipped: {pr.skipped}" if pr.skipped
+               else f"rolled back: {pr.error}" if pr.error else None)
+        if why:
+            return f"needs {need}'s ops, and {need} did not run here ({why})"
+    return None
+
+
+_FALLBACKS_DONE: set = set()
+
+
+def register_inductor_fallbacks() -> int:
+    """Register every k3:: and k3model:: op with Inductor as a fallback kernel (what Inductor's
+    implicit fallback makes of a custom op on first sight, with the same layout constraint: the
+    op's tag, else the default), before Inductor lowers a graph holding them; returns how many were
+    new. Inductor's implicit path first logs `operator_str(target, args, kwargs)`, which torch 2.11
+    formats eagerly, and an argument's IR string holds the whole chain of fallback kernels before it,
+    shared inputs repeated: in a graph of k3 ops it doubles with each op (the 4-layer tiny model's
+    compile spent minutes in it on the GPU at 00795e4: BENCHMARKS.md, thirty-first session). vLLM
+    takes its own ops past that path for the same reason. Best-effort: where Inductor's internals
+    differ, the implicit path runs as before."""
+    try:
+        from torch._inductor import lowering as L
+        from torch._library.utils import get_layout_constraint_tag
+        names = [n for n in torch._C._dispatch_get_all_op_names()
+                 if n.startswith(("k3::", "k3model::")) and n not in _FALLBACKS_DONE]
+    except Exception:  # noqa: BLE001 - another torch: the implicit fallback still works
+        return 0
+    new = 0
+    for name in names:
+        _FALLBACKS_DONE.add(name)
+        ns, _, rest = name.partition("::")
+        op_name, _, overload = rest.partition(".")
+        try:
+            op = getattr(getattr(getattr(torch.ops, ns), op_name), overload or "default")
+            if op in L.lowerings:
+                continue
+            tag = get_layout_constraint_tag(op, with_default=True)
+            L.make_fallback(op, layout_constraint=L.tag_to_layout_constraint(tag), warn=False)
+            new += 1
+        except Exception as e:  # noqa: BLE001
+            log.debug("k3: no Inductor fallback registered for %s: %s", name, e)
+    return new
 
 
 def _refresh(info: GraphInfo, graph: Graph) -> GraphInfo:
