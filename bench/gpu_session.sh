@@ -106,6 +106,12 @@ for st in "$@"; do
             step "hang_$sk" 100 env K3_SKIP=$([ $sk = none ] || echo $sk) python3 -m pytest -m gpu -q -rA -x \
               -o faulthandler_timeout=60 tests/test_gpu.py -k reduce_overhead_uses_cuda_graphs
           done ;;
+    # the 93-layer structure (tiny widths) compiled cold by Inductor on the GPU: with the k3 ops registered
+    # as Inductor fallbacks first (5efaefd), then without (Inductor's implicit path and its log line)
+    ct93) step compile93_cuda 300 python3 bench/compile_time_93.py --inductor --device cuda --with-passes-only \
+            --out "$R/compile93_cuda.json"
+          step compile93_cuda_nofb 150 python3 bench/compile_time_93.py --inductor --device cuda --with-passes-only \
+            --no-fallbacks --out "$R/compile93_cuda_nofb.json" ;;
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
