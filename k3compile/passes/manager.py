@@ -217,7 +217,7 @@ class PassManager(CustomGraphPass):
 
 def _needs_reason(p, report: CompileReport) -> str | None:
     """Why `p` cannot run here because a pass it anchors on (p.needs) did not run in this compile."""
-    for need in getattr(p, "needs", ()):
+    for need in p.needs:
         pr = next((q for q in report.passes if q.name == need), None)
         why = ("not in this pass manager" if pr is None else f"skipped: {pr.skipped}" if pr.skipped
                else f"rolled back: {pr.error}" if pr.error else None)
