@@ -28,6 +28,7 @@ PASS_ORDER = (
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
     "fold_norm_gemv",         # after lower_decode_gemm: it takes that pass's k3::decode_gemm nodes
     "fold_mla_output",        # after lower_decode_gemm and fold_mla_prologue: it takes their ops
+    "fold_resnorm_gemm",      # after fuse_residual_norm and lower_decode_gemm: it takes their ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -37,7 +38,7 @@ PASS_ORDER = (
 # (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16),  # the latter: one MMA tile
-                        fold_norm_gemv=(1, 16), fold_mla_output=(1, 16))
+                        fold_norm_gemv=(1, 16), fold_mla_output=(1, 16), fold_resnorm_gemm=(1, 16))
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -124,11 +125,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # the split combine + value up-projection (+ gate) in one kernel: -1.3 / -1.6 / -8.0 (ad84e26; the
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
+    # the layer-input residual + AttnRes norm in the input projection's GEMM (TP=1): no GPU run yet
+    "fold_resnorm_gemm": (1, 0),
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
 # fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
-CUDA_UNMEASURED: set[str] = set()
+CUDA_UNMEASURED: set[str] = {"fold_resnorm_gemm"}
 
 
 @dataclass(frozen=True)

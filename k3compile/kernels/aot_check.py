@@ -20,6 +20,7 @@ from . import triton_router as KR
 from . import triton_conv as KC
 from . import triton_kda as KK
 from . import triton_mla as KA
+from . import triton_resgemm as KRG
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -126,6 +127,14 @@ def variants():
     # the shared expert's down GEMM with its SiTU in the x loads (launch.situ_mlp)
     out.append(("mma_gemm swap situ", KG.mma_gemm_kernel, mg,
                 dict(BM=16, BN=64, BK=128, SPLIT=1, SWAP=1, EVEN_K=1, ACC=0, SITU=1)))
+    # the layer-input residual + AttnRes norm in the GEMM that reads it (k3::residual_norm_gemm), as the
+    # KDA in_proj (unswapped, unsplit) and the MLA qkv_a (split) configs take it, 3 blocks and none
+    rg = dict(ints, res="*bf16", od="i64", upd="*bf16", g="*bf16", w_norm="*bf16", w_qk="*bf16", w="*bf16",
+              out="*bf16", part="*fp32", cnt="*i32", K="i32", swn="i32", som="i32",
+              **{f"o{i}": "i64" for i in range(8)})
+    for nb, bn, bk, sp, sw in ((3, 32, 256, 1, 0), (3, 32, 128, 2, 0), (0, 32, 256, 1, 0), (3, 64, 128, 2, 1)):
+        out.append((f"resnorm_gemm nb{nb} {'swap ' if sw else ''}split{sp}", KRG.resnorm_gemm_kernel, rg,
+                    dict(NB=nb, BM=16, BN=bn, BK=bk, SPLIT=sp, SWAP=sw, EVEN_K=1, IEEE=0, ALIGNED=1)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32", kv_w="*bf16", eps="fp32")
@@ -222,6 +231,8 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "mma_gemm split": ["mma.sync", "cp.async"], "mma_gemm swap": ["wgmma", "cp.async"],
           "mma_gemm split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
           "mma_gemm swap split4": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
+          "resnorm_gemm nb3 split1": ["mma.sync", "cp.async"], "resnorm_gemm nb3 swap": ["wgmma", "cp.async"],
+          "resnorm_gemm nb3 split2": ["atom.global.gpu.acq_rel.add", "ld.global.cg"],
           "pushed ar_residual_norm": ["sys.acquire"], "loop ": SEQ_PTX,
           # the grid barrier: a gpu-scope acq_rel arrival, the partials read back from L2 (.cg)
           "cols ": ["atom.global.gpu.acq_rel.add", "ld.global.cg"], "cols ar_norm w8": SEQ_PTX,
@@ -246,7 +257,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
 QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "kda_decode_fb", "kda_step", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
-         "gemv pdl", "mma_gemm", "mla_", "cols ")
+         "gemv pdl", "mma_gemm", "resnorm_gemm", "mla_", "cols ")
 
 
 def main(argv=None) -> int:
@@ -256,7 +267,7 @@ def main(argv=None) -> int:
     for name, fn, types, consts in variants():
         if quick and not name.startswith(QUICK):
             continue
-        ptx = compile_one(fn, types, consts, aligned=name.startswith(("mxfp4", "mma_gemm"))).asm["ptx"]
+        ptx = compile_one(fn, types, consts, aligned=name.startswith(("mxfp4", "mma_gemm", "resnorm_gemm"))).asm["ptx"]
         missing = [i for key, ins in EXPECT.items() if name.startswith(key) for i in ins if i not in ptx]
         missing += [f"forbidden {i}" for key, ins in FORBID.items() if name.startswith(key) for i in ins if i in ptx]
         missing += [f"{a} before {b}" for key, pairs in ORDER.items() if name.startswith(key) for a, b in pairs

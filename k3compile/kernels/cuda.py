@@ -27,6 +27,9 @@
   GEMMs inside the ops above go through the same table (choose.gemm).
 - decode_gemm_normed: the CUDA-core GEMV with the RMSNorm in its x loads where the tuned table
   picks that GEMV, else one Triton norm kernel and decode_gemm's path.
+- residual_norm_gemm: one Triton kernel (kernels/triton_resgemm.py): residual add + AttnRes / RMSNorm
+  inside the MMA decode GEMM's loop, where the tuned table runs the weight on that GEMM and the
+  (blocks + 2) x M rows fit its tile; else residual_norm's kernel and decode_gemm's path.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
   short conv + SiLU of one token.
@@ -318,6 +321,23 @@ def _ok_gemm_normed(x, g, eps, w):
 @register("decode_gemm_normed", "cuda", "triton_gemv_norm", _ok_gemm_normed)
 def _decode_gemm_normed(x, g, eps, w):
     return launch.gemm_normed(x, g, eps, w)
+
+
+def _ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
+    return (_ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, None, []) and w.dim() == 2
+            and w.dtype == delta.dtype and w.shape[1] == delta.shape[1])
+
+
+@register("residual_norm_gemm", "cuda", "triton_resnorm_gemm", _ok_resnorm_gemm)
+def _resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
+    # one kernel where the tuned table runs w on the MMA GEMM and the rows fit its tile; else the
+    # residual / norm kernel and the decode GEMM (what the two ops ran)
+    cfg = choose.gemv_plan(delta, w)
+    if (isinstance(cfg, launch.MmaCfg) and launch.resnorm_gemm_fits(delta.shape[0], len(blocks))
+            and w.stride(1) == 1 and os.environ.get("K3_RESNORM_GEMM", "1") != "0"):
+        return launch.resnorm_gemm(delta, residual, list(blocks), w_norm, w_qk, g, eps, w, cfg)
+    upd, normed = launch.residual_norm(delta, None, residual, blocks, w_norm, w_qk, g, eps)
+    return upd, choose.gemm("decode_gemm", normed, w)
 
 
 def _ok_bmm(x, w, w_nk, gate=None):

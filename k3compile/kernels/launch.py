@@ -569,6 +569,55 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
                                        num_warps=cfg.warps, num_stages=cfg.stages)
 
 
+def resnorm_gemm_fits(M: int, nb: int) -> bool:
+    """Whether triton_resgemm takes M tokens with nb AttnRes blocks: the rows of the blocks, the
+    residual and delta of every token in one MMA tile ((nb + 2) * M <= MMA_MAX_M), at most 8 blocks
+    (the kernel's block arguments)."""
+    return nb <= 8 and (nb + 2) * M <= MMA_MAX_M
+
+
+def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g: torch.Tensor, eps: float,
+                 w: torch.Tensor, cfg: MmaCfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(upd, out) of k3::residual_norm_gemm in one launch of triton_resgemm.resnorm_gemm_kernel (its
+    docstring): upd = res + delta, out = AttnResNorm(upd, blocks) @ w.t() (RMSNorm(upd, g) without
+    blocks). delta, res and the blocks [M, K] contiguous, of one dtype, w [N, K] with unit stride along K;
+    `cfg` is the MMA GEMM config of w's shape (choose.gemv_plan). M * (len(blocks) + 2) <= 16."""
+    from . import triton_resgemm as KR
+    M, K = res.shape
+    N, nb = w.shape[0], len(blocks)
+    if not resnorm_gemm_fits(M, nb):
+        raise ValueError(f"resnorm_gemm takes (blocks + 2) * M <= {MMA_MAX_M} rows and <= 8 blocks, "
+                         f"got M={M} with {nb} blocks")
+    if w.shape[1] != K or any(t.shape != res.shape or t.dtype != res.dtype or not t.is_contiguous()
+                              for t in (delta, res, *blocks)):
+        raise ValueError(f"resnorm_gemm: delta, residual and blocks must be contiguous [{M}, {K}] "
+                         f"and w [N, {K}] (w {tuple(w.shape)})")
+    upd = torch.empty_like(res)
+    out = torch.empty(M, N, dtype=res.dtype, device=res.device)
+    if not M:
+        return upd, out
+    tiles = triton.cdiv(N, cfg.bn)
+    split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
+    cnt = split_counters(res.device) if split > 1 and tiles <= SPLIT_SLOTS else None
+    if cnt is None:
+        split, cnt = 1, out
+    BM = MMA_MAX_M
+    part = (torch.empty(tiles * split * (BM * cfg.bn + BM * BM + BM), dtype=torch.float32, device=res.device)
+            if split > 1 else out)
+    size = res.element_size()
+    if any((t.data_ptr() - res.data_ptr()) % size for t in (delta, *blocks)):
+        raise ValueError("resnorm_gemm: delta and the blocks must lie a whole number of elements from res")
+    offs = [(t.data_ptr() - res.data_ptr()) // size for t in (delta, *blocks)]   # element offsets from res
+    aligned = K % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (delta, res, *blocks))
+    KR.resnorm_gemm_kernel[(tiles, split)](res, offs[0], *offs[1:], *([0] * (8 - nb)), upd, g,
+                                           w_norm if nb else g, w_qk if nb else g, w, out,
+                                           part, cnt, M, N, K, float(eps), w.stride(0), out.stride(0),
+                                           NB=nb, BM=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
+                                           EVEN_K=K % cfg.bk == 0, IEEE=res.dtype == torch.float32, ALIGNED=aligned,
+                                           num_warps=cfg.warps, num_stages=cfg.stages)
+    return upd, out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
          cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False,
          norm: "tuple[torch.Tensor, float] | None" = None) -> torch.Tensor:

@@ -313,6 +313,21 @@ def _(x, g, eps, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("k3::residual_norm_gemm", mutates_args=())
+def residual_norm_gemm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
+                       w_qk: Optional[Tensor], g: Tensor, eps: float, w: Tensor) -> tuple[Tensor, Tensor]:
+    """(updated, out): updated = residual + delta; out = (the AttnRes mixer of updated over `blocks`,
+    RMSNorm(g) when there are none) @ w.T, for a weight w [N, K] (k3::residual_norm at TP=1, then
+    k3::decode_gemm, in one op). On CUDA one Triton kernel (kernels/triton_resgemm.py) where the tuned
+    table runs this weight on the MMA decode GEMM and the rows fit one tile; else those two ops' kernels."""
+    return _run("residual_norm_gemm", ref.residual_norm_gemm, delta, residual, blocks, w_norm, w_qk, g, eps, w)
+
+
+@residual_norm_gemm.register_fake
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, w):
+    return torch.empty_like(residual), residual.new_empty(residual.shape[0], w.shape[0])
+
+
 @torch.library.custom_op("k3::decode_bmm", mutates_args=())
 def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
@@ -347,4 +362,5 @@ OPS = {
     "decode_gemm": torch.ops.k3.decode_gemm.default,
     "decode_bmm": torch.ops.k3.decode_bmm.default,
     "decode_gemm_normed": torch.ops.k3.decode_gemm_normed.default,
+    "residual_norm_gemm": torch.ops.k3.residual_norm_gemm.default,
 }

@@ -147,6 +147,12 @@ def decode_gemm_normed(x, g, eps, w):
     return torch.mm(rms_norm(x, g, eps), w.t())
 
 
+def residual_norm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
+    """k3::residual_norm_gemm: k3::residual_norm at TP=1 (no all-reduce), then its normed output @ w.T."""
+    updated, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
+    return updated, torch.mm(normed, w.t())
+
+
 def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     """k3::mla_decode_normed: kv_new = cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]]) (the
     model's MLA prologue), then the model's k3model::mla_decode (mutates kv_cache)."""
