@@ -418,13 +418,14 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
-        why = p.skip_reason(cuda, K3Options.make())
+        on = dataclasses.replace(cuda, tp=1) if p.name == "fold_resnorm_gemm" else cuda   # a TP=1 fold
+        why = p.skip_reason(on, K3Options.make())
         assert why and "(M=1)" in why and "gate='off'" in why, why
         assert ("not been measured" if p.name == "fold_kda_gate" else "at no M") in why, why
-        assert p.skip_reason(cuda, K3Options.make(gate="off")) is None
-        assert p.skip_reason(cuda, K3Options.make(mode="eager")) is None
-        assert p.skip_reason(dataclasses.replace(cuda, device="cpu"), K3Options.make()) is None
-        assert "(M=dynamic)" in p.skip_reason(dataclasses.replace(cuda, m="dynamic"), K3Options.make())
+        assert p.skip_reason(on, K3Options.make(gate="off")) is None
+        assert p.skip_reason(on, K3Options.make(mode="eager")) is None
+        assert p.skip_reason(dataclasses.replace(on, device="cpu"), K3Options.make()) is None
+        assert "(M=dynamic)" in p.skip_reason(dataclasses.replace(on, m="dynamic"), K3Options.make())
     monkeypatch.setitem(CUDA_PROFITABLE_M, "fuse_oproj_allreduce", (1, 4))
     p = PASSES["fuse_oproj_allreduce"]
     assert p.skip_reason(cuda, K3Options.make()) is None

@@ -44,17 +44,18 @@ class FoldResnormGemm(K3Pass):
     name = "fold_resnorm_gemm"
     needs = ("fuse_residual_norm", "lower_decode_gemm")
     description = "layer-input residual + AttnRes/RMSNorm read by one decode GEMM (TP=1) -> k3::residual_norm_gemm"
-    pattern = "k3::decode_gemm(k3::residual_norm(delta, prefix, blocks, ...)[1], W), TP=1 (KDA in_proj, MLA qkv_a)"
+    pattern = "k3::residual_norm(delta, prefix, blocks, ...) read by one k3::decode_gemm, TP=1 (KDA in_proj, MLA qkv_a)"
     emits = "k3::residual_norm_gemm"
 
     def expected(self, info):
         return 0   # counted in run(): the residual norms a decode GEMM reads
 
     def skip_reason(self, info, opts):
-        if info.tp > 1:
+        why = super().skip_reason(info, opts)
+        if why is None and info.tp > 1:
             return (f"TP={info.tp}: the layer input's op all-reduces delta first and its kernel computes the "
                     "norm beside the peers' loads, so there is no launch to save (the fold is TP=1 only)")
-        return super().skip_reason(info, opts)
+        return why
 
     def run(self, graph, info, opts, report):
         cands = []
