@@ -151,3 +151,26 @@ def test_residual_norm_gemm_on_cuda_bf16_eager_and_graphed(N, K, M, nb):
     check(upd, out)
     if fused and choose.gemv_plan(delta, w).split > 1:
         assert launch.split_counters(delta.device).abs().max() == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter run (CPU CI)")
+@pytest.mark.parametrize("M, nb, N1, N2, K, cfg, dt", [(1, 3, 32, 40, 96, (16, 32, 1), torch.float32),
+                                                       (2, 2, 64, 37, 130, (32, 32, 3, 4, 4, True), torch.float16)])
+def test_resnorm_gemm_two_weights_in_one_launch(M, nb, N1, N2, K, cfg, dt):
+    """TWO (the MoE input's router + latent down-projection at TP=1): [w1; w2] stacked in one launch,
+    each output equal to the reference's product with its weight; upd exact, into a given buffer."""
+    pytest.importorskip("triton")
+    from k3compile.kernels import launch
+    gen = torch.Generator().manual_seed(M + nb)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(dt)  # noqa: E731
+    delta, res, w1, w2 = mk(M, K), mk(M, K), mk(N1, K), mk(N2, K)
+    blocks = [mk(M, K) for _ in range(nb)]
+    wn, wq, g = [(torch.rand(K, generator=gen) + 0.5).to(dt) for _ in range(3)]
+    want_upd, want = ref.residual_norm_gemm(delta, res, blocks, wn, wq, g, 1e-5, torch.cat([w1, w2]))
+    buf = torch.empty_like(res)
+    upd, o1, o2 = launch.resnorm_gemm(delta, res, blocks, wn, wq, g, 1e-5, w1, launch.MmaCfg(*cfg), w2=w2, upd=buf)
+    assert upd is buf and torch.equal(upd, want_upd)
+    err = ((torch.cat([o1, o2], 1).float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < (1e-5 if dt == torch.float32 else 3e-3), err
+    with pytest.raises(ValueError, match="multiple"):
+        launch.resnorm_gemm(delta, res, blocks, wn, wq, g, 1e-5, w1[:N1 - 1], launch.MmaCfg(*cfg), w2=w2)

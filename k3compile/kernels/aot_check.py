@@ -130,11 +130,13 @@ def variants():
     # the layer-input residual + AttnRes norm in the GEMM that reads it (k3::residual_norm_gemm), as the
     # KDA in_proj (unswapped, unsplit) and the MLA qkv_a (split) configs take it, 3 blocks and none
     rg = dict(ints, res="*bf16", od="i64", upd="*bf16", g="*bf16", w_norm="*bf16", w_qk="*bf16", w="*bf16",
-              out="*bf16", part="*fp32", cnt="*i32", K="i32", swn="i32", som="i32",
-              **{f"o{i}": "i64" for i in range(8)})
+              out="*bf16", part="*fp32", cnt="*i32", K="i32", swn="i32", som="i32", w2="*bf16", out2="*bf16",
+              N1="i32", swn2="i32", som2="i32", **{f"o{i}": "i64" for i in range(8)})
     for nb, bn, bk, sp, sw in ((3, 32, 256, 1, 0), (3, 32, 128, 2, 0), (0, 32, 256, 1, 0), (3, 64, 128, 2, 1)):
         out.append((f"resnorm_gemm nb{nb} {'swap ' if sw else ''}split{sp}", KRG.resnorm_gemm_kernel, rg,
                     dict(NB=nb, BM=16, BN=bn, BK=bk, SPLIT=sp, SWAP=sw, EVEN_K=1, IEEE=0, ALIGNED=1)))
+    out.append(("resnorm_gemm nb3 two swap split2", KRG.resnorm_gemm_kernel, rg,   # router + latent (TP=1)
+                dict(NB=3, BM=16, BN=64, BK=128, SPLIT=2, SWAP=1, EVEN_K=1, IEEE=0, ALIGNED=1, TWO=1)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32", kv_w="*bf16", eps="fp32")

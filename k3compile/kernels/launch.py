@@ -577,7 +577,7 @@ def resnorm_gemm_fits(M: int, nb: int) -> bool:
 
 
 def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g: torch.Tensor, eps: float,
-                 w: torch.Tensor, cfg: MmaCfg) -> tuple[torch.Tensor, torch.Tensor]:
+                 w: torch.Tensor, cfg: MmaCfg, w2: torch.Tensor | None = None, upd: torch.Tensor | None = None):
     """(upd, out) of k3::residual_norm_gemm in one launch of triton_resgemm.resnorm_gemm_kernel (its
     docstring): upd = res + delta, out = AttnResNorm(upd, blocks) @ w.t() (RMSNorm(upd, g) without
     blocks). delta, res and the blocks [M, K] contiguous, of one dtype, w [N, K] with unit stride along K;
@@ -592,10 +592,17 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
                               for t in (delta, res, *blocks)):
         raise ValueError(f"resnorm_gemm: delta, residual and blocks must be contiguous [{M}, {K}] "
                          f"and w [N, {K}] (w {tuple(w.shape)})")
-    upd = torch.empty_like(res)
-    out = torch.empty(M, N, dtype=res.dtype, device=res.device)
+    two = w2 is not None
+    if two and (w2.shape[1] != K or w2.dtype != w.dtype or w.shape[0] % cfg.bn or w2.stride(1) != 1):
+        raise ValueError(f"resnorm_gemm: w2 {tuple(w2.shape)} must share w's K and dtype, and w's rows "
+                         f"({w.shape[0]}) must be a multiple of the config's BN ({cfg.bn})")
+    N1 = N
+    N = N1 + (w2.shape[0] if two else 0)
+    upd = torch.empty_like(res) if upd is None else upd
+    out = torch.empty(M, N1, dtype=res.dtype, device=res.device)
+    out2 = torch.empty(M, w2.shape[0], dtype=res.dtype, device=res.device) if two else out
     if not M:
-        return upd, out
+        return (upd, out, out2) if two else (upd, out)
     tiles = triton.cdiv(N, cfg.bn)
     split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
     cnt = split_counters(res.device) if split > 1 and tiles <= SPLIT_SLOTS else None
@@ -612,10 +619,11 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
     KR.resnorm_gemm_kernel[(tiles, split)](res, offs[0], *offs[1:], *([0] * (8 - nb)), upd, g,
                                            w_norm if nb else g, w_qk if nb else g, w, out,
                                            part, cnt, M, N, K, float(eps), w.stride(0), out.stride(0),
+                                           w2 if two else w, out2, N1, w2.stride(0) if two else 0, out2.stride(0),
                                            NB=nb, BM=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
                                            EVEN_K=K % cfg.bk == 0, IEEE=res.dtype == torch.float32, ALIGNED=aligned,
-                                           num_warps=cfg.warps, num_stages=cfg.stages)
-    return upd, out
+                                           TWO=two, num_warps=cfg.warps, num_stages=cfg.stages)
+    return (upd, out, out2) if two else (upd, out)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,

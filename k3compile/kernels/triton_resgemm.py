@@ -80,10 +80,10 @@ def _finish(acc, G, L, rm, M, K, eps, NB: tl.constexpr):
 
 @triton.jit
 def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm, w_qk, w, out, part, cnt,
-                        M, N, K, eps, swn, som,
+                        M, N, K, eps, swn, som, w2, out2, N1, swn2, som2,
                         NB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                        ALIGNED: tl.constexpr):
+                        ALIGNED: tl.constexpr, TWO: tl.constexpr = False):
     """upd = res + delta; out = AttnResNorm(upd, blocks) @ W^T (module docstring). res, delta and the
     blocks are [M, K] contiguous (row stride K); delta and block s are addressed as res + od / res + o{s}
     (element offsets from res: one pointer, so the tile is ONE load per K step, ONE pipelined shared-
@@ -91,13 +91,27 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
     delta's ((NB + 1) * M + m); a 0/1 matrix T (one small tl.dot, exact in fp32) turns them into the
     sources, upd = res + delta rounded to the model dtype as the reference rounds it. W [N, K] and out
     [M, N] with unit stride along K / N; (NB + 2) * M <= BM. ALIGNED: every offset a multiple of 8
-    elements (16-byte vector loads)."""
+    elements (16-byte vector loads). TWO: W is two weights stacked, [w; w2], and so is out ([out | out2]),
+    as in mma_gemm_kernel (N1 = w's rows, a multiple of BN; w2, out2, N1, swn2, som2 unused otherwise):
+    the router and the latent down-projection of the MoE input in one launch."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     DT = out.dtype.element_ty
-    rn = pid * BN + tl.arange(0, BN)
+    r0 = pid * BN
+    nlim = N
+    if TWO:
+        if r0 >= N1:        # this program's rows are w2's
+            w = w2
+            swn = swn2
+            out = out2
+            som = som2
+            r0 = r0 - N1
+            nlim = N - N1
+        else:
+            nlim = N1
+    rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
-    nmask = rn < N
+    nmask = rn < nlim
     ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
     k_lo = sid * ks
     k_hi = tl.minimum(k_lo + ks, K)
