@@ -32,7 +32,7 @@ def _expect_full_match(passes, tp):
         assert error is None, (name, error)
         if skipped == "disabled by options":
             continue
-        if name == "fold_resnorm_gemm" and tp > 1:   # a TP=1 fold: skipped with that reason
+        if name in ("fold_resnorm_gemm", "fold_resnorm_moe") and tp > 1:   # TP=1 folds: skipped with that reason
             assert skipped and skipped.startswith(f"TP={tp}:"), (name, skipped)
             continue
         assert skipped is None, (name, skipped)
@@ -418,7 +418,7 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
-        on = dataclasses.replace(cuda, tp=1) if p.name == "fold_resnorm_gemm" else cuda   # a TP=1 fold
+        on = dataclasses.replace(cuda, tp=1) if p.name.startswith("fold_resnorm") else cuda   # TP=1 folds
         why = p.skip_reason(on, K3Options.make())
         assert why and "(M=1)" in why and "gate='off'" in why, why
         assert ("not been measured" if p.name == "fold_kda_gate" else "at no M") in why, why

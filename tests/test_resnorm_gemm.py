@@ -174,3 +174,33 @@ def test_resnorm_gemm_two_weights_in_one_launch(M, nb, N1, N2, K, cfg, dt):
     assert err < (1e-5 if dt == torch.float32 else 3e-3), err
     with pytest.raises(ValueError, match="multiple"):
         launch.resnorm_gemm(delta, res, blocks, wn, wq, g, 1e-5, w1[:N1 - 1], launch.MmaCfg(*cfg), w2=w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M, nb", [(1, 3), (2, 3), (4, 3)])
+def test_post_attention_folds_on_cuda_bf16(M, nb):
+    """fold_resnorm_moe's ops at TP=1 with TP=8 expert widths: the router + latent down-projection
+    (896 + 3584 rows, one launch over both weights) and the shared expert (gate-up 1536 rows, on the
+    side stream) of the AttnRes-normed residual + delta, in bf16, against their references (1e-2
+    relative; `updated` exact). M=4 with 3 blocks takes the norm kernel first."""
+    from k3compile.runtime import streams
+    gen = torch.Generator("cuda").manual_seed(M * 7 + nb)
+    K = 7168
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
+    delta, res = mk(M, K), mk(M, K)
+    blocks = [mk(M, K) for _ in range(nb)]
+    wn, wq, g = [(torch.rand(K, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3)]
+    wr, wd = mk(896, K) / K ** 0.5, mk(3584, K) / K ** 0.5
+    wgu, wdn = mk(1536, K) / K ** 0.5, mk(K, 768) / 768 ** 0.5
+    args = (delta, res, blocks, wn, wq, g, 1e-5)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    upd, logits, lat = torch.ops.k3.residual_norm_router_latent(*args, wr, wd)
+    want = ref.residual_norm_router_latent(*args, wr, wd)
+    assert torch.equal(upd, want[0]) and rel(logits, want[1]) < 1e-2 and rel(lat, want[2]) < 1e-2
+    sh = torch.ops.k3.shared_expert_async_resnorm(*args, wgu, wdn, 4.0, 25.0)
+    streams.join(sh)
+    assert rel(sh, ref.shared_expert_resnorm(*args, wgu, wdn, 4.0, 25.0)) < 2e-2

@@ -30,6 +30,9 @@
 - residual_norm_gemm: one Triton kernel (kernels/triton_resgemm.py): residual add + AttnRes / RMSNorm
   inside the MMA decode GEMM's loop, where the tuned table runs the weight on that GEMM and the
   (blocks + 2) x M rows fit its tile; else residual_norm's kernel and decode_gemm's path.
+- residual_norm_router_latent / shared_expert_async_resnorm (TP=1): the post-attention residual + norm
+  folded the same way into the MoE input's router + latent GEMM (one launch over both weights) and
+  into the shared expert's gate-up GEMM on the side stream; else the norm kernel first.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
   short conv + SiLU of one token.
@@ -338,6 +341,27 @@ def _resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
         return launch.resnorm_gemm(delta, residual, list(blocks), w_norm, w_qk, g, eps, w, cfg)
     upd, normed = launch.residual_norm(delta, None, residual, blocks, w_norm, w_qk, g, eps)
     return upd, choose.gemm("decode_gemm", normed, w)
+
+
+def _ok_resnorm_two(delta, residual, blocks, w_norm, w_qk, g, eps, w1, w2, *rest):
+    return (_ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w1) and w2.dim() == 2
+            and w2.dtype == w1.dtype and w2.shape[1] == w1.shape[1])
+
+
+@register("residual_norm_router_latent", "cuda", "triton_resnorm_gemm", _ok_resnorm_two)
+def _resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
+    return launch.resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
+
+
+@register("shared_expert_async_resnorm", "cuda", "side_stream", _ok_resnorm_two)
+def _shared_expert_async_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta,
+                                 linear_beta, after=None):
+    nb = len(blocks)
+
+    def fn(delta, residual, w_gate_up, w_down, g, *rest):   # every tensor a top-level argument of fork
+        bl, (w_norm, w_qk) = list(rest[:nb]), (rest[nb:] or (None, None))
+        return launch.situ_mlp_resnorm(delta, residual, bl, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta)
+    return streams.fork(fn, delta, residual, w_gate_up, w_down, g, *blocks, *((w_norm, w_qk) if nb else ()))
 
 
 def _ok_bmm(x, w, w_nk, gate=None):

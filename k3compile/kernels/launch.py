@@ -715,6 +715,30 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
     return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
 
 
+def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_down):
+    """(upd, logits, latent) of k3::residual_norm_router_latent: one resnorm_gemm launch over [W_r; W_down]
+    where the stacked shape has an MMA config whose BN divides the router's rows and the rows fit the
+    tile; else the residual / norm kernel and router_latent_one."""
+    M, nb = res.shape[0], len(blocks)
+    cfg = _two_weight_cfg(delta, w_router, w_down, w_router.shape[0] + w_down.shape[0])
+    if cfg is not None and resnorm_gemm_fits(M, nb) and w_router.shape[0] % cfg.bn == 0:
+        return resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_router, cfg, w2=w_down)
+    upd, x = residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)
+    return (upd, *router_latent_one(x, w_router, w_down))
+
+
+def situ_mlp_resnorm(delta, res, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
+    """situ_mlp of the AttnRes-normed res + delta: the gate-up GEMM folds the norm (resnorm_gemm; its upd
+    goes to a scratch row, the router op writes the real one) where the weight has an MMA config and
+    the rows fit; else the residual / norm kernel first."""
+    cfg = choose.gemv_plan(delta, w_gate_up)
+    if isinstance(cfg, MmaCfg) and resnorm_gemm_fits(res.shape[0], len(blocks)) and w_gate_up.stride(1) == 1:
+        _, gu = resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_gate_up, cfg)
+    else:
+        gu = choose.gemm("shared_gate_up", residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)[1], w_gate_up)
+    return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
+
+
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 

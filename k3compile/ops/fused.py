@@ -328,6 +328,41 @@ def _(delta, residual, blocks, w_norm, w_qk, g, eps, w):
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("k3::residual_norm_router_latent", mutates_args=())
+def residual_norm_router_latent(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
+                                w_qk: Optional[Tensor], g: Tensor, eps: float, w_router: Tensor,
+                                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(updated, router logits, latent): updated = residual + delta; x = the AttnRes mixer of updated
+    (RMSNorm(g) without blocks); x @ W_r.T and x @ W_down.T (TP=1: the post-attention norm folded into
+    the MoE input's router + latent GEMM). On CUDA one launch of kernels/triton_resgemm.py over the
+    stacked weights where the rows fit its tile and the stacked shape has an MMA config; else
+    the norm kernel and the stacked GEMM."""
+    return _run("residual_norm_router_latent", ref.residual_norm_router_latent, delta, residual, blocks, w_norm,
+                w_qk, g, eps, w_router, w_down)
+
+
+@residual_norm_router_latent.register_fake
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
+    M = residual.shape[0]
+    return torch.empty_like(residual), residual.new_empty(M, w_router.shape[0]), residual.new_empty(M, w_down.shape[0])
+
+
+@torch.library.custom_op("k3::shared_expert_async_resnorm", mutates_args=())
+def shared_expert_async_resnorm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
+                                w_qk: Optional[Tensor], g: Tensor, eps: float, w_gate_up: Tensor, w_down: Tensor,
+                                beta: float, linear_beta: float, after: Optional[Tensor] = None) -> Tensor:
+    """k3::shared_expert_async of the AttnRes-normed residual + delta (TP=1): on CUDA the side stream's
+    gate-up GEMM folds the norm as k3::residual_norm_router_latent does. `after`: ordering only."""
+    return _run("shared_expert_async_resnorm",
+                lambda *a: ref.shared_expert_resnorm(*a[:11]),
+                delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta, after)
+
+
+@shared_expert_async_resnorm.register_fake
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta, after=None):
+    return residual.new_empty(residual.shape[0], w_down.shape[0])
+
+
 @torch.library.custom_op("k3::decode_bmm", mutates_args=())
 def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
@@ -363,4 +398,6 @@ OPS = {
     "decode_bmm": torch.ops.k3.decode_bmm.default,
     "decode_gemm_normed": torch.ops.k3.decode_gemm_normed.default,
     "residual_norm_gemm": torch.ops.k3.residual_norm_gemm.default,
+    "residual_norm_router_latent": torch.ops.k3.residual_norm_router_latent.default,
+    "shared_expert_async_resnorm": torch.ops.k3.shared_expert_async_resnorm.default,
 }

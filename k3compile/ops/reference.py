@@ -153,6 +153,19 @@ def residual_norm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
     return updated, torch.mm(normed, w.t())
 
 
+def residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
+    """k3::residual_norm_router_latent: k3::residual_norm at TP=1, then the router and latent GEMMs of its
+    normed output (k3::router_latent_sharded at TP=1)."""
+    updated, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
+    return updated, F.linear(normed, w_router), F.linear(normed, w_down)
+
+
+def shared_expert_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
+    """k3::shared_expert_async_resnorm: the shared expert of k3::residual_norm's normed output (TP=1)."""
+    _, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
+    return shared_expert(normed, w_gate_up, w_down, beta, linear_beta)
+
+
 def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     """k3::mla_decode_normed: kv_new = cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]]) (the
     model's MLA prologue), then the model's k3model::mla_decode (mutates kv_cache)."""
