@@ -92,7 +92,7 @@ class FoldResnormMoe(K3Pass):
                     graph.erase_node(item)
             graph.erase_node(rl)
             with graph.inserting_before(sh):
-                new_sh = graph.call_function(OPS["shared_expert_async_resnorm"], (*src, *sh.args[1:5]), dict(sh.kwargs))
+                new_sh = graph.call_function(OPS["shared_expert_async_resnorm"], (*src, *sh.args[1:]), dict(sh.kwargs))
             new_sh.meta.update({k: v for k, v in sh.meta.items() if k in ("val", "stack_trace")})
             inherit(new_sh, sh)
             sh.replace_all_uses_with(new_sh)
