@@ -373,12 +373,12 @@ torch.cuda.synchronize()" ;;
     # passes and kernels (K3_LB_EXTRA="--ablate-passes lower_decode_gemm" for their rows only)
     # the layer-input residual + AttnRes norm in the input projection's GEMM (fold_resnorm_gemm, TP=1) and the
     # post-attention one in the MoE input's GEMMs (fold_resnorm_moe): their GPU tests, then both layers with
-    # each let through the gate (rg, rgm) and both (rg2) beside the default
+    # the first let through the gate (rg) and both (rg2) beside the default
     resgemm) step resgemm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py
              for L in kda mla; do
                step layer_${L}_tp8_w1_rg 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,2,4} --ablate 0 \
-                 --env rg:K3_UNGATED=fold_resnorm_gemm --env rgm:K3_UNGATED=fold_resnorm_moe \
-                 --env rg2:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe --world 1 --layer $L --shapes tp8 \
+                 --env rg:K3_UNGATED=fold_resnorm_gemm --env rg2:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe \
+                 --world 1 --layer $L --shapes tp8 \
                  --out "$R/layer_${L}_tp8_w1_rg.json"
              done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
