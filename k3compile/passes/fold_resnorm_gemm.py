@@ -31,13 +31,22 @@ from .base import K3Pass
 from .common import emit, getitem
 
 
-def _outputs(n):
-    """(updated, normed) getitem nodes of a residual_norm node (None where an output is unread)."""
-    out = [None, None]
+def outputs(n, k: int = 2):
+    """The getitem nodes of a multi-output node, by index (None where an output is unread)."""
+    out = [None] * k
     for u in n.users:
-        if u.op == "call_function" and u.target is operator.getitem and u.args[1] in (0, 1):
+        if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) and u.args[1] < k:
             out[u.args[1]] = u
     return out
+
+
+def tp1_only(info, why: str | None, op: str) -> str | None:
+    """The TP=1 folds' skip reason: the base one (dtype, M range, gate), else at TP > 1 that `op` keeps its
+    all-reduce kernel, which computes the norm beside the peers' loads."""
+    if why is None and info.tp > 1:
+        return (f"TP={info.tp}: {op} all-reduces first and its kernel computes the norm beside the peers' loads, "
+                "so there is no launch to save (the fold is TP=1 only)")
+    return why
 
 
 class FoldResnormGemm(K3Pass):
@@ -51,17 +60,13 @@ class FoldResnormGemm(K3Pass):
         return 0   # counted in run(): the residual norms a decode GEMM reads
 
     def skip_reason(self, info, opts):
-        why = super().skip_reason(info, opts)
-        if why is None and info.tp > 1:
-            return (f"TP={info.tp}: the layer input's op all-reduces delta first and its kernel computes the "
-                    "norm beside the peers' loads, so there is no launch to save (the fold is TP=1 only)")
-        return why
+        return tp1_only(info, super().skip_reason(info, opts), "the layer input's op")
 
     def run(self, graph, info, opts, report):
         cands = []
         for n in graph.nodes:
             if is_call(n, OPS["residual_norm"]):
-                normed = _outputs(n)[1]
+                normed = outputs(n)[1]
                 if normed is not None and any(is_call(u, OPS["decode_gemm"]) and u.args[0] is normed
                                               for u in normed.users):
                     cands.append(n)
@@ -70,7 +75,7 @@ class FoldResnormGemm(K3Pass):
             delta, prefix, blocks, w_norm, w_qk, g, eps = n.args[:7]
             new = emit(graph, n, OPS["residual_norm_gemm"], (delta, prefix, blocks, w_norm, w_qk, g, eps, gemm.args[1]))
             upd, y = getitem(graph, new, 0), getitem(graph, new, 1)
-            old_upd, old_normed = _outputs(n)
+            old_upd, old_normed = outputs(n)
             if old_upd is not None:
                 old_upd.replace_all_uses_with(upd)
                 graph.erase_node(old_upd)
@@ -87,7 +92,7 @@ class FoldResnormGemm(K3Pass):
             return Fail(n, f"the op all-reduces delta over {group!r} (the fold is TP=1 only)")
         if prefetch:
             return Fail(n, f"the op carries an L2 prefetch of {len(prefetch)} weight(s) (the fold would drop it)")
-        normed = _outputs(n)[1]
+        normed = outputs(n)[1]
         readers = list(normed.users)
         if len(readers) != 1:
             return Fail(normed, f"the normed output is read by {len(readers)} nodes "

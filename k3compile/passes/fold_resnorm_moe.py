@@ -26,21 +26,11 @@ the first GPU run).
 """
 from __future__ import annotations
 
-import operator
-
 from ..ops import OPS
 from ..patterns.graph import Fail, is_call, shape
 from .base import K3Pass
 from .common import emit, getitem, inherit
-
-
-def _items(n, k):
-    """The getitem nodes of a multi-output node, by index (None where unread)."""
-    out = [None] * k
-    for u in n.users:
-        if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) and u.args[1] < k:
-            out[u.args[1]] = u
-    return out
+from .fold_resnorm_gemm import outputs, tp1_only
 
 
 class FoldResnormMoe(K3Pass):
@@ -55,17 +45,13 @@ class FoldResnormMoe(K3Pass):
         return 0   # counted in run(): the o-proj ops whose normed output a router op reads
 
     def skip_reason(self, info, opts):
-        why = super().skip_reason(info, opts)
-        if why is None and info.tp > 1:
-            return (f"TP={info.tp}: the o-proj op all-reduces its GEMM's partial and its kernel computes the "
-                    "norm beside the peers' loads, so there is no launch to save (the fold is TP=1 only)")
-        return why
+        return tp1_only(info, super().skip_reason(info, opts), "the o-proj op")
 
     def run(self, graph, info, opts, report):
         cands = []
         for n in graph.nodes:
             if is_call(n, OPS["oproj_allreduce_residual"]):
-                x = _items(n, 2)[1]
+                x = outputs(n, 2)[1]
                 if x is not None and any(is_call(u, OPS["router_latent_sharded"]) and u.args[0] is x for u in x.users):
                     cands.append(n)
         fits = [n for n in cands if _fits(n)]
@@ -82,11 +68,11 @@ class FoldResnormMoe(K3Pass):
             src = (delta, prefix, blocks, w_norm, w_qk, g, eps)
             new_rl = emit(graph, delta, OPS["residual_norm_router_latent"], (*src, rl.args[1], rl.args[2]))
             upd, logits, lat = (getitem(graph, new_rl, i) for i in range(3))
-            old_upd, old_x = _items(n, 2)
+            old_upd, old_x = outputs(n, 2)
             if old_upd is not None:
                 old_upd.replace_all_uses_with(upd)
                 graph.erase_node(old_upd)
-            for i, item in enumerate(_items(rl, 2)):
+            for i, item in enumerate(outputs(rl, 2)):
                 if item is not None:
                     item.replace_all_uses_with((logits, lat)[i])
                     graph.erase_node(item)
@@ -110,7 +96,7 @@ class FoldResnormMoe(K3Pass):
             return Fail(n, f"the op carries an L2 prefetch of {len(prefetch)} weight(s) (the fold would drop it)")
         if n.args[6] is None:
             return Fail(n, "the op computes no norm (g is None)")
-        x = _items(n, 2)[1]
+        x = outputs(n, 2)[1]
         readers = list(x.users)
         rl = [u for u in readers if is_call(u, OPS["router_latent_sharded"]) and u.args[0] is x]
         sh = [u for u in readers if is_call(u, OPS["shared_expert_async"]) and u.args[0] is x]
