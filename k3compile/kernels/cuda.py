@@ -336,8 +336,7 @@ def _resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
     # one kernel where the tuned table runs w on the MMA GEMM and the rows fit its tile; else the
     # residual / norm kernel and the decode GEMM (what the two ops ran)
     cfg = choose.gemv_plan(delta, w)
-    if (isinstance(cfg, launch.MmaCfg) and launch.resnorm_gemm_fits(delta.shape[0], len(blocks))
-            and w.stride(1) == 1 and os.environ.get("K3_RESNORM_GEMM", "1") != "0"):
+    if isinstance(cfg, launch.MmaCfg) and launch.resnorm_gemm_fits(delta.shape[0], len(blocks)) and w.stride(1) == 1:
         return launch.resnorm_gemm(delta, residual, list(blocks), w_norm, w_qk, g, eps, w, cfg)
     upd, normed = launch.residual_norm(delta, None, residual, blocks, w_norm, w_qk, g, eps)
     return upd, choose.gemm("decode_gemm", normed, w)

@@ -544,6 +544,18 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: MmaCfg,
     return out1, out2
 
 
+def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int):
+    """(tiles, split, counters, partials) of an MMA-GEMM launch: SPLIT programs per BN rows (at most one per
+    BK of K), the split-K counters of the current stream and fp32 partials of `per_program` floats per
+    program; unsplit where no counters are to be had (split_counters), `out` then standing in for both."""
+    tiles = triton.cdiv(N, cfg.bn)
+    split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
+    cnt = split_counters(out.device) if split > 1 and tiles <= SPLIT_SLOTS else None
+    if cnt is None:   # no counters for this call: the same product unsplit
+        return tiles, 1, out, out
+    return tiles, split, cnt, torch.empty(tiles * split * per_program, dtype=torch.float32, device=out.device)
+
+
 def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
     from . import triton_gemv as KG
     M, K = x.shape[0], w.shape[1]
@@ -553,12 +565,7 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
         raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
     if not M:
         return
-    tiles = triton.cdiv(N, cfg.bn)
-    split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
-    cnt = split_counters(x.device) if split > 1 and tiles <= SPLIT_SLOTS else None
-    if cnt is None:   # no counters for this call (split_counters): the same product unsplit
-        split, cnt = 1, out
-    part = torch.empty(tiles * split * MMA_MAX_M * cfg.bn, dtype=torch.float32, device=x.device) if split > 1 else out
+    tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     two = w2 is not None
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        w2 if two else w, out2 if two else out, N1,
@@ -603,14 +610,8 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
     out2 = torch.empty(M, w2.shape[0], dtype=res.dtype, device=res.device) if two else out
     if not M:
         return (upd, out, out2) if two else (upd, out)
-    tiles = triton.cdiv(N, cfg.bn)
-    split = max(1, min(cfg.split, triton.cdiv(K, cfg.bk)))
-    cnt = split_counters(res.device) if split > 1 and tiles <= SPLIT_SLOTS else None
-    if cnt is None:
-        split, cnt = 1, out
     BM = MMA_MAX_M
-    part = (torch.empty(tiles * split * (BM * cfg.bn + BM * BM + BM), dtype=torch.float32, device=res.device)
-            if split > 1 else out)
+    tiles, split, cnt, part = _split_plan(out, N, K, cfg, BM * cfg.bn + BM * BM + BM)   # partials: acc, G, l
     size = res.element_size()
     if any((t.data_ptr() - res.data_ptr()) % size for t in (delta, *blocks)):
         raise ValueError("resnorm_gemm: delta and the blocks must lie a whole number of elements from res")

@@ -104,6 +104,24 @@ def rms_norm_kernel(x, g, out, K, sxm, som, eps, BLOCK: tl.constexpr):
     tl.store(out + m * som + rk, y.to(out.dtype.element_ty), mask=km)
 
 
+@triton.jit
+def two_rows(r0, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO: tl.constexpr):
+    """(weight, its row stride, output, its row stride, first row, rows) of the program whose first
+    stacked row is r0: with TWO, rows at or past N1 are w2's (into out2), else w's, whose rows are N1."""
+    nlim = N
+    if TWO:
+        if r0 >= N1:        # this program's rows are w2's
+            w = w2
+            swn = swn2
+            out = out2
+            som = som2
+            r0 = r0 - N1
+            nlim = N - N1
+        else:
+            nlim = N1
+    return w, swn, out, som, r0, nlim
+
+
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
 def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, beta, lbeta,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
@@ -120,18 +138,7 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     operand is SiTU(x[:, :K], x[:, K:]) with `beta`, `lbeta` (unused otherwise)."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
-    r0 = pid * BN
-    nlim = N
-    if TWO:
-        if r0 >= N1:        # this program's rows are w2's
-            w = w2
-            swn = swn2
-            out = out2
-            som = som2
-            r0 = r0 - N1
-            nlim = N - N1
-        else:
-            nlim = N1
+    w, swn, out, som, r0, nlim = two_rows(pid * BN, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     nmask = rn < nlim

@@ -34,6 +34,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .triton_gemv import two_rows
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """tl.dot(a, b, acc), full-precision fp32 where IEEE (fp32 operands: the CPU tests' dtype)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
 
 @triton.jit
 def _pick(b0, b1, b2, b3, b4, b5, b6, b7, S: tl.constexpr):
@@ -97,18 +107,7 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     DT = out.dtype.element_ty
-    r0 = pid * BN
-    nlim = N
-    if TWO:
-        if r0 >= N1:        # this program's rows are w2's
-            w = w2
-            swn = swn2
-            out = out2
-            som = som2
-            r0 = r0 - N1
-            nlim = N - N1
-        else:
-            nlim = N1
+    w, swn, out, som, r0, nlim = two_rows(pid * BN, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     nmask = rn < nlim
@@ -144,32 +143,20 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
             wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & km[None, :], other=0.0,
                          eviction_policy="evict_first")
         xr = tl.load(res + rowoff[:, None] + rk[None, :], mask=live[:, None] & km[None, :], other=0.0)
-        if IEEE:
-            x = tl.dot(T, xr, input_precision="ieee")
-        else:
-            x = tl.dot(T, xr)
+        x = _dot(T, xr, tl.zeros([BM, BK], tl.float32), IEEE)
         xb = x.to(DT)                     # the blocks exact, upd's rows rounded once
         if pid == 0:
             tl.store(upd + (rm - NB * M)[:, None] * K + rk[None, :], xb, mask=us[:, None] & km[None, :])
         x = xb.to(tl.float32)
-        if IEEE:
-            G = tl.dot(xb, tl.trans(xb), G, input_precision="ieee")
-        else:
-            G = tl.dot(xb, tl.trans(xb), G)
+        G = _dot(xb, tl.trans(xb), G, IEEE)
         if NB > 0:
             wq = tl.load(w_norm + rk, mask=km, other=0.0).to(tl.float32) * tl.load(w_qk + rk, mask=km, other=0.0).to(tl.float32)
             L += tl.sum(x * wq[None, :], 1)
         xs = (x * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(DT)
         if SWAP:
-            if IEEE:
-                acc = tl.dot(wt, tl.trans(xs), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(wt, tl.trans(xs), acc)
+            acc = _dot(wt, tl.trans(xs), acc, IEEE)
         else:
-            if IEEE:
-                acc = tl.dot(xs, tl.trans(wt), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(xs, tl.trans(wt), acc)
+            acc = _dot(xs, tl.trans(wt), acc, IEEE)
     if SWAP:
         acc = tl.trans(acc)
     op = out + rm[:, None] * som + rn[None, :]
