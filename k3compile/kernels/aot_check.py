@@ -137,6 +137,13 @@ def variants():
                     dict(NB=nb, BM=16, BN=bn, BK=bk, SPLIT=sp, SWAP=sw, EVEN_K=1, IEEE=0, ALIGNED=1)))
     out.append(("resnorm_gemm nb3 two swap split2", KRG.resnorm_gemm_kernel, rg,   # router + latent (TP=1)
                 dict(NB=3, BM=16, BN=64, BK=128, SPLIT=2, SWAP=1, EVEN_K=1, IEEE=0, ALIGNED=1, TWO=1)))
+    # the latent tail at TP=1 in the up-projection GEMM (launch.tail_gemm): the world-1 latent up's
+    # config (mmas 64/256/1/4/3) at M=1, top-16 (16 rows), and at 32 rows (BK halved), split
+    tg = dict(ints, y="*bf16", tw="*fp32", g="*bf16", w="*bf16", sp="*bf16", out="*bf16", part="*fp32", cnt="*i32",
+              K="i32", eps="fp32", swn="i32", ssp="i32", som="i32")
+    for bx, bk, sp in ((16, 256, 1), (32, 128, 2)):
+        out.append((f"tail_gemm rows{bx} swap split{sp}", KRG.tail_gemm_kernel, tg,
+                    dict(TOPK=16, BM=16, BX=bx, BN=64, BK=bk, SPLIT=sp, SWAP=1, EVEN_K=1, IEEE=0)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32", kv_w="*bf16", eps="fp32")

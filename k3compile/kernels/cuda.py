@@ -11,6 +11,9 @@
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns (the column-split kernel where launch.cols_plan says).
+  At TP=1, where launch.tail_gemm_wanted says (launch.TAIL_GEMM_M), ONE kernel instead
+  (kernels/triton_resgemm.tail_gemm_kernel): the finalize and the norm inside the up-projection's
+  MMA decode GEMM, the shared partial added in its epilogue.
 - router_latent_sharded: one GEMM on this rank's rows of [W_r; W_down] (a view of one weight, or
   for the one rank whose rows straddle both one launch over both (`launch.mma_gemm2`) where the
   tuned config's tile divides its router rows, else a copy made once, `launch.rank_rows`), then
@@ -157,7 +160,13 @@ def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefet
 
 @register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
 def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
-    M, _, L = y.shape
+    M, topk, L = y.shape
+    if not group and w_up.shape[0] == shared_partial.shape[-1] and launch.tail_gemm_wanted(M, topk):
+        # TP=1: the finalize and the norm inside the up-projection's MMA GEMM, where the tuned table
+        # runs w_up on that GEMM (launch.TAIL_GEMM)
+        cfg = choose.gemv_plan(y[:, 0], w_up, shared_partial)
+        if isinstance(cfg, launch.MmaCfg) and w_up.stride(1) == 1 and g_latent.is_contiguous():
+            return launch.tail_gemm(y, topk_w.contiguous(), shared_partial, g_latent, eps, w_up, cfg)
     ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
         routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)

@@ -7,7 +7,7 @@ CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as _replace
 
 import torch
 import triton
@@ -625,6 +625,57 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
                                            EVEN_K=K % cfg.bk == 0, IEEE=res.dtype == torch.float32, ALIGNED=aligned,
                                            TWO=two, num_warps=cfg.warps, num_stages=cfg.stages)
     return (upd, out, out2) if two else (upd, out)
+
+
+TAIL_GEMM_MAX_ROWS = 32   # M * top_k rows of the routed outputs in one x tile of triton_resgemm.tail_gemm_kernel
+# M range where moe_latent_tail's CUDA path at TP=1 runs tail_gemm (one launch) instead of the latent-tail
+# kernel + the up-projection GEMM: (1, 0) = never, until measured on the GPU. K3_TAIL_GEMM=1 / 0 overrides
+# (wherever it fits).
+TAIL_GEMM_M = (1, 0)
+
+
+def tail_gemm_fits(M: int, topk: int) -> bool:
+    """Whether tail_gemm takes M tokens of top_k routed outputs: their M * top_k rows in one x tile."""
+    return 1 <= M <= MMA_MAX_M and M * topk <= TAIL_GEMM_MAX_ROWS
+
+
+def tail_gemm_wanted(M: int, topk: int) -> bool:
+    """Whether moe_latent_tail at TP=1 takes tail_gemm at this M: TAIL_GEMM_M or K3_TAIL_GEMM, and it fits."""
+    return _env_flag("K3_TAIL_GEMM", TAIL_GEMM_M[0] <= M <= TAIL_GEMM_M[1]) and tail_gemm_fits(M, topk)
+
+
+def tail_gemm(y: torch.Tensor, topk_w: torch.Tensor, shared_partial: torch.Tensor, g: torch.Tensor, eps: float,
+              w: torch.Tensor, cfg: MmaCfg) -> torch.Tensor:
+    """k3::moe_latent_tail at TP=1 (no all-reduce) where w covers all of shared_partial's columns, in one
+    launch of triton_resgemm.tail_gemm_kernel (its docstring): shared_partial + RMSNorm(sum_k w_k y_k, g)
+    @ w.t(). y [M, top_k, K] and topk_w [M, top_k] contiguous, w [N, K] with unit stride along K, `cfg`
+    the MMA GEMM config of w's shape (choose.gemv_plan); tail_gemm_fits(M, top_k). Above 16 rows the
+    config's BK is halved (the x tile's registers)."""
+    from . import triton_resgemm as KR
+    M, topk, K = y.shape
+    N = w.shape[0]
+    if not tail_gemm_fits(M, topk):
+        raise ValueError(f"tail_gemm takes 1 <= M <= {MMA_MAX_M} and M * top_k <= {TAIL_GEMM_MAX_ROWS} rows, "
+                         f"got M={M}, top_k={topk}")
+    if (not y.is_contiguous() or tuple(topk_w.shape) != (M, topk) or not topk_w.is_contiguous()
+            or tuple(w.shape) != (N, K) or w.stride(1) != 1 or tuple(shared_partial.shape) != (M, N)
+            or shared_partial.stride(-1) != 1 or g.shape != (K,) or w.dtype != y.dtype
+            or shared_partial.dtype != y.dtype):
+        raise ValueError(f"tail_gemm: y {tuple(y.shape)} and topk_w {tuple(topk_w.shape)} contiguous, w [N, {K}] "
+                         f"(got {tuple(w.shape)}) and shared_partial [{M}, N] (got {tuple(shared_partial.shape)}) "
+                         f"of y's dtype, g [{K}]")
+    out = torch.empty(M, N, dtype=y.dtype, device=y.device)
+    BM = MMA_MAX_M
+    BX = max(BM, triton.next_power_of_2(M * topk))
+    bk = cfg.bk if BX <= BM else max(16, cfg.bk // 2)
+    cfg = _replace(cfg, bk=bk)
+    tiles, split, cnt, part = _split_plan(out, N, K, cfg, BM * cfg.bn + BM)   # partials: acc, squares
+    KR.tail_gemm_kernel[(tiles, split)](y, topk_w, g, w, shared_partial, out, part, cnt, M, N, K, float(eps),
+                                        w.stride(0), shared_partial.stride(0), out.stride(0), TOPK=topk, BM=BM,
+                                        BX=BX, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
+                                        EVEN_K=K % cfg.bk == 0, IEEE=y.dtype == torch.float32,
+                                        num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,

@@ -184,3 +184,86 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
                 L += tl.load(base + s * PS + loff, cache_modifier=".cg")
             tl.store(op, _finish(acc, G, L, rm, M, K, eps, NB).to(DT), mask=om)
             tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def tail_gemm_kernel(y, tw, g, w, sp, out, part, cnt, M, N, K, eps, swn, ssp, som,
+                     TOPK: tl.constexpr, BM: tl.constexpr, BX: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    """The latent tail at TP=1 in one launch: out = sp + RMSNorm(sum_t tw[m, t] y[m, t, :], g) @ W^T.
+
+    y [M, TOPK, K] contiguous (the routed experts' unfinalised outputs), tw [M, TOPK] contiguous (their
+    weights), sp [M, N] (the shared expert's output), W [N, K]; M * TOPK <= BX. Per K step ONE load of
+    the [BX, BK] tile of y's rows (row m * TOPK + t) and one fp32 product with the [BM, BX] matrix of
+    the weights (row m holds token m's weights in its TOPK columns) forms the finalized rows, fp32 as
+    the reference's sum (3xTF32 on the GPU, about fp32's precision), rounded to the model dtype as the
+    reference rounds `routed`. Their squares accumulate over K; the GEMM takes routed * g (rounded) and
+    the end scales each row by rsqrt(mean(routed^2) + eps) and adds sp, rounding once (the reference
+    rounds the normed row, the product and the sum: within the dtype's rounding, not bitwise). Grid,
+    split-K partials (acc and the squares) and counters as resnorm_gemm_kernel."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    DT = out.dtype.element_ty
+    rn = pid * BN + tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    rx = tl.arange(0, BX)
+    nmask = rn < N
+    xlive = rx < M * TOPK
+    ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK
+    k_lo = sid * ks
+    k_hi = tl.minimum(k_lo + ks, K)
+    wp = w + rn.to(tl.int64)[:, None] * swn
+    yp = y + rx.to(tl.int64)[:, None] * K
+    twv = tl.load(tw + rx, mask=xlive, other=0.0).to(tl.float32)
+    T = tl.where((rx[None, :] // TOPK) == rm[:, None], twv[None, :], 0.0)     # [BM, BX]
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        rk = k0 + tl.arange(0, BK)
+        km = rk < K
+        if EVEN_K:
+            wt = tl.load(wp + rk[None, :], mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & km[None, :], other=0.0,
+                         eviction_policy="evict_first")
+        yt = tl.load(yp + rk[None, :], mask=xlive[:, None] & km[None, :], other=0.0).to(tl.float32)
+        if IEEE:
+            x = tl.dot(T, yt, input_precision="ieee")
+        else:
+            x = tl.dot(T, yt, input_precision="tf32x3")
+        x = x.to(DT).to(tl.float32)       # routed, rounded as the reference rounds it
+        ss += tl.sum(x * x, 1)
+        xs = (x * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(DT)
+        if SWAP:
+            acc = _dot(wt, tl.trans(xs), acc, IEEE)
+        else:
+            acc = _dot(xs, tl.trans(wt), acc, IEEE)
+    if SWAP:
+        acc = tl.trans(acc)
+    om = (rm < M)[:, None] & nmask[None, :]
+    op = out + rm[:, None] * som + rn[None, :]
+    spp = sp + rm[:, None] * ssp + rn[None, :]
+    if SPLIT == 1:
+        r = tl.math.rsqrt(ss / K + eps)
+        tl.store(op, (acc * r[:, None] + tl.load(spp, mask=om, other=0.0).to(tl.float32)).to(DT), mask=om)
+    else:
+        PS: tl.constexpr = BM * BN + BM                      # one program's partials: acc, the squares
+        offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        soff = BM * BN + tl.arange(0, BM)
+        base = part + pid.to(tl.int64) * (SPLIT * PS)
+        tl.store(base + sid * PS + offs, acc)
+        tl.store(base + sid * PS + soff, ss)
+        tl.debug_barrier()                                   # every thread's partials are stored ...
+        done = tl.atomic_add(cnt + pid, 1, sem="acq_rel", scope="gpu")   # ... before the count
+        if done == SPLIT - 1:                                # the last of the tile's programs
+            acc = tl.zeros([BM, BN], tl.float32)
+            ss = tl.zeros([BM], tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(base + s * PS + offs, cache_modifier=".cg")
+                ss += tl.load(base + s * PS + soff, cache_modifier=".cg")
+            r = tl.math.rsqrt(ss / K + eps)
+            tl.store(op, (acc * r[:, None] + tl.load(spp, mask=om, other=0.0).to(tl.float32)).to(DT), mask=om)
+            tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
