@@ -377,11 +377,13 @@ torch.cuda.synchronize()" ;;
     # the TP=1 folds of the norms into the GEMMs (fold_resnorm_gemm, fold_resnorm_moe, the latent tail's
     # launch.tail_gemm): their GPU tests, then both layers with rows rg (the first), rg2 (both passes), tg
     # (the tail alone) and rg3 (all three)
-    resgemm) step resgemm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py
+    resgemm) step resgemm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
+               tests/test_gpu.py -k "resnorm or tail or mma_gemm or router"
              for L in kda mla; do
                step layer_${L}_tp8_w1_rg 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,2,4} --ablate 0 \
                  --env rg:K3_UNGATED=fold_resnorm_gemm --env rg2:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe \
                  --env tg:K3_TAIL_GEMM=1 --env rg3:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,K3_TAIL_GEMM=1 \
+                 --env rt4:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,fold_router_topk,K3_TAIL_GEMM=1 \
                  --world 1 --layer $L --shapes tp8 \
                  --out "$R/layer_${L}_tp8_w1_rg.json"
              done ;;

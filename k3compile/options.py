@@ -30,6 +30,7 @@ PASS_ORDER = (
     "fold_mla_output",        # after lower_decode_gemm and fold_mla_prologue: it takes their ops
     "fold_resnorm_gemm",      # after fuse_residual_norm and lower_decode_gemm: it takes their ops
     "fold_resnorm_moe",       # after fuse_oproj_allreduce, shard_router_latent, overlap_shared_expert: their ops
+    "fold_router_topk",       # after fuse_router_topk and fold_resnorm_moe: their ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -40,7 +41,7 @@ PASS_ORDER = (
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16),  # the latter: one MMA tile
                         fold_norm_gemv=(1, 16), fold_mla_output=(1, 16), fold_resnorm_gemm=(1, 16),
-                        fold_resnorm_moe=(1, 16))
+                        fold_resnorm_moe=(1, 16), fold_router_topk=(1, 16))
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -131,11 +132,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     "fold_resnorm_gemm": (1, 0),
     # the same for the post-attention residual + norm, into the router + latent and shared gate-up GEMMs
     "fold_resnorm_moe": (1, 0),
+    # the router's top-k run by the router + latent GEMM's last router program (TP=1): no GPU run yet
+    "fold_router_topk": (1, 0),
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
 # fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
-CUDA_UNMEASURED: set[str] = {"fold_resnorm_gemm", "fold_resnorm_moe"}
+CUDA_UNMEASURED: set[str] = {"fold_resnorm_gemm", "fold_resnorm_moe", "fold_router_topk"}
 
 
 @dataclass(frozen=True)

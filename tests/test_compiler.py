@@ -32,7 +32,7 @@ def _expect_full_match(passes, tp):
         assert error is None, (name, error)
         if skipped == "disabled by options":
             continue
-        if name in ("fold_resnorm_gemm", "fold_resnorm_moe") and tp > 1:   # TP=1 folds: skipped with that reason
+        if name in ("fold_resnorm_gemm", "fold_resnorm_moe", "fold_router_topk") and tp > 1:   # TP=1 folds: skipped with that reason
             assert skipped and skipped.startswith(f"TP={tp}:"), (name, skipped)
             continue
         assert skipped is None, (name, skipped)
@@ -322,9 +322,12 @@ def test_broken_pass_is_rolled_back_and_strict_raises(where):
 
         def fw(g, _):
             manager.PassManager(o, passes=passes)(g.graph)
-            # an o-proj op, or (TP=1, fold_resnorm_moe) the router op that took its norm
+            # an o-proj op, or (TP=1, fold_resnorm_moe) the router op that took its norm (fold_router_topk: with
+            # the top-k in it)
             fused.append(sum(n.target in (torch.ops.k3.oproj_allreduce_residual.default,
-                                          torch.ops.k3.residual_norm_router_latent.default) for n in g.graph.nodes))
+                                          torch.ops.k3.residual_norm_router_latent.default,
+                                          torch.ops.k3.residual_norm_router_latent_topk.default)
+                             for n in g.graph.nodes))
             g.recompile()
             return make_boxed_func(g.forward)
         return aot_autograd(fw_compiler=fw, decompositions=select_decomp_table())

@@ -36,6 +36,9 @@
 - residual_norm_router_latent / shared_expert_async_resnorm (TP=1): the post-attention residual + norm
   folded the same way into the MoE input's router + latent GEMM (one launch over both weights) and
   into the shared expert's gate-up GEMM on the side stream; else the norm kernel first.
+- router_latent_topk / residual_norm_router_latent_topk (TP=1): the router + latent launch (with the norm
+  folded, the latter) whose last program to store a tile of the logits runs the router's selection
+  (launch.TopkEpilogue), where that launch runs; else router_topk's kernel after it.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
   short conv + SiLU of one token.
@@ -200,10 +203,15 @@ def _router(x, w_router, w_down, rank, tp, group):
     return launch.router_latent(x, w_router, w_down, peers)
 
 
+def _topk_ok(E, bias, k):
+    """The router top-k kernel's selection over E experts: the bias, k and E it takes."""
+    return (bias.dim() == 1 and bias.is_contiguous() and bias.dtype in _FLOAT and bias.shape[0] == E
+            and 0 < k <= min(64, E) and E <= launch.ROUTER_TOPK_MAX_E)
+
+
 def _ok_topk(logits, bias, k, scale, ids_int32=False, after=None):
-    return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype in _FLOAT and bias.dim() == 1
-            and bias.is_contiguous() and bias.dtype in _FLOAT and bias.shape[0] == logits.shape[1]
-            and 0 < k <= min(64, logits.shape[1]) and logits.shape[1] <= launch.ROUTER_TOPK_MAX_E)
+    return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype in _FLOAT
+            and _topk_ok(logits.shape[1], bias, k))
 
 
 @register("router_topk", "cuda", "triton_router_topk", _ok_topk)
@@ -359,6 +367,27 @@ def _ok_resnorm_two(delta, residual, blocks, w_norm, w_qk, g, eps, w1, w2, *rest
 @register("residual_norm_router_latent", "cuda", "triton_resnorm_gemm", _ok_resnorm_two)
 def _resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
     return launch.resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
+
+
+def _ok_router_topk1(x, w_router, w_down, bias, k, scale, ids_int32=False):
+    return _ok_router1(x, w_router, w_down, 0, 1, None) and _topk_ok(w_router.shape[0], bias, k)
+
+
+@register("router_latent_topk", "cuda", "triton_gemm_topk", _ok_router_topk1)
+def _router_latent_topk(x, w_router, w_down, bias, k, scale, ids_int32=False):
+    return launch.router_latent_topk(x, w_router, w_down, bias, k, scale, torch.int32 if ids_int32 else torch.int64)
+
+
+def _ok_resnorm_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32=False):
+    return (_ok_resnorm_two(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
+            and _topk_ok(w_router.shape[0], bias, k))
+
+
+@register("residual_norm_router_latent_topk", "cuda", "triton_resnorm_gemm_topk", _ok_resnorm_topk)
+def _resnorm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale,
+                                ids_int32=False):
+    return launch.resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down,
+                                        topk=(bias, k, scale, torch.int32 if ids_int32 else torch.int64))
 
 
 @register("shared_expert_async_resnorm", "cuda", "side_stream", _ok_resnorm_two)

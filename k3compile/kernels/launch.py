@@ -422,6 +422,61 @@ def router_latent_one(x, w_router, w_down):
     return choose.gemm("router", x, w_router), choose.gemm("latent", x, w_down)
 
 
+@dataclass
+class TopkEpilogue:
+    """The router's top-k selection run by the launch that computes its logits (the MMA GEMM kernels'
+    router epilogue, triton_router.topk_after_tile): its correction bias, k, scale, the outputs it
+    writes (ids [M, k], fp32 weights [M, k]) and its arrival counter (one int32, left zero)."""
+    bias: torch.Tensor
+    k: int
+    scale: float
+    ids: torch.Tensor
+    w: torch.Tensor
+    counter: torch.Tensor
+    sort: bool
+
+    def args(self, E: int):
+        """The kernels' (tcnt, bias, ids, tw, tscale) and their constexprs."""
+        return (self.counter, self.bias, self.ids, self.w, float(self.scale),
+                dict(TOPK=self.k, KP=triton.next_power_of_2(self.k), EB=triton.next_power_of_2(E), SORT=self.sort))
+
+    @staticmethod
+    def make(logits_like: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype, E: int, tiles: int):
+        """The epilogue of a launch of `tiles` programs per split over a router of E experts, or None where it
+        cannot run there: E past ROUTER_TOPK_MAX_E, k past 64, no counter (split_counters: the first call in
+        a capture; its last slot is the router's, so the launch's tiles must leave it free)."""
+        M = logits_like.shape[0]
+        if not (0 < k <= min(64, E) and E <= ROUTER_TOPK_MAX_E and tiles < SPLIT_SLOTS and bias.shape == (E,)
+                and bias.is_contiguous()):
+            return None
+        cnt = split_counters(logits_like.device)
+        if cnt is None:
+            return None
+        return TopkEpilogue(bias, k, scale, torch.empty(M, k, dtype=ids_dtype, device=logits_like.device),
+                            torch.empty(M, k, dtype=torch.float32, device=logits_like.device),
+                            cnt[SPLIT_SLOTS - 1:], _router_sort())
+
+
+def router_latent_topk(x, w_router, w_down, bias, k: int, scale: float, ids_dtype=torch.int64,
+                       cfg: MmaCfg | None = None):
+    """TP=1: (logits, latent, ids, weights) of k3::router_latent_topk: router_latent_one's launch over
+    [W_r; W_down] with the router's selection in its epilogue (TopkEpilogue) where that launch runs (an
+    MMA config whose BN divides the router's rows) and the epilogue can; else router_latent_one, then
+    router_topk's kernel. cfg: that config instead of the tuned table's (tests)."""
+    E, L = w_router.shape[0], w_down.shape[0]
+    cfg = cfg or _two_weight_cfg(x, w_router, w_down, E + L)
+    ep = None
+    if cfg is not None and E % cfg.bn == 0 and 1 <= x.shape[0] <= MMA_MAX_M:
+        ep = TopkEpilogue.make(x, bias, k, scale, ids_dtype, E, triton.cdiv(E + L, cfg.bn))
+    if ep is None:
+        logits, lat = router_latent_one(x, w_router, w_down)
+        return (logits, lat, *router_topk(logits, bias, k, scale, ids_dtype))
+    logits = torch.empty(x.shape[0], E, dtype=x.dtype, device=x.device)
+    lat = torch.empty(x.shape[0], L, dtype=x.dtype, device=x.device)
+    _mma(x, w_router, logits, w_down, lat, cfg, False, topk=ep)
+    return logits, lat, ep.ids, ep.w
+
+
 def router_latent(x, w_router, w_down, peers: Peers):
     """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
     shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
@@ -556,7 +611,7 @@ def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int
     return tiles, split, cnt, torch.empty(tiles * split * per_program, dtype=torch.float32, device=out.device)
 
 
-def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
+def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "TopkEpilogue | None" = None) -> None:
     from . import triton_gemv as KG
     M, K = x.shape[0], w.shape[1]
     N1 = w.shape[0]
@@ -567,13 +622,14 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None) -> None:
         return
     tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     two = w2 is not None
+    tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        w2 if two else w, out2 if two else out, N1,
                                        w2.stride(0) if two else 0, out2.stride(0) if two else 0,
-                                       float(situ[0]) if situ else 1.0, float(situ[1]) if situ else 1.0,
+                                       float(situ[0]) if situ else 1.0, float(situ[1]) if situ else 1.0, *tk[:5],
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
                                        EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, SITU=situ is not None,
-                                       num_warps=cfg.warps, num_stages=cfg.stages)
+                                       num_warps=cfg.warps, num_stages=cfg.stages, **tk[5])
 
 
 def resnorm_gemm_fits(M: int, nb: int) -> bool:
@@ -584,7 +640,8 @@ def resnorm_gemm_fits(M: int, nb: int) -> bool:
 
 
 def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g: torch.Tensor, eps: float,
-                 w: torch.Tensor, cfg: MmaCfg, w2: torch.Tensor | None = None, upd: torch.Tensor | None = None):
+                 w: torch.Tensor, cfg: MmaCfg, w2: torch.Tensor | None = None, upd: torch.Tensor | None = None,
+                 topk: "TopkEpilogue | None" = None):
     """(upd, out) of k3::residual_norm_gemm in one launch of triton_resgemm.resnorm_gemm_kernel (its
     docstring): upd = res + delta, out = AttnResNorm(upd, blocks) @ w.t() (RMSNorm(upd, g) without
     blocks). delta, res and the blocks [M, K] contiguous, of one dtype, w [N, K] with unit stride along K;
@@ -617,13 +674,14 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
         raise ValueError("resnorm_gemm: delta and the blocks must lie a whole number of elements from res")
     offs = [(t.data_ptr() - res.data_ptr()) // size for t in (delta, *blocks)]   # element offsets from res
     aligned = K % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (delta, res, *blocks))
+    tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
     KR.resnorm_gemm_kernel[(tiles, split)](res, offs[0], *offs[1:], *([0] * (8 - nb)), upd, g,
                                            w_norm if nb else g, w_qk if nb else g, w, out,
                                            part, cnt, M, N, K, float(eps), w.stride(0), out.stride(0),
                                            w2 if two else w, out2, N1, w2.stride(0) if two else 0, out2.stride(0),
-                                           NB=nb, BM=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
+                                           *tk[:5], NB=nb, BM=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
                                            EVEN_K=K % cfg.bk == 0, IEEE=res.dtype == torch.float32, ALIGNED=aligned,
-                                           TWO=two, num_warps=cfg.warps, num_stages=cfg.stages)
+                                           TWO=two, num_warps=cfg.warps, num_stages=cfg.stages, **tk[5])
     return (upd, out, out2) if two else (upd, out)
 
 
@@ -767,16 +825,25 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
     return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
 
 
-def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_down):
+def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_down, topk=None, cfg=None):
     """(upd, logits, latent) of k3::residual_norm_router_latent: one resnorm_gemm launch over [W_r; W_down]
     where the stacked shape has an MMA config whose BN divides the router's rows and the rows fit the
-    tile; else the residual / norm kernel and router_latent_one."""
+    tile; else the residual / norm kernel and router_latent_one. topk = (bias, k, scale, ids_dtype):
+    (upd, logits, latent, ids, weights) of k3::residual_norm_router_latent_topk, the selection in that
+    launch's epilogue (TopkEpilogue) where it can run, else router_topk's kernel after it. cfg: that MMA
+    config instead of the tuned table's (tests)."""
     M, nb = res.shape[0], len(blocks)
-    cfg = _two_weight_cfg(delta, w_router, w_down, w_router.shape[0] + w_down.shape[0])
-    if cfg is not None and resnorm_gemm_fits(M, nb) and w_router.shape[0] % cfg.bn == 0:
-        return resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_router, cfg, w2=w_down)
-    upd, x = residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)
-    return (upd, *router_latent_one(x, w_router, w_down))
+    E, L = w_router.shape[0], w_down.shape[0]
+    cfg = cfg or _two_weight_cfg(delta, w_router, w_down, E + L)
+    if cfg is not None and resnorm_gemm_fits(M, nb) and E % cfg.bn == 0:
+        ep = TopkEpilogue.make(delta, topk[0], topk[1], topk[2], topk[3], E, triton.cdiv(E + L, cfg.bn)) if topk else None
+        outs = resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_router, cfg, w2=w_down, topk=ep)
+        if ep is not None:
+            return (*outs, ep.ids, ep.w)
+    else:
+        upd, x = residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)
+        outs = (upd, *router_latent_one(x, w_router, w_down))
+    return (*outs, *router_topk(outs[1], *topk)) if topk else outs
 
 
 def situ_mlp_resnorm(delta, res, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
@@ -802,6 +869,10 @@ ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 ROUTER_SORT = True
 
 
+def _router_sort() -> bool:
+    return os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
+
+
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64,
                 sort: bool | None = None):
     """(ids [M, k] of ids_dtype (int64 or int32), weights fp32 [M, k]) of the K3 router
@@ -812,7 +883,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
     w = torch.empty(M, k, dtype=torch.float32, device=logits.device)
     if M:
         if sort is None:
-            sort = os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
+            sort = _router_sort()
         KR.router_topk_kernel[(M,)](logits, bias, ids, w, E, float(scale), K=k, KP=triton.next_power_of_2(k),
                                     BLOCK=triton.next_power_of_2(E), SORT=sort,
                                     num_warps=(8 if E <= 1024 else 16) if sort else (4 if E <= 1024 else 8))

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .triton_moe import _situ
+from .triton_router import topk_after_tile
 
 
 @triton.jit
@@ -124,9 +125,11 @@ def two_rows(r0, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO: tl.constexp
 
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
 def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, beta, lbeta,
+                    tcnt, bias, ids, tw, tscale,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                     SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False,
-                    SITU: tl.constexpr = False):
+                    SITU: tl.constexpr = False, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1,
+                    EB: tl.constexpr = 1, SORT: tl.constexpr = False):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
     `cnt` are unused when SPLIT == 1. TWO: W is two weights stacked, [w; w2] (rows [0, N1) of W are
@@ -135,9 +138,15 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     multiple of BN (each program's rows lie in one weight: it picks that weight's base as a scalar,
     so its loads stay 16-byte vectors; a per-row select of the two bases made them 2-byte loads).
     w2, out2, N1, swn2 and som2 are unused otherwise. SITU: x [M, 2K] is gate|up and the kernel's x
-    operand is SiTU(x[:, :K], x[:, K:]) with `beta`, `lbeta` (unused otherwise)."""
+    operand is SiTU(x[:, :K], x[:, K:]) with `beta`, `lbeta` (unused otherwise). TOPK > 0 (with TWO: w is
+    the router's [E, K] weight, E = N1): the router's top-TOPK selection of every token in the launch's
+    router epilogue (triton_router.topk_after_tile: the last program to store a tile of the logits
+    selects; counter tcnt, correction bias, ids [M, TOPK], weights tw [M, TOPK] times tscale, KP / EB
+    TOPK / E padded to powers of two, SORT as router_topk_kernel's); tcnt..tscale unused otherwise."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
+    lg = out
+    slg = som
     w, swn, out, som, r0, nlim = two_rows(pid * BN, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -179,6 +188,9 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
         if ACC:
             acc += tl.load(op, mask=om, other=0.0).to(tl.float32)
         tl.store(op, acc.to(out.dtype.element_ty), mask=om)
+        if TOPK > 0:
+            if pid * BN < N1:
+                topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB, SORT)
     else:
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         base = part + pid.to(tl.int64) * (SPLIT * BM * BN)
@@ -193,6 +205,10 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
                 tot += tl.load(op, mask=om, other=0.0).to(tl.float32)
             tl.store(op, tot.to(out.dtype.element_ty), mask=om)
             tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
+            if TOPK > 0:
+                if pid * BN < N1:
+                    topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB,
+                                    SORT)
 
 
 @triton.jit

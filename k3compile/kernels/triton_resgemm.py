@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .triton_gemv import two_rows
+from .triton_router import topk_after_tile
 
 
 @triton.jit
@@ -90,10 +91,11 @@ def _finish(acc, G, L, rm, M, K, eps, NB: tl.constexpr):
 
 @triton.jit
 def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm, w_qk, w, out, part, cnt,
-                        M, N, K, eps, swn, som, w2, out2, N1, swn2, som2,
+                        M, N, K, eps, swn, som, w2, out2, N1, swn2, som2, tcnt, bias, ids, tw, tscale,
                         NB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         SPLIT: tl.constexpr, SWAP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                        ALIGNED: tl.constexpr, TWO: tl.constexpr = False):
+                        ALIGNED: tl.constexpr, TWO: tl.constexpr = False, TOPK: tl.constexpr = 0,
+                        KP: tl.constexpr = 1, EB: tl.constexpr = 1, SORT: tl.constexpr = False):
     """upd = res + delta; out = AttnResNorm(upd, blocks) @ W^T (module docstring). res, delta and the
     blocks are [M, K] contiguous (row stride K); delta and block s are addressed as res + od / res + o{s}
     (element offsets from res: one pointer, so the tile is ONE load per K step, ONE pipelined shared-
@@ -103,10 +105,13 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
     [M, N] with unit stride along K / N; (NB + 2) * M <= BM. ALIGNED: every offset a multiple of 8
     elements (16-byte vector loads). TWO: W is two weights stacked, [w; w2], and so is out ([out | out2]),
     as in mma_gemm_kernel (N1 = w's rows, a multiple of BN; w2, out2, N1, swn2, som2 unused otherwise):
-    the router and the latent down-projection of the MoE input in one launch."""
+    the router and the latent down-projection of the MoE input in one launch. TOPK > 0: the router's
+    selection in the launch's router epilogue, as mma_gemm_kernel's (tcnt..tscale unused otherwise)."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     DT = out.dtype.element_ty
+    lg = out
+    slg = som
     w, swn, out, som, r0, nlim = two_rows(pid * BN, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -163,6 +168,9 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
     om = (rm < M)[:, None] & nmask[None, :]
     if SPLIT == 1:
         tl.store(op, _finish(acc, G, L, rm, M, K, eps, NB).to(DT), mask=om)
+        if TOPK > 0:
+            if pid * BN < N1:
+                topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB, SORT)
     else:
         PS: tl.constexpr = BM * BN + BM * BM + BM     # one program's partials: acc, G, l
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
@@ -184,6 +192,10 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
                 L += tl.load(base + s * PS + loff, cache_modifier=".cg")
             tl.store(op, _finish(acc, G, L, rm, M, K, eps, NB).to(DT), mask=om)
             tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
+            if TOPK > 0:
+                if pid * BN < N1:
+                    topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB,
+                                    SORT)
 
 
 @triton.jit

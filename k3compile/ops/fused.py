@@ -347,6 +347,41 @@ def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
     return torch.empty_like(residual), residual.new_empty(M, w_router.shape[0]), residual.new_empty(M, w_down.shape[0])
 
 
+@torch.library.custom_op("k3::router_latent_topk", mutates_args=())
+def router_latent_topk(x: Tensor, w_router: Tensor, w_down: Tensor, bias: Tensor, k: int, scale: float,
+                       ids_int32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(router logits, latent, ids, weights) at TP=1: k3::router_latent_sharded's (x @ W_r.T, x @ W_down.T),
+    then k3::router_topk of the logits. On CUDA one launch (launch.router_latent_topk): the stacked GEMM,
+    the last program to store a tile of the logits running the selection; else the two ops' kernels."""
+    return _run("router_latent_topk", ref.router_latent_topk, x, w_router, w_down, bias, k, scale, ids_int32)
+
+
+@router_latent_topk.register_fake
+def _(x, w_router, w_down, bias, k, scale, ids_int32=False):
+    M = x.shape[0]
+    return (x.new_empty(M, w_router.shape[0]), x.new_empty(M, w_down.shape[0]),
+            x.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64), x.new_empty(M, k, dtype=torch.float32))
+
+
+@torch.library.custom_op("k3::residual_norm_router_latent_topk", mutates_args=())
+def residual_norm_router_latent_topk(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
+                                     w_qk: Optional[Tensor], g: Tensor, eps: float, w_router: Tensor, w_down: Tensor,
+                                     bias: Tensor, k: int, scale: float,
+                                     ids_int32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(updated, router logits, latent, ids, weights): k3::residual_norm_router_latent, then k3::router_topk
+    of its logits, in one launch on CUDA where both fit (the selection in the launch's router epilogue)."""
+    return _run("residual_norm_router_latent_topk", ref.residual_norm_router_latent_topk, delta, residual, blocks,
+                w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32)
+
+
+@residual_norm_router_latent_topk.register_fake
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32=False):
+    M = residual.shape[0]
+    return (torch.empty_like(residual), residual.new_empty(M, w_router.shape[0]), residual.new_empty(M, w_down.shape[0]),
+            residual.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64),
+            residual.new_empty(M, k, dtype=torch.float32))
+
+
 @torch.library.custom_op("k3::shared_expert_async_resnorm", mutates_args=())
 def shared_expert_async_resnorm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
                                 w_qk: Optional[Tensor], g: Tensor, eps: float, w_gate_up: Tensor, w_down: Tensor,
@@ -400,4 +435,6 @@ OPS = {
     "residual_norm_gemm": torch.ops.k3.residual_norm_gemm.default,
     "residual_norm_router_latent": torch.ops.k3.residual_norm_router_latent.default,
     "shared_expert_async_resnorm": torch.ops.k3.shared_expert_async_resnorm.default,
+    "router_latent_topk": torch.ops.k3.router_latent_topk.default,
+    "residual_norm_router_latent_topk": torch.ops.k3.residual_norm_router_latent_topk.default,
 }

@@ -160,6 +160,19 @@ def residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w
     return updated, F.linear(normed, w_router), F.linear(normed, w_down)
 
 
+def router_latent_topk(x, w_router, w_down, bias, k, scale, ids_int32=False):
+    """k3::router_latent_topk: the TP=1 router and latent GEMMs, then the router's selection of the logits."""
+    logits, lat = F.linear(x, w_router), F.linear(x, w_down)
+    return (logits, lat, *router_topk(logits, bias, k, scale, ids_int32))
+
+
+def residual_norm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k,
+                                     scale, ids_int32=False):
+    """k3::residual_norm_router_latent_topk: k3::residual_norm_router_latent, then the router's selection."""
+    upd, logits, lat = residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
+    return (upd, logits, lat, *router_topk(logits, bias, k, scale, ids_int32))
+
+
 def shared_expert_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
     """k3::shared_expert_async_resnorm: the shared expert of k3::residual_norm's normed output (TP=1)."""
     _, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
