@@ -128,17 +128,23 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # the split combine + value up-projection (+ gate) in one kernel: -1.3 / -1.6 / -8.0 (ad84e26; the
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
-    # the layer-input residual + AttnRes norm in the input projection's GEMM (TP=1): no GPU run yet
+    # The TP=1 folds, measured slower (0c51138, ONE H100, layers at TP=8 widths, M=1, launch hidden, us,
+    # bench/results/layer_{kda,mla}_tp8_w1_h100_0c51138_{rg,rt}.json; BENCHMARKS.md "thirty-third session"):
+    # the layer-input norm in the input projection's GEMM: KDA 142.3 -> 168.8, MLA 143.7 -> 165.7 (the fused
+    # kernel 65 / 49 us where the norm kernel + GEMM took 5.9 + 33.9 / 5.3 + 21.8)
     "fold_resnorm_gemm": (1, 0),
-    # the same for the post-attention residual + norm, into the router + latent and shared gate-up GEMMs
+    # the same for the post-attention norm, into the router + latent and shared gate-up GEMMs: with the first,
+    # KDA 296.8, MLA 296.7 (the router GEMM 65 us, and the side-stream op ran its PyTorch reference)
     "fold_resnorm_moe": (1, 0),
-    # the router's top-k run by the router + latent GEMM's last router program (TP=1): no GPU run yet
+    # the router's top-k run by the router + latent GEMM's last router program: KDA 142.3 -> 148.7 at M=1,
+    # 177.7 -> 195.8 at 4; MLA 143.4 -> 150.5, 186.0 -> 204.6
     "fold_router_topk": (1, 0),
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
 # fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
-CUDA_UNMEASURED: set[str] = {"fold_resnorm_gemm", "fold_resnorm_moe", "fold_router_topk"}
+# (fold_resnorm_gemm, fold_resnorm_moe and fold_router_topk until their run of 2026-12-05, above)
+CUDA_UNMEASURED: set[str] = set()
 
 
 @dataclass(frozen=True)

@@ -687,8 +687,9 @@ def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g
 
 TAIL_GEMM_MAX_ROWS = 32   # M * top_k rows of the routed outputs in one x tile of triton_resgemm.tail_gemm_kernel
 # M range where moe_latent_tail's CUDA path at TP=1 runs tail_gemm (one launch) instead of the latent-tail
-# kernel + the up-projection GEMM: (1, 0) = never, until measured on the GPU. K3_TAIL_GEMM=1 / 0 overrides
-# (wherever it fits).
+# kernel + the up-projection GEMM: (1, 0) = never. Measured slower (0c51138, ONE H100, M=1, launch hidden):
+# KDA layer 142.3 -> 144.9 us, MLA 143.7 -> 145.7 (the kernel 27.6 us where the tail kernel + GEMM took
+# 3.9 + 20.6; bench/results/layer_*_tp8_w1_h100_0c51138_rg.json). K3_TAIL_GEMM=1 / 0 overrides (where it fits).
 TAIL_GEMM_M = (1, 0)
 
 
