@@ -47,3 +47,16 @@ def test_topk_in_the_router_launch_matches_router_topk(M, E, L, K, k, cfg, dt, m
         rids2, rw2 = ref.router_topk(lg2, b, k, 2.5, False)
         assert ids2.dtype == torch.int64 and torch.equal(ids2, rids2) and (w2 - rw2).abs().max() < 1e-6
         assert launch.split_counters(x.device).abs().max() == 0
+
+
+def test_the_shared_expert_resnorm_op_takes_its_cuda_path_at_real_shapes():
+    """k3::shared_expert_async_resnorm's CUDA check takes the shared expert's weights (gate-up [2 I, H],
+    down [H, I]): a check written for two weights of one K sent it to its PyTorch reference on the GPU."""
+    from k3compile.kernels import cuda
+    H, I, M = 64, 48, 1
+    x = torch.randn(M, H, dtype=torch.bfloat16)
+    g = torch.ones(H, dtype=torch.bfloat16)
+    wgu, wd = torch.randn(2 * I, H, dtype=torch.bfloat16), torch.randn(H, I, dtype=torch.bfloat16)
+    assert cuda._ok_shared_resnorm(x, x.clone(), [], None, None, g, 1e-5, wgu, wd, 4.0, 25.0, None)
+    assert not cuda._ok_shared_resnorm(x, x.clone(), [], None, None, g, 1e-5, wgu, wd.t().contiguous()[:, :H],
+                                       4.0, 25.0, None)

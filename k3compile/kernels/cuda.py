@@ -390,7 +390,15 @@ def _resnorm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w
                                         topk=(bias, k, scale, torch.int32 if ids_int32 else torch.int64))
 
 
-@register("shared_expert_async_resnorm", "cuda", "side_stream", _ok_resnorm_two)
+def _ok_shared_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, *rest):
+    # w_down is [hidden, I] for a gate-up of [2 I, hidden] (its K is not the gate-up's: not _ok_resnorm_two's
+    # check, which took this op to its PyTorch reference on the GPU, 2026-12-05)
+    return (_ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up) and w_down.dim() == 2
+            and w_down.dtype == w_gate_up.dtype and 2 * w_down.shape[1] == w_gate_up.shape[0]
+            and w_down.shape[0] == delta.shape[1])
+
+
+@register("shared_expert_async_resnorm", "cuda", "side_stream", _ok_shared_resnorm)
 def _shared_expert_async_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta,
                                  linear_beta, after=None):
     nb = len(blocks)
