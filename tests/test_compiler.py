@@ -423,7 +423,7 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
-        on = dataclasses.replace(cuda, tp=1) if p.name.startswith("fold_resnorm") else cuda   # TP=1 folds
+        on = dataclasses.replace(cuda, tp=1) if p.name.startswith("fold_resnorm") or p.name == "fold_router_topk" else cuda   # TP=1 folds
         why = p.skip_reason(on, K3Options.make())
         assert why and "(M=1)" in why and "gate='off'" in why, why
         assert ("not been measured" if p.name == "fold_kda_gate" else "at no M") in why, why
