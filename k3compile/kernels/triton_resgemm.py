@@ -47,6 +47,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _scaled_step(x, g, rk, km, wt, acc, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """One K step of the folded GEMMs: the fp32 x rows times g (rounded to the weight's dtype, the model
+    dtype: the MMA's operand) against the weight tile, into acc ([BN, BM] where SWAP, else [BM, BN])."""
+    xs = (x * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(wt.dtype)
+    if SWAP:
+        acc = _dot(wt, tl.trans(xs), acc, IEEE)
+    else:
+        acc = _dot(xs, tl.trans(wt), acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _pick(b0, b1, b2, b3, b4, b5, b6, b7, S: tl.constexpr):
     """The pointer of block S (a compile-time choice among the eight block arguments)."""
     p = b0
@@ -157,11 +169,7 @@ def resnorm_gemm_kernel(res, od, o0, o1, o2, o3, o4, o5, o6, o7, upd, g, w_norm,
         if NB > 0:
             wq = tl.load(w_norm + rk, mask=km, other=0.0).to(tl.float32) * tl.load(w_qk + rk, mask=km, other=0.0).to(tl.float32)
             L += tl.sum(x * wq[None, :], 1)
-        xs = (x * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(DT)
-        if SWAP:
-            acc = _dot(wt, tl.trans(xs), acc, IEEE)
-        else:
-            acc = _dot(xs, tl.trans(wt), acc, IEEE)
+        acc = _scaled_step(x, g, rk, km, wt, acc, SWAP, IEEE)
     if SWAP:
         acc = tl.trans(acc)
     op = out + rm[:, None] * som + rn[None, :]
@@ -248,11 +256,7 @@ def tail_gemm_kernel(y, tw, g, w, sp, out, part, cnt, M, N, K, eps, swn, ssp, so
             x = tl.dot(T, yt, input_precision="tf32x3")
         x = x.to(DT).to(tl.float32)       # routed, rounded as the reference rounds it
         ss += tl.sum(x * x, 1)
-        xs = (x * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)[None, :]).to(DT)
-        if SWAP:
-            acc = _dot(wt, tl.trans(xs), acc, IEEE)
-        else:
-            acc = _dot(xs, tl.trans(wt), acc, IEEE)
+        acc = _scaled_step(x, g, rk, km, wt, acc, SWAP, IEEE)
     if SWAP:
         acc = tl.trans(acc)
     om = (rm < M)[:, None] & nmask[None, :]
