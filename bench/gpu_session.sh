@@ -115,6 +115,10 @@ for st in "$@"; do
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
+    # the GPU tests of the fold modules (the norm folds, the latent tail GEMM, the KDA folds, the norm GEMV)
+    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
+                 tests/test_router_topk_fold.py tests/test_kda_step.py tests/test_kda_onorm.py tests/test_kda_fb.py \
+                 tests/test_kda_conv.py tests/test_norm_gemv.py ;;
     resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_mla_prologue.py \
                  tests/test_vllm.py ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
