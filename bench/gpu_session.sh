@@ -126,6 +126,16 @@ for st in "$@"; do
     mmagemm) step mma_tests 120 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "mma_gemm"
              step gemv_mma 420 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                ${K3_GEMV_EXTRA:-} --out "$R/gemv_mma.json" ;;
+    # a GEMV table for this card: the world-1 layers' GEMM shapes swept (M = 1, 4), a table from the sweep
+    # (bench/gemv_table.py: the shared gate-up keeps its side-stream entry), then both layers with it as a row
+    gemvtune) step gemv_tune 300 python3 bench/gemv_bench.py --precompile 12 --ms 1,4 --shapes "tp8 oproj,tp8 shared_gate_up,\
+tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 latent_up" --out "$R/gemv_tune.json"
+              step gemv_table 30 python3 bench/gemv_table.py "$R/gemv_tune.json" --keep 1536x7168 --out "$R/gemv_table.json"
+              for L in kda mla; do
+                step layer_${L}_tp8_w1_tab 200 python3 bench/layer_bench.py --ms 1,4 --ablate 0 \
+                  --env tab:K3_GEMV_TABLE="$R/gemv_table.json" --world 1 --layer $L --shapes tp8 \
+                  --out "$R/layer_${L}_tp8_w1_tab.json"
+              done ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
     # the MLA per-head bmm's on k3's Triton kernel (k3::decode_bmm; K3_DECODE_BMM=0: torch.bmm), the
     # router top-k's rounds form (K3_ROUTER_SORT=0), and the shared gate-up's config now that the top-k
