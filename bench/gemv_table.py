@@ -9,6 +9,10 @@ It then writes TABLE.json in the sweep's row format, so that `K3_GEMV_TABLE=TABL
 (choose.gemv_table_from). Each entry is the sweep's best config where it beat cuBLAS, else cuBLAS.
 The shapes named in --keep, and the shapes not swept, keep GEMV_TABLE's entries instead. The shared gate-up is one of them: its
 config was picked for the side stream beside the router top-k, not for the GEMM alone.
+The shapes named in --mma-only (default: the router + latent down stacked at TP=1, 4480x7168) take the
+sweep's best tensor-core ("mma") config, also where cuBLAS timed faster: launch.mma_gemm2 runs the two stacked weights in one launch only
+with an MMA config, and a CUDA-core GEMV config there splits it into two GEMMs. On an H100 at b8043ff
+that split cost 4.4 us per KDA layer step (bench/results/layer_kda_tp8_w1_h100_b8043ff_tab.json).
 """
 from __future__ import annotations
 
@@ -20,15 +24,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _shapes(text: str) -> set:
+    return {tuple(int(v) for v in s.split("x")) for s in text.split(",") if s}
+
+
 def main():
     from k3compile.kernels.choose import GEMV_TABLE
 
     ap = argparse.ArgumentParser()
     ap.add_argument("sweep", type=Path)
     ap.add_argument("--keep", default="", help="NxK shapes that keep GEMV_TABLE's entry")
+    ap.add_argument("--mma-only", default="4480x7168", help="NxK shapes that take the best MMA config")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    keep = {tuple(int(v) for v in s.split("x")) for s in a.keep.split(",") if s}
+    keep = _shapes(a.keep)
+    mma_only = _shapes(a.mma_only)
     d = json.loads(a.sweep.read_text())
     rows = []
     for r in d["rows"]:
@@ -41,6 +51,10 @@ def main():
               f"{best_us:6.2f} us | cuBLAS {us['cublas']:6.2f} us", flush=True)
         if shape in keep and cur != "absent":
             best, speedup = cur, (2.0 if cur is not None else 0.0)   # gemv_table_from: > 1 keeps `best`
+        elif shape in mma_only:
+            # even where cuBLAS timed faster on the stacked weight: k3 runs cuBLAS there as two GEMMs
+            best = min((c for c in us if c.startswith("mma")), key=us.get, default=None)
+            speedup, best_us = (2.0 if best else 0.0), us.get(best)
         else:
             best, speedup = r["best"], r["speedup_vs_cublas"]
         rows.append(dict(shape=r["shape"], N=shape[0], K=shape[1], M=m, best=best, speedup_vs_cublas=speedup,

@@ -109,3 +109,35 @@ def test_layer_bench_splits_the_error_by_router_margin():
     r = lb._err_by_margin({"k3": e}, torch.tensor([0.5, lb.ROUTE_TIE / 2, 0.3]))
     assert r["near_tie_rows"] == 1 and r["err_vs_eager_clear_rows"]["k3"] == 1.0
     assert r["err_vs_eager_near_tie_rows"]["k3"] == 0.5
+
+
+def test_gemv_table_keeps_named_shapes_and_stacked_mma_only(tmp_path, monkeypatch):
+    """bench/gemv_table.py: a swept shape takes the sweep's best (cuBLAS where none beat it), a --keep
+    shape keeps GEMV_TABLE's entry, the stacked router + latent (--mma-only) takes the best MMA config
+    even where a CUDA-core GEMV or cuBLAS timed faster; the result reads back through K3_GEMV_TABLE's
+    reader (choose.gemv_table_from)."""
+    from bench import gemv_table
+    from k3compile.kernels import choose
+
+    def row(shape, n, k, m, us):
+        best = min((c for c in us if c != "cublas"), key=us.get)
+        return dict(shape=shape, N=n, K=k, M=m, us=us, best=best, speedup_vs_cublas=us["cublas"] / us[best])
+
+    sweep = dict(gpu="test", rows=[
+        row("tp8 in_proj_kda", 6284, 7168, 1, {"cublas": 36.0, "gemv 2/1024/4/4": 32.0, "mma 32/256/1/4/4": 33.0}),
+        row("tp8 q_b_mla", 2304, 1536, 4, {"cublas": 5.8, "mma 16/256/1/4/4": 6.5}),
+        row("tp8 shared_gate_up", 1536, 7168, 1, {"cublas": 12.0, "gemv 2/1024/4/4": 11.0}),
+        row("w1 router_latent", 4480, 7168, 1, {"cublas": 25.5, "gemv 4/1024/4/3": 24.0, "mmas 64/128/2/4/4": 25.5,
+                                                "mma 32/128/1/4/4": 26.0}),
+        row("w1 router_latent", 4480, 7168, 4, {"cublas": 24.9, "mmas 64/128/2/4/4": 25.5}),
+    ])
+    src, out = tmp_path / "sweep.json", tmp_path / "table.json"
+    src.write_text(json.dumps(sweep))
+    monkeypatch.setattr(sys, "argv", ["gemv_table.py", str(src), "--keep", "1536x7168", "--out", str(out)])
+    gemv_table.main()
+    t = choose.gemv_table_from(str(out))
+    assert t[(6284, 7168)][1] == "gemv 2/1024/4/4"
+    assert t[(2304, 1536)][4] is None                                  # cuBLAS beat every config
+    assert t[(1536, 7168)][1] == choose.GEMV_TABLE[(1536, 7168)][1]    # kept
+    assert t[(4480, 7168)] == {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4"}
+    assert t[(7168, 1536)] == choose.GEMV_TABLE[(7168, 1536)]          # not swept: GEMV_TABLE's
