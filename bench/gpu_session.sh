@@ -136,14 +136,13 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                   --env tab:K3_GEMV_TABLE="$R/gemv_table.json" --world 1 --layer $L --shapes tp8 \
                   --out "$R/layer_${L}_tp8_w1_tab.json"
               done ;;
-    # the gemvtune sweep's M=1 winners one weight shape at a time inside the layer (K3_GEMV_CFG forces that
+    # the gemvtune sweep's M=1 winners for the two in_proj shapes one at a time inside the layer (K3_GEMV_CFG forces that
     # shape's config at every M, so M=1 only); in the other layer a shape it lacks is a control row
     # tab2: the H100 sweep's table with the stacked router + latent kept on an MMA config (gemv_table.py --mma-only)
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \
                   --env "kin:K3_GEMV_CFG=6284x7168=gemv 2/1024/4/4" --env "qkv:K3_GEMV_CFG=3648x7168=gemv 4/1024/4/3" \
-                  --env "rl:K3_GEMV_CFG=4480x7168=gemv 4/1024/4/3" --env "sg:K3_GEMV_CFG=1536x7168=gemv 2/1024/4/4" \
                   --env tab2:K3_GEMV_TABLE=$T2 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_cfg.json"
                 step layer_${L}_tp8_w1_cfg4 200 python3 bench/layer_bench.py --ms 4 --ablate 0 --env tab2:K3_GEMV_TABLE=$T2 \
                   --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_cfg4.json"
