@@ -30,7 +30,7 @@ import triton.language as tl
 
 SHAPES = {"latent": (3584, 7168), "latent_up": (7168, 3584), "router_latent": (4480, 7168),
           "oproj": (7168, 1536), "shared_gate_up": (1536, 7168)}
-CONFIGS = [(bn, bk, nw, ns) for bn in (8, 16, 32) for bk in (256, 512, 1024) for nw in (4, 8) for ns in (1, 3)
+CONFIGS = [(bn, bk, nw, ns) for bn in (8, 16, 32) for bk in (256, 512, 1024) for nw in (4, 8) for ns in (3,)
            if bn * bk <= 16384]
 
 
