@@ -118,8 +118,9 @@ def main():
         print(name, N, K, f"floor {row['floor_us']:.2f}", row["best"], f"max_err {row['max_err']:.1e}", flush=True)
         del copies, w
         torch.cuda.empty_cache()
-    save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
-                     torch=torch.__version__, triton=triton.__version__), t0)
+        # saved after every shape: a run cut short keeps the shapes it finished
+        save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
+                         torch=torch.__version__, triton=triton.__version__), t0)
 
 
 if __name__ == "__main__":
