@@ -142,6 +142,11 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     # bench/layout_probe.py: the same Triton read / GEMV over the row-major weight and over a tiled copy
     # ([N/BN, K/BK, BN, BK], each step one contiguous tile), beside cuBLAS, k3's dispatch and torch.sum
     layout) step layout_probe 320 python3 bench/layout_probe.py --out "$R/layout_probe.json" ;;
+    # choose.GEMV_TABLE_BY_CARD (the H100's in_proj rows at M=1): both layers at M=1, k3 against a row without them
+    cardrows) for L in kda mla; do
+                step layer_${L}_tp8_w1_card 150 python3 bench/layer_bench.py --ms 1 --ablate 0 --env nocard:K3_GEMV_CARD=none \
+                  --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_card.json"
+              done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \

@@ -1108,20 +1108,51 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     assert "at M in [1, 79], Triton v4g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
 
 
+class _FakeCuda:  # what gemv_plan reads of a CUDA tensor: shape, dtype, strides, is_cuda, device
+    def __init__(self, *shape):
+        self.shape, self.dtype, self.is_cuda, self.device = shape, torch.bfloat16, True, torch.device("cuda", 0)
+
+    def dim(self):
+        return len(self.shape)
+
+    def stride(self, i):
+        return 1 if i in (1, -1) else self.shape[1]
+
+
+def test_gemv_card_rows_merge_per_m(monkeypatch):
+    """GEMV_TABLE_BY_CARD: the rows of the card whose key is in the GPU's name replace GEMV_TABLE's at
+    the Ms they name and leave the other Ms (and shapes, and other cards) to GEMV_TABLE; K3_GEMV_CARD
+    forces a key or turns them off; a K3_GEMV_TABLE sweep takes precedence over them."""
+    from k3compile.kernels import choose
+    monkeypatch.delenv("K3_GEMV_CARD", raising=False)
+    for v in ("K3_GEMV", "K3_GEMV_TABLE", "K3_GEMV_CFG"):
+        monkeypatch.delenv(v, raising=False)
+    kin, oproj = _FakeCuda(6284, 7168), _FakeCuda(7168, 1536)
+    x1, x4 = _FakeCuda(1, 7168), _FakeCuda(4, 7168)
+    table = choose.GEMV_TABLE[(6284, 7168)]
+    card = choose.GEMV_TABLE_BY_CARD["H100"][(6284, 7168)]
+    assert card[1] != table[1]
+    for name, m1 in (("NVIDIA H100 80GB HBM3", card[1]), ("NVIDIA H200", table[1])):
+        monkeypatch.setattr(choose, "_card_name", lambda i, name=name: name)
+        assert choose.gemv_plan(x1, kin) == choose.parse_cfg(m1)
+        assert choose.gemv_plan(x4, kin) == choose.parse_cfg(table[4])                 # M=4: GEMV_TABLE's
+        assert choose.gemv_plan(_FakeCuda(1, 1536), oproj) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
+    monkeypatch.setenv("K3_GEMV_CARD", "none")
+    assert choose.gemv_plan(x1, kin) == choose.parse_cfg(table[1])
+    monkeypatch.setenv("K3_GEMV_CARD", "H100")
+    assert choose.gemv_plan(x1, kin) == choose.parse_cfg(card[1])
+    monkeypatch.setenv("K3_GEMV_TABLE", "sweep.json")
+    monkeypatch.setitem(choose._TABLES, "sweep.json", {(6284, 7168): {1: "mma 32/128/1/4/6"}})
+    assert choose.gemv_plan(x1, kin) == choose.parse_cfg("mma 32/128/1/4/6")
+
+
 def test_gemv_cfg_env_forces_one_shape(monkeypatch):
     """K3_GEMV_CFG overrides the tuned table for the shapes it names (every M), "cublas" included;
     other shapes keep the table; a bad config name is an error, not a silent cuBLAS."""
     from k3compile.kernels import choose
 
-    class Fake:  # gemv_plan reads shape, dtype, strides and is_cuda only
-        def __init__(self, *shape):
-            self.shape, self.dtype, self.is_cuda = shape, torch.bfloat16, True
-
-        def dim(self):
-            return len(self.shape)
-
-        def stride(self, i):
-            return 1 if i in (1, -1) else self.shape[1]
+    Fake = _FakeCuda
+    monkeypatch.setenv("K3_GEMV_CARD", "none")
     x, w, w2 = Fake(1, 7168), Fake(1536, 7168), Fake(7168, 1536)
     monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mmas 64/128/4/4/4; 896x7168=cublas")
     assert choose.gemv_plan(x, w) == launch.MmaCfg(64, 128, 4, 4, 4, True)

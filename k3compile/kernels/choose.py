@@ -191,7 +191,35 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     # 20.3 / 20.2 / 21.1), where the two alone took 7.4 + 16.2 us
     (4480, 7168): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},
 }
+# Per-card rows over GEMV_TABLE (which was tuned on the H200), merged per M: the rows of the first key
+# that is a substring of the GPU's name. K3_GEMV_CARD=<key> forces a key's rows, K3_GEMV_CARD=none
+# turns them off; K3_GEMV_TABLE and K3_GEMV_CFG take precedence. H100: the in_proj GEMMs at M=1 on
+# the CUDA-core GEMV (H100 sweep at b8043ff, bench/results/gemv_tune_h100_b8043ff.json; in the layer at
+# 8321eed, bench/results/layer_{kda,mla}_tp8_w1_h100_8321eed_gemvrows.json, us per step launch hidden:
+# KDA 142.1 -> 140.1, MLA 143.4 -> 141.5; the same configs on an H200 (048c4bd): KDA 114.9 -> 117.9,
+# MLA 120.1 -> 120.7, hence not in GEMV_TABLE). At M = 4 the H100 sweep's table changed nothing (177.6 /
+# 188.0 -> 177.6 / 188.3), so only M=1 rows.
+GEMV_TABLE_BY_CARD: dict[str, dict[tuple[int, int], dict]] = {
+    "H100": {(6284, 7168): {1: "gemv 2/1024/4/4"},     # KDA in_proj, TP=8
+             (3648, 7168): {1: "gemv 4/1024/4/3"}},    # MLA qkv_a, TP=8
+}
 _TABLES: dict[str, dict] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _card_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def card_rows(device) -> dict:
+    """GEMV_TABLE_BY_CARD's rows for this CUDA device (K3_GEMV_CARD: a key, or "none"); {} if none."""
+    forced = os.environ.get("K3_GEMV_CARD", "")
+    if forced:
+        return GEMV_TABLE_BY_CARD.get(forced, {})
+    if getattr(device, "type", None) != "cuda":
+        return {}
+    name = _card_name(device.index if device.index is not None else torch.cuda.current_device())
+    return next((rows for key, rows in GEMV_TABLE_BY_CARD.items() if key in name), {})
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,6 +278,8 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if shape in forced:
         return parse_cfg(forced[shape])
     by_m = (gemv_table_from(path) if path else GEMV_TABLE).get(shape, {})
+    if not path:
+        by_m = {**by_m, **card_rows(x.device).get(shape, {})}
     fit = [mm for mm in sorted(by_m) if mm >= m]
     if fit:
         return parse_cfg(by_m[fit[0]])
