@@ -198,7 +198,8 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
 # 8321eed, bench/results/layer_{kda,mla}_tp8_w1_h100_8321eed_gemvrows.json, us per step launch hidden:
 # KDA 142.1 -> 140.1, MLA 143.4 -> 141.5; the same configs on an H200 (048c4bd): KDA 114.9 -> 117.9,
 # MLA 120.1 -> 120.7, hence not in GEMV_TABLE). At M = 4 the H100 sweep's table changed nothing (177.6 /
-# 188.0 -> 177.6 / 188.3), so only M=1 rows.
+# 188.0 -> 177.6 / 188.3), so only M=1 rows. In place, on another H100 (680df18, ..._h100_680df18_card.json):
+# KDA 139.8 -> 138.9, MLA 140.9 -> 139.8.
 GEMV_TABLE_BY_CARD: dict[str, dict[tuple[int, int], dict]] = {
     "H100": {(6284, 7168): {1: "gemv 2/1024/4/4"},     # KDA in_proj, TP=8
              (3648, 7168): {1: "gemv 4/1024/4/3"}},    # MLA qkv_a, TP=8
