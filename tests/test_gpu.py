@@ -395,6 +395,34 @@ def test_gemv_matches_matmul_bf16_graphed(N, K):
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+def test_gemv_two_weights_bf16_graphed():
+    """mma_gemm2's CUDA-core form (gemv_kernel TWO) at the TP=1 router + latent shapes (896 + 3584 rows of
+    7168), bf16, M = 1 / 4 / 8, into two column ranges of one buffer (nothing written outside), and
+    replayed from a CUDA graph with new inputs."""
+    from k3compile.kernels import launch
+    g = torch.Generator("cuda").manual_seed(11)
+    wr = (torch.randn(896, 7168, device="cuda", generator=g) / 7168 ** 0.5).bfloat16()
+    wd = (torch.randn(3584, 7168, device="cuda", generator=g) / 7168 ** 0.5).bfloat16()
+    cfg = (4, 1024, 4, 3)
+    for M in (1, 4, 8):
+        x = torch.randn(M, 7168, device="cuda", generator=g).bfloat16()
+        ref = torch.cat([x.float() @ wr.float().t(), x.float() @ wd.float().t()], 1)
+        buf = torch.full((M, 4480 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch.mma_gemm2(x, wr, wd, cfg, out1=buf[:, 8:904], out2=buf[:, 904:4488])
+        assert ((buf[:, 8:4488].float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, M
+        assert buf[:, :8].isnan().all() and buf[:, 4488:].isnan().all()
+    x = torch.randn(1, 7168, device="cuda", generator=g).bfloat16()
+    o1, o2 = launch.mma_gemm2(x, wr, wd, cfg)   # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.mma_gemm2(x, wr, wd, cfg, out1=o1, out2=o2)
+    x.copy_(torch.randn(1, 7168, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    ref = torch.cat([x.float() @ wr.float().t(), x.float() @ wd.float().t()], 1)
+    assert ((torch.cat([o1, o2], 1).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     """k3::kda_conv_decode's CUDA path (kernels/triton_conv.py) at TP=8 KDA widths (12 heads of 128, width

@@ -439,7 +439,12 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
                                                    (3, 64, 37, 130, launch.MmaCfg(32, 32, 3), torch.float16),
                                                    (16, 64, 70, 256, launch.MmaCfg(64, 64, 2, swap=True), torch.float16),
                                                    # w1's rows not a multiple of BN: two launches
-                                                   (2, 40, 24, 64, launch.MmaCfg(16, 16, 4), torch.float32)])
+                                                   (2, 40, 24, 64, launch.MmaCfg(16, 16, 4), torch.float32),
+                                                   # the CUDA-core GEMV's stacked form (TWO), K not a
+                                                   # multiple of BLOCK_K, and its two-launch fallback
+                                                   (1, 32, 40, 96, (8, 32, 4, 2), torch.float32),
+                                                   (3, 64, 37, 130, (16, 64, 4, 2), torch.float16),
+                                                   (2, 40, 24, 64, (16, 32, 4, 1), torch.float32)])
 def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
     """launch.mma_gemm2 (the TP=1 router + latent GEMM): x @ w1^T and x @ w2^T of two separate
     weights (neither copied), into fresh outputs and into two column ranges of one NaN-poisoned
@@ -457,7 +462,7 @@ def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
     launch.mma_gemm2(x, w1, w2, cfg, out1=buf[:, 4:4 + N1], out2=buf[:, 4 + N1:4 + N1 + N2])
     torch.testing.assert_close(buf[:, 4:4 + N1 + N2].float(), torch.cat([r1, r2], 1), **tol)
     assert buf[:, :4].isnan().all() and buf[:, 4 + N1 + N2:].isnan().all()
-    if cfg.split > 1:
+    if isinstance(cfg, launch.MmaCfg) and cfg.split > 1:
         assert launch.split_counters(x.device).abs().max() == 0
     with pytest.raises(ValueError, match="share K"):
         launch.mma_gemm2(x, w1, w2[:, :-1], cfg)
@@ -483,6 +488,26 @@ def test_router_latent_one_takes_the_stacked_config_or_the_single_gemms(monkeypa
     r, lat = launch.router_latent_one(x, wr, wd)
     assert calls[1:] == ["router", "latent"]
     torch.testing.assert_close(lat, x @ wd.t())
+
+
+def test_router_latent_one_stacks_a_gemv_config_up_to_its_m(monkeypatch):
+    """A CUDA-core GEMV config for the stacked shape (a per-card row) runs as one mma_gemm2 launch too, up to
+    GEMV_MAX_M tokens; above it, each GEMM on its own (the GEMV kernel takes no more rows)."""
+    from k3compile.kernels import choose
+    g = torch.Generator().manual_seed(6)
+    wr, wd = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)
+    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: (16, 32, 4, 1))
+    seen = []
+    real = launch.mma_gemm2
+    monkeypatch.setattr(launch, "mma_gemm2", lambda x, w1, w2, cfg, **kw: seen.append(cfg) or real(x, w1, w2, cfg, **kw))
+    x = torch.randn(2, 64, generator=g)
+    r, lat = launch.router_latent_one(x, wr, wd)
+    assert seen == [(16, 32, 4, 1)]
+    torch.testing.assert_close(r, x @ wr.t(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lat, x @ wd.t(), atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(choose, "gemm", lambda op, x, w: x @ w.t())
+    launch.router_latent_one(torch.randn(launch.GEMV_MAX_M + 1, 64, generator=g), wr, wd)
+    assert len(seen) == 1
 
 
 def test_mma_gemm_refuses_more_than_16_tokens_and_splits_only_with_counters(monkeypatch):

@@ -386,12 +386,19 @@ def _off_thread(make, device: torch.device):
     return out[0]
 
 
-def _two_weight_cfg(x, w1, w2, rows: int) -> "MmaCfg | None":
-    """The tuned MMA config of a [rows, K] weight at x's M, for mma_gemm2 over rows of w1 and w2
-    (None: no MMA config, or an operand not unit-stride along K)."""
+def _two_weight_cfg(x, w1, w2, rows: int) -> "MmaCfg | tuple[int, int, int, int] | None":
+    """The tuned config of a [rows, K] weight at x's M, for mma_gemm2 over rows of w1 and w2: an MMA
+    config, or a CUDA-core GEMV one at M <= GEMV_MAX_M (None: cuBLAS in the table, or an operand not
+    unit-stride along K)."""
     cfg = choose.gemv_plan(x, w1, rows=rows)
-    ok = isinstance(cfg, MmaCfg) and x.stride(1) == 1 and w1.stride(1) == 1 and w2.stride(1) == 1
+    ok = (isinstance(cfg, MmaCfg) or (cfg is not None and x.shape[0] <= GEMV_MAX_M)) and x.stride(1) == 1 \
+        and w1.stride(1) == 1 and w2.stride(1) == 1
     return cfg if ok else None
+
+
+def _cfg_bn(cfg) -> int:
+    """The rows per program of an MMA or CUDA-core GEMV config."""
+    return cfg.bn if isinstance(cfg, MmaCfg) else cfg[0]
 
 
 def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor:
@@ -402,7 +409,7 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
     S, a, S1 = router_latent_split(w_router.shape[0], w_down.shape[0], tp, rank)
     if 0 < S1 < S:
         cfg = _two_weight_cfg(x, w_router, w_down, S)
-        if cfg is not None and S1 % cfg.bn == 0:
+        if cfg is not None and S1 % _cfg_bn(cfg) == 0:
             out = torch.empty(x.shape[0], S, dtype=x.dtype, device=x.device)
             mma_gemm2(x, w_router[a:], w_down[:S - S1], cfg, out1=out[:, :S1], out2=out[:, S1:])
             return out.view(-1)
@@ -414,7 +421,8 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
 
 def router_latent_one(x, w_router, w_down):
     """TP=1: (x @ W_r.T, x @ W_down.T) in one launch of the MMA decode GEMM over the stacked rows
-    (mma_gemm2) where the tuned table has the stacked shape [E + L, K] at this M; else each GEMM
+    (mma_gemm2; the MMA or the CUDA-core GEMV kernel) where the tuned table has the stacked shape
+    [E + L, K] at this M; else each GEMM
     through choose.gemm (its own tuned config, or cuBLAS)."""
     cfg = _two_weight_cfg(x, w_router, w_down, w_router.shape[0] + w_down.shape[0])
     if cfg is not None:
@@ -466,7 +474,7 @@ def router_latent_topk(x, w_router, w_down, bias, k: int, scale: float, ids_dtyp
     E, L = w_router.shape[0], w_down.shape[0]
     cfg = cfg or _two_weight_cfg(x, w_router, w_down, E + L)
     ep = None
-    if cfg is not None and E % cfg.bn == 0 and 1 <= x.shape[0] <= MMA_MAX_M:
+    if isinstance(cfg, MmaCfg) and E % cfg.bn == 0 and 1 <= x.shape[0] <= MMA_MAX_M:
         ep = TopkEpilogue.make(x, bias, k, scale, ids_dtype, E, triton.cdiv(E + L, cfg.bn))
     if ep is None:
         logits, lat = router_latent_one(x, w_router, w_down)
@@ -578,25 +586,51 @@ def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | 
     return out
 
 
-def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: MmaCfg,
+def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg | tuple[int, int, int, int]",
               out1: torch.Tensor | None = None, out2: torch.Tensor | None = None):
     """(x @ w1.t(), x @ w2.t()) in ONE launch of the MMA GEMM over the stacked rows [w1; w2] (no copy
     of either weight; `cfg` is the stacked shape's); both weights [*, K] of x's dtype with unit stride
     along K, the outputs [M, N1] / [M, N2] (given: unit stride along N; e.g. two column ranges of one
     buffer). Returns (out1, out2). Where w1's rows are not a multiple of the config's BN (a program's
-    rows must lie in one weight), two launches of the same config instead."""
+    rows must lie in one weight), two launches of the same config instead. A CUDA-core GEMV config
+    (a tuple, M <= GEMV_MAX_M) runs the same way on gemv_kernel (TWO)."""
     M = x.shape[0]
     if w1.shape[1] != w2.shape[1] or w1.dtype != w2.dtype:
         raise ValueError(f"mma_gemm2: weights {tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype} "
                          "must share K and dtype")
     out1 = torch.empty(M, w1.shape[0], dtype=x.dtype, device=x.device) if out1 is None else out1
     out2 = torch.empty(M, w2.shape[0], dtype=x.dtype, device=x.device) if out2 is None else out2
+    if not isinstance(cfg, MmaCfg):
+        _gemv2(x, w1, w2, out1, out2, tuple(cfg))
+        return out1, out2
     if w1.shape[0] % cfg.bn:
         _mma(x, w1, out1, None, None, cfg, False)
         _mma(x, w2, out2, None, None, cfg, False)
     else:
         _mma(x, w1, out1, w2, out2, cfg, False)
     return out1, out2
+
+
+def _gemv2(x, w1, w2, out1, out2, cfg: tuple[int, int, int, int]) -> None:
+    """mma_gemm2's CUDA-core form: one gemv_kernel launch over the stacked rows (TWO), or two launches
+    where w1's rows are not a multiple of BLOCK_N."""
+    from . import triton_gemv as KG
+    M, K = x.shape
+    if M > GEMV_MAX_M:
+        raise ValueError(f"the CUDA-core GEMV takes M <= {GEMV_MAX_M} tokens, got {M}")
+    bn, bk, nw, ns = cfg
+    N1 = w1.shape[0]
+    if N1 % bn:
+        gemv(x, w1, out1, cfg=cfg)
+        gemv(x, w2, out2, cfg=cfg)
+        return
+    if not M:
+        return
+    N = N1 + w2.shape[0]
+    KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w1, out1, M, N, K, x.stride(0), w1.stride(0), out1.stride(0), x, 0.0,
+                                          w2, out2, N1, w2.stride(0), out2.stride(0),
+                                          MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
+                                          ACC=False, TWO=True, num_warps=nw, num_stages=ns)
 
 
 def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int):
@@ -764,6 +798,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
     if M:
         KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                               norm[0] if norm else x, float(norm[1]) if norm else 0.0,
+                                              w, out, N, 0, 0,
                                               MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
                                               EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
                                               NORM=norm is not None, num_warps=nw, num_stages=ns,
@@ -836,7 +871,7 @@ def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_
     M, nb = res.shape[0], len(blocks)
     E, L = w_router.shape[0], w_down.shape[0]
     cfg = cfg or _two_weight_cfg(delta, w_router, w_down, E + L)
-    if cfg is not None and resnorm_gemm_fits(M, nb) and E % cfg.bn == 0:
+    if isinstance(cfg, MmaCfg) and resnorm_gemm_fits(M, nb) and E % cfg.bn == 0:
         ep = TopkEpilogue.make(delta, topk[0], topk[1], topk[2], topk[3], E, triton.cdiv(E + L, cfg.bn)) if topk else None
         outs = resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_router, cfg, w2=w_down, topk=ep)
         if ep is not None:

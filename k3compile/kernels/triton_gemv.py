@@ -44,20 +44,24 @@ from .triton_router import topk_after_tile
 
 
 @triton.jit
-def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr = False,
-                GDC: tl.constexpr = False, NORM: tl.constexpr = False):
+def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, som2, MP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr,
+                PDL: tl.constexpr = False, GDC: tl.constexpr = False, NORM: tl.constexpr = False,
+                TWO: tl.constexpr = False):
     """ACC: out += x @ W^T (out read, added in fp32, written), else out = x @ W^T. PDL: the first
     weight tile read before x (needs K >= BLOCK_K); GDC: with the grid-dependency wait / launch
     between them (the module docstring; off in Triton's CPU interpreter, which lacks them). NORM:
     the product is rms_norm(x, g, eps) @ W^T = r * ((x * g) @ W^T) with r = rsqrt(mean(x^2) + eps)
     per row: the squares summed in the same loop as the product, r applied at the end (not with
     PDL). The normed x is not rounded to x's dtype as model.functional.rms_norm rounds it, so the
-    result differs from rms_norm(x) @ W^T by that rounding (2^-9 relative per bf16 element)."""
+    result differs from rms_norm(x) @ W^T by that rounding (2^-9 relative per bf16 element).
+    TWO: N rows stacked from w (its N1 rows, into out) and w2 (into out2), N1 a multiple of BLOCK_N
+    (two_rows: each program's rows lie in one weight)."""
     pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w, swn, out, som, r0, nlim = two_rows(pid * BLOCK_N, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
+    rn = r0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, MP)
-    nmask = rn < N
+    nmask = rn < nlim
     acc = tl.zeros([MP, BLOCK_N], tl.float32)
     wp = w + rn.to(tl.int64)[:, None] * swn
     k_start = 0
