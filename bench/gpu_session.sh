@@ -148,11 +148,14 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                   --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_card.json"
               done ;;
     # the stacked router + latent (4480 x 7168) on the CUDA-core GEMV in one launch (mma_gemm2's TWO form; the
-    # H100 sweep's best for that shape): its GPU test, then both layers at M=1 with that config forced
+    # H100 sweep's best for that shape): its GPU test, then both layers at M=1 with that config forced; and the
+    # shared gate-up (1536 x 7168, the H100 sweep's best alone) on the GEMV, alone and with it
     rlgemv) step rlgemv_tests 150 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "two_weights or gemv_matches"
             for L in kda mla; do
-              step layer_${L}_tp8_w1_rlgemv 150 python3 bench/layer_bench.py --ms 1 --ablate 0 \
+              step layer_${L}_tp8_w1_rlgemv 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
                 --env "rl:K3_GEMV_CFG=4480x7168=gemv 4/1024/4/3" --env "rl2:K3_GEMV_CFG=4480x7168=gemv 8/512/4/3" \
+                --env "sgu:K3_GEMV_CFG=1536x7168=gemv 2/1024/4/4" \
+                --env "rlsgu:K3_GEMV_CFG=4480x7168=gemv 4/1024/4/3;1536x7168=gemv 2/1024/4/4" \
                 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_rlgemv.json"
             done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
