@@ -1162,6 +1162,12 @@ def test_gemv_card_rows_merge_per_m(monkeypatch):
         assert choose.gemv_plan(x1, kin) == choose.parse_cfg(m1)
         assert choose.gemv_plan(x4, kin) == choose.parse_cfg(table[4])                 # M=4: GEMV_TABLE's
         assert choose.gemv_plan(_FakeCuda(1, 1536), oproj) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
+        # the stacked router + latent (looked up by its stacked rows): the card's GEMV at M=1 only
+        router, stacked = _FakeCuda(896, 7168), choose.GEMV_TABLE[(4480, 7168)]
+        want = choose.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1] if "H100" in name else stacked[1]
+        assert choose.gemv_plan(x1, router, rows=4480) == choose.parse_cfg(want)
+        assert choose.gemv_plan(_FakeCuda(2, 7168), router, rows=4480) == choose.parse_cfg(stacked[4])
+    assert isinstance(choose.parse_cfg(choose.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1]), tuple)
     monkeypatch.setenv("K3_GEMV_CARD", "none")
     assert choose.gemv_plan(x1, kin) == choose.parse_cfg(table[1])
     monkeypatch.setenv("K3_GEMV_CARD", "H100")

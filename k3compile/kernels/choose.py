@@ -200,9 +200,14 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
 # MLA 120.1 -> 120.7, hence not in GEMV_TABLE). At M = 4 the H100 sweep's table changed nothing (177.6 /
 # 188.0 -> 177.6 / 188.3), so only M=1 rows. In place, on another H100 (680df18, ..._h100_680df18_card.json):
 # KDA 139.8 -> 138.9, MLA 140.9 -> 139.8.
+# The stacked router + latent down (4480 x 7168, TP=1; launch.mma_gemm2 with the GEMV's TWO form) at M=1:
+# forced in the layer on an H100 at f5fc5d7 (..._h100_f5fc5d7_rlgemv.json): KDA 138.5 -> 137.0, MLA
+# 140.0 -> 138.8 ("gemv 8/512/4/3": 140.7 / 143.8). The shared gate-up on the GEMV there was slower
+# (139.7 / 141.4): beside the routed kernels it wants the MMA kernel's programs.
 GEMV_TABLE_BY_CARD: dict[str, dict[tuple[int, int], dict]] = {
     "H100": {(6284, 7168): {1: "gemv 2/1024/4/4"},     # KDA in_proj, TP=8
-             (3648, 7168): {1: "gemv 4/1024/4/3"}},    # MLA qkv_a, TP=8
+             (3648, 7168): {1: "gemv 4/1024/4/3"},     # MLA qkv_a, TP=8
+             (4480, 7168): {1: "gemv 4/1024/4/3"}},    # router + latent down stacked, TP=1
 }
 _TABLES: dict[str, dict] = {}
 
