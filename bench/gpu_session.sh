@@ -163,7 +163,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     sharedcfg) for L in kda mla; do
                  step layer_${L}_tp8_w1_sharedcfg 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
                    --env "sg2:K3_GEMV_CFG=1536x7168=mmas 64/128/2/4/4" --env "sg8:K3_GEMV_CFG=1536x7168=mmas 64/128/8/4/4" \
-                   --env "sg32:K3_GEMV_CFG=1536x7168=mmas 32/128/4/4/6" --env "sd2:K3_GEMV_CFG=7168x768=mmas 64/128/2/4/4" \
+                   --env "sg32:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --env "sd2:K3_GEMV_CFG=7168x768=mmas 64/128/2/4/4" \
                    --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_sharedcfg.json"
                done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
