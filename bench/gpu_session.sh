@@ -166,6 +166,13 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                    --env "sg32:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --env "sd2:K3_GEMV_CFG=7168x768=mmas 64/128/2/4/4" \
                    --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_sharedcfg.json"
                done ;;
+    # the MXFP4 expert kernels' dispatch (tuned on the H200) on this card: the CuTe tags xf / untagged
+    # against ldgd, the down kernel without PDL, and the Triton v3 kernels; both layers at M=1
+    mxtags) for L in kda mla; do
+              step layer_${L}_tp8_w1_mxtags 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
+                --env xf:K3_CUTE_MXFP4_TAG=xf --env untag:K3_CUTE_MXFP4_TAG=none --env nopdl:K3_CUTE_PDL=0 \
+                --env tv3:K3_MXFP4=v3 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mxtags.json"
+            done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \
