@@ -80,7 +80,7 @@ def chain_cfg(sweep: dict, shape: str, M: int, K: int) -> tuple[int, int, int, i
     capped at K (the PDL GEMV reads one full tile before it waits)."""
     ms = sorted(m for (s, m) in sweep if s == shape)
     m = next((x for x in ms if x >= M), ms[-1])
-    bn, bk, nw, ns = sweep[(shape, m)]
+    bn, bk, nw, ns = sweep[(shape, m)][:4]
     while bk > K:
         bk //= 2
     return bn, bk, nw, ns
@@ -183,13 +183,13 @@ def dispatch_check(a, bw):
     sweep's best of many configs."""
     import torch
 
-    from k3compile.kernels import choose
+    from k3compile.kernels import choose, launch
     rows = []
     for row, x, w, nxt, ref in cases(a, bw, seed=1):
         name, M = row["shape"], row["M"]
         cfg = choose.gemv_plan(x, w)
         err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
-        row.update(dispatch=cfg.name() if hasattr(cfg, "name") else ("gemv %d/%d/%d/%d" % cfg if cfg else "cublas"),
+        row.update(dispatch=cfg.name() if hasattr(cfg, "name") else (launch.gemv_name(cfg) if cfg else "cublas"),
                    err=err, us={"cublas": [], "k3": []})
         fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
         for _ in range(a.repeats):
@@ -229,12 +229,16 @@ def main():
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--shapes", default="", help="comma-separated SHAPES names (default: all)")
     ap.add_argument("--all-gemv", action="store_true", help="every CUDA-core GEMV config, not only GEMV_BEST")
+    ap.add_argument("--lazy", action="store_true", help="each CUDA-core GEMV config in its LAZY form too (gemvl)")
+    ap.add_argument("--no-mma", action="store_true", help="no tensor-core MMA configs")
+    ap.add_argument("--dispatch-column", action="store_true",
+                    help="a column k3: what choose.gemm dispatches for the shape and M (not a candidate for best)")
     ap.add_argument("--chain", default=None, help="a gemv_bench sweep result: time the GEMM chain (docstring)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import choose, launch
     t0 = time.time()
     bw = hbm_bandwidth()
     if a.dispatch:
@@ -256,10 +260,14 @@ def main():
         name, N, K, M, nbytes = row["shape"], row["N"], row["K"], row["M"], row["bytes"]
         row.update(us={}, err={})
         variants = {"cublas": lambda: torch.mm(x, nxt().t())}
+        if a.dispatch_column:   # what choose.gemm runs for this shape and M (the table / card rows)
+            variants["k3"] = (lambda o=None: choose.gemm("bench", x, nxt()) if o is None else
+                              o.copy_(choose.gemm("bench", x, w)))
         if M <= launch.GEMV_MAX_M:
             for c in (CONFIGS if a.all_gemv else GEMV_BEST):
-                variants["gemv %d/%d/%d/%d" % c] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
-        if M <= launch.MMA_MAX_M:
+                for cc in ((c, c + (1,)) if a.lazy else (c,)):
+                    variants[launch.gemv_name(cc)] = (lambda c=cc, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+        if M <= launch.MMA_MAX_M and not a.no_mma:
             for c in mma_configs(N, K):
                 variants[c.name()] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
         variants["cublas last"] = variants["cublas"]
@@ -276,6 +284,9 @@ def main():
             if err < 1e-2:   # (NaN fails this too)
                 row["us"][vn] = time_graph(fn)
         row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
+        if "k3" in row["us"]:
+            row["dispatch"] = (lambda c: c.name() if hasattr(c, "name") else (launch.gemv_name(c) if c else "cublas"))(
+                choose.gemv_plan(x, w))
         gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
         mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
         for kind, d in (("gemv", gem), ("mma", mma)):
@@ -287,7 +298,8 @@ def main():
         rows.append(row)
         print(f"{name:20s} M={M:2d} cublas {row['us']['cublas']:6.2f} us  best {best:20s} {ours[best]:6.2f} us "
               f"(x{row['speedup_vs_cublas']:.2f}, {nbytes / ours[best] / 1e6:.2f} TB/s; floor "
-              f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else ""), flush=True)
+              f"{row['floor_us']:.2f})" + (f"  best gemv {gem[row['best_gemv']]:6.2f}" if gem else "")
+              + (f"  k3 ({row['dispatch']}) {row['us']['k3']:6.2f}" if "k3" in row["us"] else ""), flush=True)
     save(a.out, dict(rows=rows, hbm_bytes_per_s=bw, bw_seen=BW_SEEN, gpu=torch.cuda.get_device_name(),
                      torch=torch.__version__), t0)
 

@@ -173,6 +173,22 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                 --env xf:K3_CUTE_MXFP4_TAG=xf --env untag:K3_CUTE_MXFP4_TAG=none --env nopdl:K3_CUTE_PDL=0 \
                 --env tv3:K3_MXFP4=v3 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mxtags.json"
             done ;;
+    # gemv_kernel's LAZY form (one K sum after the loop): its GPU tests, a sweep of every CUDA-core config
+    # plain and lazy beside what k3 dispatches at M=1 (no MMA configs), then both layers with each shape whose
+    # best lazy config beat the dispatch by 1% forced (bench/gemv_env.py), and all of them at once
+    gemvlazy) step gemvlazy_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "two_weights or gemv_matches"
+              step gemv_lazy 240 python3 bench/gemv_bench.py --all-gemv --lazy --no-mma --dispatch-column --ms 1 \
+                --shapes "tp8 in_proj_kda,tp8 in_proj_mla,w1 router_latent,w1 latent_up,tp8 oproj,tp8 q_b_mla,tp8 shared_down,tp8 shared_gate_up" \
+                --out "$R/gemv_lazy.json"
+              mapfile -t SPECS < <(python3 bench/gemv_env.py "$R/gemv_lazy.json")
+              printf '%s\n' "${SPECS[@]}" > "$R/gemv_lazy_specs.txt"
+              EA=(); for sp in "${SPECS[@]}"; do EA+=(--env "$sp"); done
+              if [ ${#EA[@]} -gt 0 ]; then
+                for L in kda mla; do
+                  step layer_${L}_tp8_w1_lazy 240 python3 bench/layer_bench.py --ms 1 --ablate 0 "${EA[@]}" \
+                    --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_lazy.json"
+                done
+              fi ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \

@@ -141,3 +141,20 @@ def test_gemv_table_keeps_named_shapes_and_stacked_mma_only(tmp_path, monkeypatc
     assert t[(1536, 7168)][1] == choose.GEMV_TABLE[(1536, 7168)][1]    # kept
     assert t[(4480, 7168)] == {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4"}
     assert t[(7168, 1536)] == choose.GEMV_TABLE[(7168, 1536)]          # not swept: GEMV_TABLE's
+
+
+def test_gemv_env_forces_only_configs_that_beat_the_dispatch():
+    """bench/gemv_env.py: a variant per shape whose best config of the kind beat the k3 column by the
+    margin (largest gain first), one forcing them all; other Ms, kinds and near-ties give nothing."""
+    from bench.gemv_env import specs
+    rows = [dict(N=4480, K=7168, M=1, us={"k3": 24.0, "gemvl 4/1024/4/3": 23.0, "gemvl 8/512/4/3": 23.5,
+                                          "gemv 2/1024/4/4": 22.0}),
+            dict(N=7168, K=1536, M=1, us={"k3": 9.9, "gemvl 8/512/4/3": 9.4}),
+            dict(N=3648, K=7168, M=1, us={"k3": 20.0, "gemvl 4/1024/4/3": 19.9}),   # 0.5%: not enough
+            dict(N=6284, K=7168, M=4, us={"k3": 40.0, "gemvl 4/1024/4/3": 30.0}),   # another M
+            dict(N=2304, K=1536, M=1, us={"gemvl 2/1024/4/4": 1.0})]                # no k3 column
+    assert specs(rows, "gemvl", 1, 0.01, "lz") == [
+        "lz0:K3_GEMV_CFG=4480x7168=gemvl 4/1024/4/3", "lz1:K3_GEMV_CFG=7168x1536=gemvl 8/512/4/3",
+        "lzall:K3_GEMV_CFG=4480x7168=gemvl 4/1024/4/3;7168x1536=gemvl 8/512/4/3"]
+    assert specs(rows[2:], "gemvl", 1, 0.01, "lz") == []
+    assert specs(rows[:1], "gemv", 1, 0.01, "g") == ["g0:K3_GEMV_CFG=4480x7168=gemv 2/1024/4/4"]

@@ -374,7 +374,7 @@ def test_gemv_matches_matmul_bf16_graphed(N, K):
     for M in (1, 4, 8):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         ref = x.float() @ w.float().t()
-        for cfg in CONFIGS:
+        for cfg in CONFIGS + [c + (1,) for c in CONFIGS]:   # and each in its LAZY form
             out = launch.gemv(x, w, cfg=cfg)
             assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (M, cfg)
         wide = torch.randn(M, N + 64, device="cuda", generator=g).bfloat16()

@@ -407,6 +407,10 @@ def test_router_latent_gather(world, rank):
                                              (3, 37, 100, (4, 64, 4, 2), torch.float16),
                                              (8, 64, 64, (16, 16, 4, 2), torch.bfloat16),
                                              (5, 20, 128, None, torch.float16),
+                                             # the LAZY form (a fifth element 1): one sum after the loop
+                                             (1, 40, 96, (8, 32, 4, 2, 1), torch.float32),
+                                             (3, 37, 100, (4, 64, 4, 2, 1), torch.float16),
+                                             (8, 64, 64, (16, 16, 4, 2, 1), torch.bfloat16),
                                              # the tensor-core kernel: unsplit, split (ragged K, a split
                                              # left empty), swapped, 16 tokens (fp16 / fp32: the
                                              # interpreter's bf16 dot is wrong)
@@ -444,7 +448,8 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
                                                    # multiple of BLOCK_K, and its two-launch fallback
                                                    (1, 32, 40, 96, (8, 32, 4, 2), torch.float32),
                                                    (3, 64, 37, 130, (16, 64, 4, 2), torch.float16),
-                                                   (2, 40, 24, 64, (16, 32, 4, 1), torch.float32)])
+                                                   (2, 40, 24, 64, (16, 32, 4, 1), torch.float32),
+                                                   (3, 64, 37, 130, (16, 64, 4, 2, 1), torch.float16)])
 def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
     """launch.mma_gemm2 (the TP=1 router + latent GEMM): x @ w1^T and x @ w2^T of two separate
     weights (neither copied), into fresh outputs and into two column ranges of one NaN-poisoned
@@ -527,12 +532,28 @@ def test_gemv_config_names_round_trip():
     for c in (launch.MmaCfg(64, 128, 8, 4, 4, True), launch.MmaCfg(16, 256, 1, 4, 4)):
         assert choose.parse_cfg(c.name()) == c
     assert choose.parse_cfg("gemv 8/512/4/3") == (8, 512, 4, 3)
+    assert choose.parse_cfg("gemvl 4/1024/4/3") == (4, 1024, 4, 3, 1)
+    for c in ((8, 512, 4, 3), (4, 1024, 4, 3, 1)):
+        assert choose.parse_cfg(launch.gemv_name(c)) == c
+    for bad in ("gemv 8/512/4", "gemvx 8/512/4/3"):
+        with pytest.raises(ValueError):
+            choose.parse_cfg(bad)
     with pytest.raises(ValueError):
         launch.MmaCfg.parse("gemv 8/512/4/3")
 
 
+def test_gemv_lazy_only_where_its_tile_fits():
+    """gemv_parts: the LAZY form where the config asks for it and MP x BLOCK_N x BLOCK_K fp32 fit
+    GEMV_LAZY_REGS registers a thread (M=1 at 4 x 1024 on 4 warps: 32), else the plain form (M=8: 256)."""
+    assert launch.gemv_parts((4, 1024, 4, 3, 1), 1) == (4, 1024, 4, 3, True)
+    assert launch.gemv_parts((4, 1024, 4, 3, 1), 8) == (4, 1024, 4, 3, False)
+    assert launch.gemv_parts((4, 1024, 4, 3), 1) == (4, 1024, 4, 3, False)
+    assert launch.gemv_parts((16, 256, 8, 3, 1), 2) == (16, 256, 8, 3, True)
+
+
 @pytest.mark.parametrize("M, N, K, cfg, dt", [(1, 40, 96, (8, 32, 4, 2), torch.float32),
-                                             (3, 37, 100, (4, 64, 4, 2), torch.float16)])
+                                             (3, 37, 100, (4, 64, 4, 2), torch.float16),
+                                             (2, 37, 100, (4, 64, 4, 2, 1), torch.float16)])
 def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
     """The PDL GEMV's peeled first weight tile (read before the grid-dependency wait, which the
     interpreter leaves out) gives the same sums, ragged K included; K < BLOCK_K is refused."""

@@ -72,7 +72,7 @@ from k3compile.ops import reference as ref
 out = []
 g = torch.Generator().manual_seed(1)
 for dt in (torch.float32, torch.float16):
-    for M, K, N, cfg in ((1, 1536, 40, (2, 1024, 4, 1)), (3, 200, 33, (8, 64, 4, 1))):
+    for M, K, N, cfg in ((1, 1536, 40, (2, 1024, 4, 1)), (3, 200, 33, (8, 64, 4, 1)), (2, 200, 33, (8, 64, 4, 1, 1))):
         xs = (torch.randn(M, K + 24, generator=g) * 3).to(dt)[:, 8:8 + K]     # rows strided, as a split gives
         gw = (torch.rand(K, generator=g) + 0.5).to(dt)
         w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dt)
@@ -93,7 +93,7 @@ def test_norm_in_gemv_and_norm_kernel_match_reference_in_the_interpreter():
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own subprocess's list
-    assert len(rows) == 4, rows
+    assert len(rows) == 6, rows
     for dt, M, err, nerr in rows:
         assert err < (1e-5 if "float32" in dt else 2e-3), (dt, M, err)
         assert nerr < (1e-5 if "float32" in dt else 1e-2), (dt, M, nerr)

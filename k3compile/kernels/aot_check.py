@@ -110,6 +110,9 @@ def variants():
         out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
     out.append(("gemv acc ragged", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=1)))
+    # the LAZY form (one sum after the loop) at M=1 and M=2 ("gemvl" configs)
+    out.append(("gemv lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, LAZY=1)))
+    out.append(("gemv lazy MP2 ragged", KG.gemv_kernel, gv, dict(MP=2, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=0, LAZY=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
     # the MLA q_b GEMV at M=1 with the q_a RMSNorm in its x loads (fold_norm_gemv's k3::decode_gemm_normed)
     out.append(("gemv norm", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=0, ACC=0, NORM=1)))
@@ -266,7 +269,7 @@ FORBID = {"mxfp4_v2b": ["mul.ftz.f32", "fma.rn.ftz.f32", "mul.rn.ftz.f32"],
 
 # --quick: one variant of each communication kernel at WORLD=2, the prefetch and every expert kernel
 QUICK = ("ar_residual_norm w2 nb3 res1", "kda_conv", "kda_decode_fb", "kda_step", "pushed ar_residual_norm w2", "latent_tail w2", "gather w2", "cas ", "loop ", "l2_prefetch", "mxfp4", "router_topk", "situ",
-         "gemv pdl", "mma_gemm", "resnorm_gemm", "mla_", "cols ")
+         "gemv pdl", "gemv lazy", "mma_gemm", "resnorm_gemm", "mla_", "cols ")
 
 
 def main(argv=None) -> int:

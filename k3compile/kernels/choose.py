@@ -230,7 +230,8 @@ def card_rows(device) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def parse_cfg(text):
-    """A gemv_bench config name: "gemv BN/BK/warps/stages" (the CUDA-core GEMV, a tuple) or
+    """A gemv_bench config name: "gemv BN/BK/warps/stages" (the CUDA-core GEMV, a tuple; "gemvl": its
+    LAZY form, a fifth element 1) or
     "mma[s] BN/BK/SPLIT/warps/stages" (the tensor-core split-K kernel, a launch.MmaCfg); None and
     configs already parsed pass through."""
     if text is None or not isinstance(text, str):
@@ -238,7 +239,11 @@ def parse_cfg(text):
     if text.startswith("mma"):
         from .launch import MmaCfg
         return MmaCfg.parse(text)
-    return tuple(int(v) for v in text.split()[1].split("/"))
+    kind, _, vals = text.partition(" ")
+    parts = tuple(int(v) for v in vals.split("/"))
+    if kind not in ("gemv", "gemvl") or len(parts) != 4:
+        raise ValueError(f"not a GEMV config name: {text!r} (want 'gemv[l] BN/BK/warps/stages' or 'mma[s] ...')")
+    return parts + (1,) if kind == "gemvl" else parts
 
 
 def gemv_table_from(path: str) -> dict:

@@ -493,8 +493,23 @@ def router_latent(x, w_router, w_down, peers: Peers):
 
 GEMV_MAX_M = 8
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of triton_gemv where no tuned config is given
-# (choose.GEMV_TABLE has the measured ones)
+# (choose.GEMV_TABLE has the measured ones); a fifth element 1 asks for the LAZY form ("gemvl" names)
 GEMV_DEFAULT = (8, 512, 4, 3)
+# LAZY's [MP, BLOCK_N, BLOCK_K] fp32 tile at most this many registers a thread, else the plain form
+GEMV_LAZY_REGS = 64
+
+
+def gemv_parts(cfg: tuple, mp: int) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, lazy) of a CUDA-core GEMV config at MP (a power of two
+    >= M) token rows: lazy where the config asks for it and its accumulator tile fits GEMV_LAZY_REGS."""
+    bn, bk, nw, ns, *rest = cfg
+    lazy = bool(rest and rest[0]) and mp * bn * bk <= GEMV_LAZY_REGS * 32 * nw
+    return bn, bk, nw, ns, lazy
+
+
+def gemv_name(cfg: tuple) -> str:
+    """A CUDA-core GEMV config's name as choose.parse_cfg reads it back ("gemv[l] BN/BK/warps/stages")."""
+    return ("gemvl " if len(cfg) > 4 and cfg[4] else "gemv ") + "/".join(str(v) for v in cfg[:4])
 
 
 @dataclass(frozen=True)
@@ -618,7 +633,7 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple[int, int, int, int]) -> None:
     M, K = x.shape
     if M > GEMV_MAX_M:
         raise ValueError(f"the CUDA-core GEMV takes M <= {GEMV_MAX_M} tokens, got {M}")
-    bn, bk, nw, ns = cfg
+    bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
     N1 = w1.shape[0]
     if N1 % bn:
         gemv(x, w1, out1, cfg=cfg)
@@ -630,7 +645,7 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple[int, int, int, int]) -> None:
     KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w1, out1, M, N, K, x.stride(0), w1.stride(0), out1.stride(0), x, 0.0,
                                           w2, out2, N1, w2.stride(0), out2.stride(0),
                                           MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                                          ACC=False, TWO=True, num_warps=nw, num_stages=ns)
+                                          ACC=False, TWO=True, LAZY=lazy, num_warps=nw, num_stages=ns)
 
 
 def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int):
@@ -792,7 +807,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
     N = w.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn, bk, nw, ns = cfg or GEMV_DEFAULT
+    bn, bk, nw, ns, lazy = gemv_parts(cfg or GEMV_DEFAULT, triton.next_power_of_2(max(M, 1)))
     if pdl and K < bk:
         raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={bk})")
     if M:
@@ -801,7 +816,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
                                               w, out, N, 0, 0,
                                               MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
                                               EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
-                                              NORM=norm is not None, num_warps=nw, num_stages=ns,
+                                              NORM=norm is not None, LAZY=lazy, num_warps=nw, num_stages=ns,
                                               **({"launch_pdl": True} if pdl and x.is_cuda else {}))
     return out
 

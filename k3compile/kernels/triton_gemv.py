@@ -47,7 +47,7 @@ from .triton_router import topk_after_tile
 def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, som2, MP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr,
                 PDL: tl.constexpr = False, GDC: tl.constexpr = False, NORM: tl.constexpr = False,
-                TWO: tl.constexpr = False):
+                TWO: tl.constexpr = False, LAZY: tl.constexpr = False):
     """ACC: out += x @ W^T (out read, added in fp32, written), else out = x @ W^T. PDL: the first
     weight tile read before x (needs K >= BLOCK_K); GDC: with the grid-dependency wait / launch
     between them (the module docstring; off in Triton's CPU interpreter, which lacks them). NORM:
@@ -56,13 +56,17 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
     PDL). The normed x is not rounded to x's dtype as model.functional.rms_norm rounds it, so the
     result differs from rms_norm(x) @ W^T by that rounding (2^-9 relative per bf16 element).
     TWO: N rows stacked from w (its N1 rows, into out) and w2 (into out2), N1 a multiple of BLOCK_N
-    (two_rows: each program's rows lie in one weight)."""
+    (two_rows: each program's rows lie in one weight). LAZY: the products accumulate element-wise in
+    an [MP, BLOCK_N, BLOCK_K] fp32 tile, summed along K once after the loop, instead of a cross-thread
+    reduction every step (the loop body is then loads and FMAs only; the sum order differs, fp32 all
+    the same); launch.gemv takes it only where the tile fits 64 registers a thread."""
     pid = tl.program_id(0)
     w, swn, out, som, r0, nlim = two_rows(pid * BLOCK_N, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, MP)
     nmask = rn < nlim
     acc = tl.zeros([MP, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([MP, BLOCK_N, BLOCK_K] if LAZY else [1, 1, 1], tl.float32)
     wp = w + rn.to(tl.int64)[:, None] * swn
     k_start = 0
     ss = tl.zeros([MP], tl.float32)
@@ -73,7 +77,10 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
             tl.extra.cuda.gdc_wait()               # the previous kernel's writes (x, out) are visible now
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start streaming its weights
         xt = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=rm[:, None] < M, other=0.0)
-        acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        if LAZY:
+            acc3 += xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -88,7 +95,12 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
         if NORM:
             ss += tl.sum(xf * xf, axis=1)
             xf = xf * tl.load(g + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        if LAZY:
+            acc3 += xf[:, None, :] * wt.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+    if LAZY:
+        acc = tl.sum(acc3, axis=2)
     if NORM:
         acc = acc * tl.math.rsqrt(ss / K + eps)[:, None]
     op = out + rm[:, None] * som + rn[None, :]
