@@ -189,6 +189,14 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                     --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_lazy.json"
                 done
               fi ;;
+    # the H100's lazy picks of the gemvlazy step together, without the shared gate-up (slower in the layer
+    # on any GEMV), and the stacked router + latent alone; 5 rounds
+    lazyx) LX="4480x7168=gemvl 2/1024/4/4;3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3;2304x1536=gemvl 2/1024/4/4"
+           for L in kda mla; do
+             step layer_${L}_tp8_w1_lazyx 240 python3 bench/layer_bench.py --ms 1 --ablate 0 --rounds 5 \
+               --env "lzx:K3_GEMV_CFG=$LX" --env "lz1:K3_GEMV_CFG=4480x7168=gemvl 2/1024/4/4" \
+               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_lazyx.json"
+           done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \
