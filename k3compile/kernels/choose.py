@@ -204,10 +204,15 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
 # forced in the layer on an H100 at f5fc5d7 (..._h100_f5fc5d7_rlgemv.json): KDA 138.5 -> 137.0, MLA
 # 140.0 -> 138.8 ("gemv 8/512/4/3": 140.7 / 143.8). The shared gate-up on the GEMV there was slower
 # (139.7 / 141.4): beside the routed kernels it wants the MMA kernel's programs.
+# Then the GEMV's LAZY form (one K sum after the loop, "gemvl"): swept alone at M=1 on an H100 (5fec68c,
+# bench/results/gemv_lazy_h100_5fec68c.json) it took 0.3-0.6 us less than the plain picks on these four
+# shapes; in the layer (a8800d9, ..._h100_a8800d9_lazyx.json, 5 rounds) all four at once: KDA 140.0 ->
+# 139.0, MLA 140.9 -> 139.5 (the stacked one alone: 139.1 / 140.2).
 GEMV_TABLE_BY_CARD: dict[str, dict[tuple[int, int], dict]] = {
-    "H100": {(6284, 7168): {1: "gemv 2/1024/4/4"},     # KDA in_proj, TP=8
-             (3648, 7168): {1: "gemv 4/1024/4/3"},     # MLA qkv_a, TP=8
-             (4480, 7168): {1: "gemv 4/1024/4/3"}},    # router + latent down stacked, TP=1
+    "H100": {(6284, 7168): {1: "gemvl 8/512/4/3"},     # KDA in_proj, TP=8
+             (3648, 7168): {1: "gemvl 4/1024/4/3"},    # MLA qkv_a, TP=8
+             (4480, 7168): {1: "gemvl 2/1024/4/4"},    # router + latent down stacked, TP=1
+             (2304, 1536): {1: "gemvl 2/1024/4/4"}},   # MLA q_b, TP=8
 }
 _TABLES: dict[str, dict] = {}
 
