@@ -118,18 +118,26 @@ GPU_SHAPES = [(6284, 7168), (3648, 7168)]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("N, K", GPU_SHAPES)
 @pytest.mark.parametrize("M, nb", [(1, 3), (2, 3), (1, 0), (4, 3)])
-def test_residual_norm_gemm_on_cuda_bf16_eager_and_graphed(N, K, M, nb):
+@pytest.mark.parametrize("card", ["none", "auto"])
+def test_residual_norm_gemm_on_cuda_bf16_eager_and_graphed(N, K, M, nb, card, monkeypatch):
     """k3::residual_norm_gemm in bf16 against its reference (1e-2 relative; `updated` exact), eagerly
     and replayed from a CUDA graph after new inputs are copied in. M=4 with 3 blocks does not fit the
-    tile: the residual / norm kernel and the decode GEMM instead."""
+    tile: the residual / norm kernel and the decode GEMM instead. card="none": GEMV_TABLE alone, whose
+    MMA config the fused kernel takes; "auto": this GPU's card rows (choose.GEMV_TABLE_BY_CARD), where
+    they give the shape a CUDA-core GEMV config (the H100's in_proj rows at M=1): the op runs the
+    residual / norm kernel and that GEMV instead."""
     from k3compile.kernels import choose, launch
+    monkeypatch.setenv("K3_GEMV_CARD", card) if card == "none" else monkeypatch.delenv("K3_GEMV_CARD", raising=False)
+    if card == "auto" and M not in {m for m in choose.card_rows(torch.device("cuda", 0)).get((N, K), {})}:
+        pytest.skip("no card row for this shape and M on this GPU")
     gen = torch.Generator("cuda").manual_seed(M * 10 + nb)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=gen).bfloat16()  # noqa: E731
     delta, res = mk(M, K), mk(M, K)
     blocks = [mk(M, K) for _ in range(nb)]
     wn, wq, g = [(torch.rand(K, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(3)]
     w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).bfloat16()
-    assert isinstance(choose.gemv_plan(delta, w), launch.MmaCfg)   # the tuned table runs it on the MMA GEMM
+    plan = choose.gemv_plan(delta, w)
+    assert isinstance(plan, launch.MmaCfg) if card == "none" else isinstance(plan, tuple), plan
     fused = launch.resnorm_gemm_fits(M, nb)
     assert fused == (M * (nb + 2) <= 16)
 
