@@ -57,6 +57,12 @@ MMA_SPLITS = (1, 2, 4, 8)
 MMA_MIN_PROGRAMS, MMA_MAX_PROGRAMS = 100, 2200
 
 
+def cfg_name(cfg) -> str:
+    """A dispatch plan's config name: an MmaCfg's, a CUDA-core GEMV tuple's, or "cublas" (None)."""
+    from k3compile.kernels import launch
+    return cfg.name() if hasattr(cfg, "name") else (launch.gemv_name(cfg) if cfg else "cublas")
+
+
 def mma_configs(N: int, K: int):
     """The MMA GEMM configs swept for a weight [N, K]: every tile and split whose grid has
     MMA_MIN_PROGRAMS..MMA_MAX_PROGRAMS programs and whose splits get at least one BK step each."""
@@ -183,13 +189,13 @@ def dispatch_check(a, bw):
     sweep's best of many configs."""
     import torch
 
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import choose
     rows = []
     for row, x, w, nxt, ref in cases(a, bw, seed=1):
         name, M = row["shape"], row["M"]
         cfg = choose.gemv_plan(x, w)
         err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
-        row.update(dispatch=cfg.name() if hasattr(cfg, "name") else (launch.gemv_name(cfg) if cfg else "cublas"),
+        row.update(dispatch=cfg_name(cfg),
                    err=err, us={"cublas": [], "k3": []})
         fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
         for _ in range(a.repeats):
@@ -285,8 +291,7 @@ def main():
                 row["us"][vn] = time_graph(fn)
         row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
         if "k3" in row["us"]:
-            row["dispatch"] = (lambda c: c.name() if hasattr(c, "name") else (launch.gemv_name(c) if c else "cublas"))(
-                choose.gemv_plan(x, w))
+            row["dispatch"] = cfg_name(choose.gemv_plan(x, w))
         gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
         mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
         for kind, d in (("gemv", gem), ("mma", mma)):
