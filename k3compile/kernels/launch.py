@@ -386,7 +386,7 @@ def _off_thread(make, device: torch.device):
     return out[0]
 
 
-def _two_weight_cfg(x, w1, w2, rows: int) -> "MmaCfg | tuple[int, int, int, int] | None":
+def _two_weight_cfg(x, w1, w2, rows: int) -> "MmaCfg | tuple | None":
     """The tuned config of a [rows, K] weight at x's M, for mma_gemm2 over rows of w1 and w2: an MMA
     config, or a CUDA-core GEMV one at M <= GEMV_MAX_M (None: cuBLAS in the table, or an operand not
     unit-stride along K)."""
@@ -616,7 +616,7 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg 
     out1 = torch.empty(M, w1.shape[0], dtype=x.dtype, device=x.device) if out1 is None else out1
     out2 = torch.empty(M, w2.shape[0], dtype=x.dtype, device=x.device) if out2 is None else out2
     if not isinstance(cfg, MmaCfg):
-        _gemv2(x, w1, w2, out1, out2, tuple(cfg))
+        _gemv2(x, w1, w2, out1, out2, cfg)
         return out1, out2
     if w1.shape[0] % cfg.bn:
         _mma(x, w1, out1, None, None, cfg, False)
@@ -626,26 +626,37 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg 
     return out1, out2
 
 
-def _gemv2(x, w1, w2, out1, out2, cfg: tuple[int, int, int, int]) -> None:
+def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
     """mma_gemm2's CUDA-core form: one gemv_kernel launch over the stacked rows (TWO), or two launches
     where w1's rows are not a multiple of BLOCK_N."""
-    from . import triton_gemv as KG
-    M, K = x.shape
+    M = x.shape[0]
     if M > GEMV_MAX_M:
         raise ValueError(f"the CUDA-core GEMV takes M <= {GEMV_MAX_M} tokens, got {M}")
-    bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
-    N1 = w1.shape[0]
-    if N1 % bn:
+    if w1.shape[0] % cfg[0]:
         gemv(x, w1, out1, cfg=cfg)
         gemv(x, w2, out2, cfg=cfg)
-        return
+    else:
+        _gemv_launch(x, w1, out1, cfg, two=(w2, out2))
+
+
+def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, norm=None, two=None) -> None:
+    """One gemv_kernel launch (gemv's and, with two=(w2, out2): the rows of w then w2, _gemv2's)."""
+    from . import triton_gemv as KG
+    M, K = x.shape
     if not M:
         return
-    N = N1 + w2.shape[0]
-    KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w1, out1, M, N, K, x.stride(0), w1.stride(0), out1.stride(0), x, 0.0,
-                                          w2, out2, N1, w2.stride(0), out2.stride(0),
-                                          MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                                          ACC=False, TWO=True, LAZY=lazy, num_warps=nw, num_stages=ns)
+    bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
+    w2, out2 = two or (w, out)
+    N1 = w.shape[0]
+    N = N1 + (w2.shape[0] if two else 0)
+    KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                          norm[0] if norm else x, float(norm[1]) if norm else 0.0,
+                                          w2, out2, N1, w2.stride(0) if two else 0, out2.stride(0) if two else 0,
+                                          MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
+                                          EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
+                                          NORM=norm is not None, TWO=two is not None, LAZY=lazy,
+                                          num_warps=nw, num_stages=ns,
+                                          **({"launch_pdl": True} if pdl and x.is_cuda else {}))
 
 
 def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int):
@@ -802,22 +813,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
         return mma_gemm(x, w, cfg, out, accumulate)
     if norm is not None and (pdl or norm[0].shape != (x.shape[1],)):
         raise ValueError(f"gemv with norm: a [{x.shape[1]}] weight and no PDL (got {tuple(norm[0].shape)}, pdl={pdl})")
-    from . import triton_gemv as KG
     M, K = x.shape
-    N = w.shape[0]
     if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn, bk, nw, ns, lazy = gemv_parts(cfg or GEMV_DEFAULT, triton.next_power_of_2(max(M, 1)))
-    if pdl and K < bk:
-        raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={bk})")
-    if M:
-        KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                              norm[0] if norm else x, float(norm[1]) if norm else 0.0,
-                                              w, out, N, 0, 0,
-                                              MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-                                              EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
-                                              NORM=norm is not None, LAZY=lazy, num_warps=nw, num_stages=ns,
-                                              **({"launch_pdl": True} if pdl and x.is_cuda else {}))
+        out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
+    cfg = cfg or GEMV_DEFAULT
+    if pdl and K < cfg[1]:
+        raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={cfg[1]})")
+    _gemv_launch(x, w, out, cfg, accumulate, pdl, norm)
     return out
 
 
