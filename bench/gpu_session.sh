@@ -99,7 +99,7 @@ for st in "$@"; do
                --ablate-passes fold_kda_conv --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_conv.json" ;;
     mlatests) step mla_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mla or reduce_overhead or tp1" ;;
     # test_gpu.py only; a test still running after 120 s dumps every thread's stack into the log
-    gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA -o faulthandler_timeout=120 tests/test_gpu.py ;;
+    gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA --durations=25 -o faulthandler_timeout=120 tests/test_gpu.py ;;
     # the reduce-overhead test that ran past 420 s at a96ee5a and 5d56fa4 (BENCHMARKS.md, thirtieth
     # session), with each of the session-28/30 KDA folds skipped in turn, 100 s each, stacks after 60 s
     hang) for sk in none fold_kda_onorm fold_kda_step fold_kda_fb; do
@@ -122,7 +122,7 @@ for st in "$@"; do
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
     # the GPU tests of the fold modules (the norm folds, the latent tail GEMM, the KDA folds, the norm GEMV)
-    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
+    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA --durations=10 tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
                  tests/test_router_topk_fold.py tests/test_kda_step.py tests/test_kda_onorm.py tests/test_kda_fb.py \
                  tests/test_kda_conv.py tests/test_norm_gemv.py ;;
     resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_mla_prologue.py \
