@@ -157,7 +157,7 @@ def test_residual_norm_gemm_on_cuda_bf16_eager_and_graphed(N, K, M, nb, card, mo
     graph.replay()
     torch.cuda.synchronize()
     check(upd, out)
-    if fused and choose.gemv_plan(delta, w).split > 1:
+    if fused and isinstance(plan, launch.MmaCfg) and plan.split > 1:  # the split-K counters are zero again
         assert launch.split_counters(delta.device).abs().max() == 0
 
 
