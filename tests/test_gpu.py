@@ -423,6 +423,59 @@ def test_gemv_two_weights_bf16_graphed():
     assert ((torch.cat([o1, o2], 1).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("pf", ["0", "16384", "65536"])
+def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
+    """K3_GEMV_PDL: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
+    CUDA-core GEMV launched with PDL (its weight rows' first `pf` bytes requested into L2 before the
+    wait): plain, lazy and stacked (TWO) forms, M = 1 / 2, eagerly and replayed from a CUDA graph
+    with new inputs, bit-equal to the same chain launched without PDL (the same sums in the same
+    order; only the launch differs), and the GEMV reads the norm's fresh output (a stale read
+    would differ after the inputs change)."""
+    from k3compile.kernels import launch
+    g = torch.Generator("cuda").manual_seed(5)
+    H, bf = 7168, torch.bfloat16
+    w = (torch.randn(3648, H, device="cuda", generator=g) / H ** 0.5).to(bf)
+    wr = (torch.randn(896, H, device="cuda", generator=g) / H ** 0.5).to(bf)
+    gw, wn = torch.rand(H, device="cuda", generator=g).to(bf) + 0.5, torch.rand(H, device="cuda", generator=g).to(bf)
+    wq = (torch.randn(H, device="cuda", generator=g) * 0.05).to(bf)
+
+    def inputs(M):
+        return [torch.randn(M, H, device="cuda", generator=g).to(bf) for _ in range(5)]
+
+    def chain(t, outs):
+        local, res, *blocks = t
+        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
+        launch.gemv(x, w, out=outs[0], cfg=(4, 1024, 4, 3))
+        launch.gemv(x, w, out=outs[1], cfg=(4, 1024, 4, 3, 1))
+        launch.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
+
+    for M in (1, 2):
+        t = inputs(M)
+        outs = {k: [torch.empty(M, n, device="cuda", dtype=bf) for n in (3648, 3648, 896, 3648)] for k in ("off", "on")}
+        graphs = {}
+        for k in ("off", "on"):
+            if k == "on":
+                monkeypatch.setenv("K3_GEMV_PDL", pf)
+            chain(t, outs[k])   # eager (and compiled before the capture)
+            torch.cuda.synchronize()
+            graphs[k] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[k]):
+                chain(t, outs[k])
+            monkeypatch.delenv("K3_GEMV_PDL", raising=False)
+        for a, b in zip(outs["off"], outs["on"]):
+            assert torch.equal(a, b), (M, "eager")
+        for _ in range(3):
+            for src, dst in zip(inputs(M), t):
+                dst.copy_(src)
+            before = [o.clone() for o in outs["on"]]
+            graphs["off"].replay()
+            graphs["on"].replay()
+            torch.cuda.synchronize()
+            for a, b, old in zip(outs["off"], outs["on"], before):
+                assert torch.equal(a, b), (M, "graphed")
+                assert not torch.equal(b, old)
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     """k3::kda_conv_decode's CUDA path (kernels/triton_conv.py) at TP=8 KDA widths (12 heads of 128, width

@@ -569,6 +569,33 @@ def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
         launch.gemv(x, w, cfg=(cfg[0], 2 * K, cfg[2], cfg[3]), pdl=True)
 
 
+def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
+    """launch.gemv_pdl (K3_GEMV_PDL): None unset, "off" or off CUDA, else the prefetch bytes (0: PDL alone);
+    the L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
+    variable changes nothing: the interpreter runs the plain GEMV and the norm kernel without a trigger."""
+    monkeypatch.delenv("K3_GEMV_PDL", raising=False)
+    cpu = torch.device("cpu")
+    assert launch.gemv_pdl(cpu) is None
+    monkeypatch.setenv("K3_GEMV_PDL", "16384")
+    assert launch.gemv_pdl(cpu) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert launch.gemv_pdl(torch.device("cuda", 0)) == 16384
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert launch.gemv_pdl(torch.device("cuda", 0)) is None   # no griddepcontrol before Hopper
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    for v, want in (("0", 0), ("off", None), ("", None)):
+        monkeypatch.setenv("K3_GEMV_PDL", v)
+        assert launch.gemv_pdl(torch.device("cuda", 0)) == want, v
+    w = torch.zeros(64, 256, dtype=torch.float16)
+    assert launch._pdl_rows_ok(w, 256)
+    assert not launch._pdl_rows_ok(w[:, :200], 200)            # rows strided: slices not contiguous
+    assert not launch._pdl_rows_ok(w.view(-1)[1:1 + 63 * 256].view(63, 256), 256)   # 2 bytes off 16
+    monkeypatch.setenv("K3_GEMV_PDL", "16384")
+    x = torch.randn(1, 256).half()
+    torch.testing.assert_close(launch.gemv(x, w + 1, cfg=(8, 64, 4, 2)).float(), x.float() @ (w + 1).float().t(),
+                               atol=2e-2, rtol=1e-2)
+
+
 def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
     """choose.gemv_plan: CUDA, 1 <= M <= GEMV_MAX_M, bf16/fp16, unit K stride, and a measured
     config for this weight shape at an M >= this M (GEMV_TABLE, or a sweep's JSON through

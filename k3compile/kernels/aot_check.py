@@ -61,6 +61,10 @@ def variants():
                 out.append((f"ar_residual_norm w{world} nb{nb} res{has_res} norm{has_norm}", K.ar_residual_norm_kernel,
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
                                        BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
+        if world == 1:   # K3_GEMV_PDL: the layer-input op at TP=1 letting the GEMV after it launch at once
+            out.append(("trigger ar_residual_norm w1 nb3", K.ar_residual_norm_kernel, ints,
+                        dict(RANK=0, WORLD=1, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
+                             TRIGGER=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
                     dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
         if world > 1:
@@ -114,6 +118,11 @@ def variants():
     out.append(("gemv lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, LAZY=1)))
     out.append(("gemv lazy MP2 ragged", KG.gemv_kernel, gv, dict(MP=2, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=0, LAZY=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
+    # K3_GEMV_PDL: the lazy and stacked (TWO) forms with the weight slice's L2 prefetch before the wait
+    out.append(("gemv pdl pf lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,
+                                                             GDC=1, LAZY=1, PF=16384, LANES=128)))
+    out.append(("gemv pdl pf two", KG.gemv_kernel, dict(gv, N1="i32", swn2="i32", som2="i32"), dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,
+                                                            GDC=1, LAZY=1, TWO=1, PF=65536, LANES=128)))
     # the MLA q_b GEMV at M=1 with the q_a RMSNorm in its x loads (fold_norm_gemv's k3::decode_gemm_normed)
     out.append(("gemv norm", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=0, ACC=0, NORM=1)))
     out.append(("rms_norm", KG.rms_norm_kernel, dict(ints, x="*bf16", g="*bf16", out="*bf16", K="i32", sxm="i32",
@@ -233,6 +242,8 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           # the counts and slots by atomics, read back from L2 (.cg: not a stale L1 line)
           "mxfp4_group_count": ["atom.global.cta.relaxed.add", "ld.global.cg"],
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
+          "gemv pdl pf": ["cp.async.bulk.prefetch.L2.global"],
+          "trigger ar_residual_norm": ["griddepcontrol.launch_dependents"],
           # the arrival counter: a gpu-scope acq_rel atomic, put back to zero by the last program
           "kda_step_decode p4": ["atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"],
           # with the output norm the last program reads the head's outputs back from L2 (.cg)
@@ -252,6 +263,10 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
 # (a, b): the first `a` in the PTX comes before the first `b`. The PDL GEMV issues a weight load
 # before it waits for the previous kernel.
 ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
+         # the L2 prefetch is issued before the wait (that is its point)
+         "gemv pdl pf": [("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait")],
+         # the trigger comes before the kernel's first load
+         "trigger ar_residual_norm": [("griddepcontrol.launch_dependents", "ld.global")],
          # the CTA barrier after the partial stores comes before the counting atomic
          "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")],
          # the program's partials stored, then its arrival (after a CTA barrier)

@@ -225,8 +225,8 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         w_qk if w_qk is not None else local, *bs, M, N, eps, peers.flag_off if pushed else 0, triton.cdiv(N, 64),
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST, num_warps=warps,
-        **_comm())
+        PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST,
+        TRIGGER=gemv_pdl(local.device) is not None, num_warps=warps, **_comm())
     return upd, nrm
 
 
@@ -639,6 +639,24 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
         _gemv_launch(x, w1, out1, cfg, two=(w2, out2))
 
 
+def gemv_pdl(device: torch.device) -> int | None:
+    """K3_GEMV_PDL (read at each launch, so a benchmark variant can set it while it compiles and
+    captures; unset or "off": None): the bytes of each GEMV program's weight rows requested into L2
+    before its PDL wait (0: PDL with no prefetch). Set, every CUDA-core GEMV launch that can is a PDL
+    secondary (triton_gemv PDL / PF) and the all-reduce / norm kernel lets its dependents launch at its
+    start (TRIGGER), so the GEMV after it streams weights while that one-program kernel runs. Off by
+    default until measured in the layer (bench/pdl_probe.py times the pair alone). Hopper and later."""
+    v = os.environ.get("K3_GEMV_PDL", "")
+    if v in ("", "off") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return None
+    return int(v)
+
+
+def _pdl_rows_ok(w: torch.Tensor, K: int) -> bool:
+    """A weight whose programs' row slices are contiguous and 16-byte aligned (the L2 prefetch's)."""
+    return w.stride(1) == 1 and w.stride(0) == K and w.data_ptr() % 16 == 0 and (K * w.element_size()) % 16 == 0
+
+
 def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, norm=None, two=None) -> None:
     """One gemv_kernel launch (gemv's and, with two=(w2, out2): the rows of w then w2, _gemv2's)."""
     from . import triton_gemv as KG
@@ -646,6 +664,13 @@ def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = Fa
     if not M:
         return
     bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
+    pf = 0
+    if not pdl and norm is None and K >= bk:
+        auto = gemv_pdl(x.device)
+        if auto is not None:
+            pdl = True
+            rows_ok = _pdl_rows_ok(w, K) and (two is None or _pdl_rows_ok(two[0], K))
+            pf = auto if rows_ok else 0
     w2, out2 = two or (w, out)
     N1 = w.shape[0]
     N = N1 + (w2.shape[0] if two else 0)
@@ -655,7 +680,7 @@ def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = Fa
                                           MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
                                           NORM=norm is not None, TWO=two is not None, LAZY=lazy,
-                                          num_warps=nw, num_stages=ns,
+                                          PF=pf, LANES=nw * 32, num_warps=nw, num_stages=ns,
                                           **({"launch_pdl": True} if pdl and x.is_cuda else {}))
 
 

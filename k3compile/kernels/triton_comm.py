@@ -428,7 +428,7 @@ def ar_residual_norm_kernel(
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
     PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = True,
-    W1_FIRST: tl.constexpr = True,
+    W1_FIRST: tl.constexpr = True, TRIGGER: tl.constexpr = False,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -443,7 +443,12 @@ def ar_residual_norm_kernel(
     instead of three fp32 rows held for the whole kernel: at WORLD = 8 with AttnRes blocks those
     rows beside the 8 peer rows in flight spilled 3.2 KB per thread (ptxas, sm_90a, 8 warps).
     JOINT: the AttnRes blocks' reductions four blocks at a time (_mix4); at WORLD == 1 the updated row
-    joins them (_ar_row_w1), which with W1_FIRST issues every load before its store of `upd`."""
+    joins them (_ar_row_w1), which with W1_FIRST issues every load before its store of `upd`.
+    TRIGGER (CUDA): the kernel after this one, if launched with PDL, may launch at once
+    (gdc_launch_dependents first: it waits for this kernel's completion before it reads the outputs,
+    and streams its weights meanwhile; launch.gemv_pdl)."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)

@@ -47,7 +47,8 @@ from .triton_router import topk_after_tile
 def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, som2, MP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr,
                 PDL: tl.constexpr = False, GDC: tl.constexpr = False, NORM: tl.constexpr = False,
-                TWO: tl.constexpr = False, LAZY: tl.constexpr = False):
+                TWO: tl.constexpr = False, LAZY: tl.constexpr = False, PF: tl.constexpr = 0,
+                LANES: tl.constexpr = 128):
     """ACC: out += x @ W^T (out read, added in fp32, written), else out = x @ W^T. PDL: the first
     weight tile read before x (needs K >= BLOCK_K); GDC: with the grid-dependency wait / launch
     between them (the module docstring; off in Triton's CPU interpreter, which lacks them). NORM:
@@ -59,7 +60,11 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
     (two_rows: each program's rows lie in one weight). LAZY: the products accumulate element-wise in
     an [MP, BLOCK_N, BLOCK_K] fp32 tile, summed along K once after the loop, instead of a cross-thread
     reduction every step (the loop body is then loads and FMAs only; the sum order differs, fp32 all
-    the same); launch.gemv takes it only where the tile fits 64 registers a thread."""
+    the same); launch.gemv takes it only where the tile fits 64 registers a thread.
+    PF (with GDC): before the wait, the first PF bytes of the program's weight rows (contiguous: the
+    caller checks swn == K and 16-byte alignment) are requested into L2, LANES threads issuing one bulk
+    prefetch each (l2_prefetch_slice), so the weights stream while the kernel before this one (a
+    one-program all-reduce / norm at decode) still runs."""
     pid = tl.program_id(0)
     w, swn, out, som, r0, nlim = two_rows(pid * BLOCK_N, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BLOCK_N)
@@ -71,6 +76,10 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
     k_start = 0
     ss = tl.zeros([MP], tl.float32)
     if PDL:
+        if GDC and PF > 0:
+            rows = tl.minimum(nlim - r0, BLOCK_N)
+            l2_prefetch_slice(w + r0.to(tl.int64) * swn, rows * K * (w.dtype.element_ty.primitive_bitwidth // 8), PF,
+                              LANES)
         rk = tl.arange(0, BLOCK_K)
         wt = tl.load(wp + rk[None, :], mask=nmask[:, None], other=0.0, eviction_policy="evict_first")
         if GDC:
@@ -108,6 +117,20 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
     if ACC:
         acc += tl.load(op, mask=om, other=0.0).to(tl.float32)
     tl.store(op, acc.to(out.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def l2_prefetch_slice(base, nbytes, PF: tl.constexpr, LANES: tl.constexpr):
+    """Request the first min(PF, nbytes) bytes at `base` (16-byte aligned) into L2: lane i of LANES issues
+    one Hopper bulk prefetch (`cp.async.bulk.prefetch.L2`) of PF // LANES bytes (a multiple of 16) at
+    byte i * that; lanes past nbytes issue none. One element per thread when LANES is the program's
+    thread count (no lane repeats another's request)."""
+    CH: tl.constexpr = max(16, PF // LANES // 16 * 16)
+    off = tl.arange(0, LANES).to(tl.int64) * CH
+    size = tl.where((off + CH <= nbytes) & (off < PF), CH, 0).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r", [base.to(tl.pointer_type(tl.int8)) + off, size],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
