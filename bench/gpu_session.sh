@@ -479,7 +479,7 @@ torch.cuda.synchronize()" ;;
     # K3_GEMV_PDL (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
     # both layers at M=1 with the PDL rows beside k3
-    pdl) step pdl_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or two_weights"
+    gemvpdl) step pdl_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or two_weights"
          step pdl_probe 200 python3 bench/pdl_probe.py --out "$R/pdl_probe.json"
          for L in mla kda; do
            step layer_${L}_tp8_w1_pdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
