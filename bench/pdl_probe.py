@@ -12,7 +12,9 @@ Each captured step runs on the next of NCOPY weight copies (together more than 2
 GEMV starts cold. Per shape, us per step (median of rounds, graphed, launch hidden):
   norm      the all-reduce / norm kernel alone (TP=1, 3 AttnRes blocks, M=1)
   gemv      the GEMV alone (the config named, cold weights)
-  base      norm, then GEMV (no PDL)
+  dispatch  norm, then what choose.gemv_plan picks for this shape on this GPU (the layer's GEMM), no PDL
+  base      norm, then GEMV (no PDL: K3_GEMV_PDL=off)
+  table     K3_GEMV_PDL unset: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
   pdl0      K3_GEMV_PDL=0: the trigger and the PDL GEMV (its first weight tile before the wait)
   pf<KB>    K3_GEMV_PDL=<KB * 1024>: and the first KB KiB of each program's rows into L2 before it
 Every variant's GEMV output is compared with base's (the same sums in the same order: equal).
@@ -57,7 +59,7 @@ def main(argv=None):
     g = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_norm = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_qk = torch.randn(H, device=dev, dtype=bf) * 0.05
-    variants = {"base": {}, "pdl0": {"K3_GEMV_PDL": "0"}}
+    variants = {"base": {"K3_GEMV_PDL": "off"}, "table": {}, "pdl0": {"K3_GEMV_PDL": "0"}}
     variants.update({f"pf{kb}": {"K3_GEMV_PDL": str(int(kb) * 1024)} for kb in a.pfs.split(",") if kb})
     rows = []
     for name in a.shapes.split(","):
@@ -83,8 +85,20 @@ def main(argv=None):
                     launch.gemv(x, ws[r % ncopy], out=outs[v][r], cfg=cfg)
             return run
 
+        plan = choose.gemv_plan(local, ws[0])   # what the layer runs for this shape on this GPU
+
+        def dispatch():
+            for r in range(a.reps):
+                _, x = launch.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
+                if plan is None:
+                    torch.mm(x, ws[r % ncopy].t())
+                else:
+                    launch.gemv(x, ws[r % ncopy], cfg=plan)
+
         timers = {"norm": GraphTimer(lambda: [norm_only() for _ in range(a.reps)], reps=1),
                   "gemv": GraphTimer(gemv_only, reps=1)}
+        with env({"K3_GEMV_PDL": "off"}):
+            timers["dispatch"] = GraphTimer(dispatch, reps=1)
         for v, e in variants.items():
             with env(e):
                 timers[v] = GraphTimer(chain(v), reps=1)   # compiled and captured under the variant's env
@@ -97,7 +111,7 @@ def main(argv=None):
         torch.cuda.synchronize()
         err = {v: max(float((outs[v][r].float() - outs["base"][r].float()).abs().max()) for r in range(a.reps))
                for v in variants}
-        row = dict(shape=name, N=N, K=K, cfg=cfg_name, ncopy=ncopy, us={k: median(x) for k, x in times.items()},
+        row = dict(shape=name, N=N, K=K, cfg=cfg_name, dispatch=str(plan), ncopy=ncopy, us={k: median(x) for k, x in times.items()},
                    us_rounds=times, max_abs_diff_vs_base=err)
         row["saved_us"] = {v: row["us"]["base"] - row["us"][v] for v in variants}
         rows.append(row)

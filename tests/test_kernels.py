@@ -570,22 +570,25 @@ def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
 
 
 def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
-    """launch.gemv_pdl (K3_GEMV_PDL): None unset, "off" or off CUDA, else the prefetch bytes (0: PDL alone);
-    the L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
-    variable changes nothing: the interpreter runs the plain GEMV and the norm kernel without a trigger."""
+    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_GEMV_PDL=off; unset, GEMV_PDL_PF's bytes for the
+    weight shape (None for a shape not in it); a number, those bytes for every shape (0: PDL without prefetch).
+    The L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
+    variable changes nothing: the interpreter runs the plain GEMV."""
     monkeypatch.delenv("K3_GEMV_PDL", raising=False)
-    cpu = torch.device("cpu")
-    assert launch.gemv_pdl(cpu) is None
-    monkeypatch.setenv("K3_GEMV_PDL", "16384")
-    assert launch.gemv_pdl(cpu) is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert launch.gemv_pdl(cpu) is None and launch.gemv_pdl(cpu, (3648, 7168)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    assert launch.gemv_pdl(torch.device("cuda", 0)) == 16384
+    shape, pf = next(iter(launch.GEMV_PDL_PF.items()))
+    assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
+    assert launch.gemv_pdl(cuda) == 0   # on: the norm kernel triggers
+    monkeypatch.setenv("K3_GEMV_PDL", "4096")
+    assert launch.gemv_pdl(cuda, (5, 7)) == 4096 and launch.gemv_pdl(cpu, (5, 7)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert launch.gemv_pdl(torch.device("cuda", 0)) is None   # no griddepcontrol before Hopper
+    assert launch.gemv_pdl(cuda, shape) is None   # no griddepcontrol before Hopper
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    for v, want in (("0", 0), ("off", None), ("", None)):
+    for v, want in (("0", 0), ("off", None)):
         monkeypatch.setenv("K3_GEMV_PDL", v)
-        assert launch.gemv_pdl(torch.device("cuda", 0)) == want, v
+        assert launch.gemv_pdl(cuda, shape) == want, v
     w = torch.zeros(64, 256, dtype=torch.float16)
     assert launch._pdl_rows_ok(w, 256)
     assert not launch._pdl_rows_ok(w[:, :200], 200)            # rows strided: slices not contiguous
@@ -594,6 +597,28 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
     x = torch.randn(1, 256).half()
     torch.testing.assert_close(launch.gemv(x, w + 1, cfg=(8, 64, 4, 2)).float(), x.float() @ (w + 1).float().t(),
                                atol=2e-2, rtol=1e-2)
+
+
+def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
+    """The norm kernel's mark (launch._note_trigger) goes to the first decode GEMM launched after it on the same
+    stream, and makes it a PDL secondary only if that GEMM reads the norm's output: a GEMV after a kernel that
+    does not trigger measured slower with PDL (the MLA q_b after Inductor's norm, 5.44 against 4.77 us)."""
+    class S:
+        def __init__(self, n):
+            self.cuda_stream = n
+    cur = {"s": S(1)}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: cur["s"])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(launch, "_TRIGGERED", {})
+    nrm, other = torch.zeros(4), torch.zeros(4)
+    launch._note_trigger(nrm)
+    assert not launch._after_trigger(other)   # another input: no PDL, and the mark is taken
+    assert not launch._after_trigger(nrm)
+    launch._note_trigger(nrm)
+    cur["s"] = S(2)
+    assert not launch._after_trigger(nrm)     # another stream
+    cur["s"] = S(1)
+    assert launch._after_trigger(nrm) and not launch._after_trigger(nrm)
 
 
 def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):

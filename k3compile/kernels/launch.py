@@ -217,6 +217,8 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         return upd, nrm
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
+    # at TP=1 with a norm: one program per row, so the GEMV after it may stream its weights meanwhile
+    trigger = peers is None and g is not None and pushed is None and gemv_pdl(local.device) is not None
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -226,7 +228,9 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
         PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST,
-        TRIGGER=gemv_pdl(local.device) is not None, num_warps=warps, **_comm())
+        TRIGGER=trigger, num_warps=warps, **_comm())
+    if trigger:
+        _note_trigger(nrm)
     return upd, nrm
 
 
@@ -639,17 +643,45 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
         _gemv_launch(x, w1, out1, cfg, two=(w2, out2))
 
 
-def gemv_pdl(device: torch.device) -> int | None:
-    """K3_GEMV_PDL (read at each launch, so a benchmark variant can set it while it compiles and
-    captures; unset or "off": None): the bytes of each GEMV program's weight rows requested into L2
-    before its PDL wait (0: PDL with no prefetch). Set, every CUDA-core GEMV launch that can is a PDL
-    secondary (triton_gemv PDL / PF) and the all-reduce / norm kernel lets its dependents launch at its
-    start (TRIGGER), so the GEMV after it streams weights while that one-program kernel runs. Off by
-    default until measured in the layer (bench/pdl_probe.py times the pair alone). Hopper and later."""
+# GEMV_PDL_PF: bytes of each program's weight rows the CUDA-core GEMV requests into L2 before its PDL wait, by
+# weight shape, where the GEMV reads the output of the one-program TP=1 all-reduce / norm kernel (which lets it
+# launch at its start: TRIGGER). One H200, bench/pdl_probe.py at 3d9fe3e (bench/results/pdl_probe_h200_3d9fe3e.json),
+# norm + GEMV pair, us, no PDL / PDL alone / 8 / 16 / 32 / 64 KiB: MLA qkv_a (gemvl 4/1024/4/3) 19.82 / 19.86 /
+# 17.15 / 17.11 / 18.39 / 21.15; KDA in_proj (gemvl 8/512/4/3) 28.47 / 28.44 / 25.70 / 25.52 / 26.67 / 29.22; the
+# stacked router + latent (gemvl 2/1024/4/4, 2240 programs) 24.00 / 23.86 / 24.99 / 25.20 / 26.93 / 26.41: slower,
+# so not in the table. PDL with no prefetch gains nothing, and a GEMV launched with PDL after a kernel that does not
+# trigger (the MLA q_b after Inductor's norm) took 5.44 us against 4.77 in the layer: only the pair gets it.
+GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384}
+_TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
+
+
+def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
+    """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_GEMV_PDL (read at
+    each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; a number = that
+    many bytes for every shape; unset = GEMV_PDL_PF's bytes for this weight shape. CUDA on Hopper or later only.
+    With shape=None: whether PDL is on at all (the norm kernel's TRIGGER)."""
     v = os.environ.get("K3_GEMV_PDL", "")
-    if v in ("", "off") or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
-    return int(v)
+    if v:
+        return int(v)
+    if shape is None:
+        return 0 if GEMV_PDL_PF else None
+    return GEMV_PDL_PF.get(tuple(shape))
+
+
+def _note_trigger(nrm: torch.Tensor) -> None:
+    """The norm kernel that triggers its dependents wrote `nrm`: a GEMV reading it next is its PDL secondary."""
+    _TRIGGERED[torch.cuda.current_stream(nrm.device).cuda_stream] = nrm.data_ptr()
+
+
+def _after_trigger(x: torch.Tensor) -> bool:
+    """Whether x is the normed output of the last triggering norm kernel launched on this stream. The first
+    decode GEMM launched after that kernel takes the mark either way, so a later GEMM whose input happens
+    to reuse the same memory is not taken for its secondary."""
+    if not _TRIGGERED or not x.is_cuda:
+        return False
+    return _TRIGGERED.pop(torch.cuda.current_stream(x.device).cuda_stream, None) == x.data_ptr()
 
 
 def _pdl_rows_ok(w: torch.Tensor, K: int) -> bool:
@@ -665,8 +697,8 @@ def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = Fa
         return
     bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
     pf = 0
-    if not pdl and norm is None and K >= bk:
-        auto = gemv_pdl(x.device)
+    if _after_trigger(x) and not pdl and norm is None and K >= bk:
+        auto = gemv_pdl(x.device, (w.shape[0] + (two[0].shape[0] if two else 0), K))
         if auto is not None:
             pdl = True
             rows_ok = _pdl_rows_ok(w, K) and (two is None or _pdl_rows_ok(two[0], K))
@@ -705,6 +737,7 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "T
         raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
     if not M:
         return
+    _after_trigger(x)   # the first GEMM after the norm takes its mark (the MMA GEMM has no PDL form)
     tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     two = w2 is not None
     tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
