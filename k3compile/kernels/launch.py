@@ -645,7 +645,7 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 
 # GEMV_PDL_PF: bytes of each program's weight rows the CUDA-core GEMV requests into L2 before its PDL wait, by
 # weight shape, where the GEMV reads the output of the one-program TP=1 all-reduce / norm kernel (which lets it
-# launch at its start: TRIGGER). One H200, bench/pdl_probe.py at 3d9fe3e (bench/results/pdl_probe_h200_3d9fe3e.json),
+# launch at its start: TRIGGER). One H200, bench/pdl_probe.py at 51d35a4 (bench/results/pdl_probe_h200_51d35a4.json),
 # norm + GEMV pair, us, no PDL / PDL alone / 8 / 16 / 32 / 64 KiB: MLA qkv_a (gemvl 4/1024/4/3) 19.82 / 19.86 /
 # 17.15 / 17.11 / 18.39 / 21.15; KDA in_proj (gemvl 8/512/4/3) 28.47 / 28.44 / 25.70 / 25.52 / 26.67 / 29.22; the
 # stacked router + latent (gemvl 2/1024/4/4, 2240 programs) 24.00 / 23.86 / 24.99 / 25.20 / 26.93 / 26.41: slower,
