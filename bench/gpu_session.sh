@@ -478,14 +478,14 @@ torch.cuda.synchronize()" ;;
              done ;;
     # K3_GEMV_PDL (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
-    # both layers at M=1: k3 (the PDL table) beside off (no PDL), lz (qkv_a / in_proj forced onto the H100's
-    # lazy GEMV configs, the H200 runs them on the MMA GEMM) and lzoff (lz without PDL)
+    # both layers at M=1: k3 (no PDL: the default) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj forced onto
+    # the H100's lazy GEMV configs; the H200 runs them on the MMA GEMM) and lzon (lz with PDL)
     gemvpdl) step pdl_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or two_weights"
          step pdl_probe 200 python3 bench/pdl_probe.py --out "$R/pdl_probe.json"
          for L in mla kda; do
            step layer_${L}_tp8_w1_pdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
-             --env off:K3_GEMV_PDL=off --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
-             --env "lzoff:K3_GEMV_PDL=off,K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
+             --env on:K3_GEMV_PDL=on --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
+             --env "lzon:K3_GEMV_PDL=on,K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl.json"
          done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;

@@ -14,7 +14,7 @@ GEMV starts cold. Per shape, us per step (median of rounds, graphed, launch hidd
   gemv      the GEMV alone (the config named, cold weights)
   dispatch  norm, then what choose.gemv_plan picks for this shape on this GPU (the layer's GEMM), no PDL
   base      norm, then GEMV (no PDL: K3_GEMV_PDL=off)
-  table     K3_GEMV_PDL unset: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
+  table     K3_GEMV_PDL=on: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
   pdl0      K3_GEMV_PDL=0: the trigger and the PDL GEMV (its first weight tile before the wait)
   pf<KB>    K3_GEMV_PDL=<KB * 1024>: and the first KB KiB of each program's rows into L2 before it
 Every variant's GEMV output is compared with base's (the same sums in the same order: equal).
@@ -59,7 +59,7 @@ def main(argv=None):
     g = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_norm = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_qk = torch.randn(H, device=dev, dtype=bf) * 0.05
-    variants = {"base": {"K3_GEMV_PDL": "off"}, "table": {}, "pdl0": {"K3_GEMV_PDL": "0"}}
+    variants = {"base": {"K3_GEMV_PDL": "off"}, "table": {"K3_GEMV_PDL": "on"}, "pdl0": {"K3_GEMV_PDL": "0"}}
     variants.update({f"pf{kb}": {"K3_GEMV_PDL": str(int(kb) * 1024)} for kb in a.pfs.split(",") if kb})
     rows = []
     for name in a.shapes.split(","):

@@ -570,8 +570,9 @@ def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
 
 
 def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
-    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_GEMV_PDL=off; unset, GEMV_PDL_PF's bytes for the
-    weight shape (None for a shape not in it); a number, those bytes for every shape (0: PDL without prefetch).
+    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_GEMV_PDL=off; "on" (or unset with GEMV_PDL_DEFAULT),
+    GEMV_PDL_PF's bytes for the weight shape (None for a shape not in it); a number, those bytes for every shape
+    (0: PDL without prefetch).
     The L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
     variable changes nothing: the interpreter runs the plain GEMV."""
     monkeypatch.delenv("K3_GEMV_PDL", raising=False)
@@ -579,8 +580,14 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
     assert launch.gemv_pdl(cpu) is None and launch.gemv_pdl(cpu, (3648, 7168)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     shape, pf = next(iter(launch.GEMV_PDL_PF.items()))
+    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
+    assert launch.gemv_pdl(cuda, shape) is None and launch.gemv_pdl(cuda) is None   # unset: the default, off
+    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", True)
     assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
     assert launch.gemv_pdl(cuda) == 0   # on: the norm kernel triggers
+    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
+    monkeypatch.setenv("K3_GEMV_PDL", "on")
+    assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
     monkeypatch.setenv("K3_GEMV_PDL", "4096")
     assert launch.gemv_pdl(cuda, (5, 7)) == 4096 and launch.gemv_pdl(cpu, (5, 7)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))

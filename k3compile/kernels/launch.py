@@ -652,18 +652,20 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 # so not in the table. PDL with no prefetch gains nothing, and a GEMV launched with PDL after a kernel that does not
 # trigger (the MLA q_b after Inductor's norm) took 5.44 us against 4.77 in the layer: only the pair gets it.
 GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384}
+GEMV_PDL_DEFAULT = False   # GEMV_PDL_PF applied with K3_GEMV_PDL unset: off until measured in the layers
 _TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
 
 
 def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
     """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_GEMV_PDL (read at
-    each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; a number = that
-    many bytes for every shape; unset = GEMV_PDL_PF's bytes for this weight shape. CUDA on Hopper or later only.
-    With shape=None: whether PDL is on at all (the norm kernel's TRIGGER)."""
-    v = os.environ.get("K3_GEMV_PDL", "")
+    each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; "on" =
+    GEMV_PDL_PF's bytes for this weight shape (none for a shape not in it); a number = that many bytes for every
+    shape; unset = "on" if GEMV_PDL_DEFAULT else "off". CUDA on Hopper or later only. With shape=None: whether
+    PDL is on at all (the norm kernel's TRIGGER)."""
+    v = os.environ.get("K3_GEMV_PDL", "") or ("on" if GEMV_PDL_DEFAULT else "off")
     if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
-    if v:
+    if v != "on":
         return int(v)
     if shape is None:
         return 0 if GEMV_PDL_PF else None
