@@ -488,6 +488,13 @@ torch.cuda.synchronize()" ;;
              --env "lzon:K3_GEMV_PDL=on,K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl.json"
          done ;;
+    # the layers with the default (K3_GEMV_PDL on) beside no PDL (off) and PDL without the router + latent's entry
+    # (rl0), M = 1..256 (K3_MS)
+    pdl1) for L in mla kda; do
+            step layer_${L}_tp8_w1_pdl1 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate 0 \
+              --env off:K3_GEMV_PDL=off --env "rl0:K3_GEMV_PDL_PF=3648x7168=16384;6284x7168=16384" \
+              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl1.json"
+          done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
     mla1) step layer_mla_tp8_w1 300 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
     mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;

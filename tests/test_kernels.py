@@ -588,6 +588,10 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
     monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
     monkeypatch.setenv("K3_GEMV_PDL", "on")
     assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
+    monkeypatch.setenv("K3_GEMV_PDL_PF", "5x7=512;9x16=0")   # the table replaced (bench rows)
+    assert launch.gemv_pdl(cuda, (5, 7)) == 512 and launch.gemv_pdl(cuda, (9, 16)) == 0
+    assert launch.gemv_pdl(cuda, shape) is None
+    monkeypatch.delenv("K3_GEMV_PDL_PF")
     monkeypatch.setenv("K3_GEMV_PDL", "4096")
     assert launch.gemv_pdl(cuda, (5, 7)) == 4096 and launch.gemv_pdl(cpu, (5, 7)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))

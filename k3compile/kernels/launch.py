@@ -651,8 +651,13 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 # stacked router + latent (gemvl 2/1024/4/4, 2240 programs) 24.00 / 23.86 / 24.99 / 25.20 / 26.93 / 26.41: slower,
 # so not in the table. PDL with no prefetch gains nothing, and a GEMV launched with PDL after a kernel that does not
 # trigger (the MLA q_b after Inductor's norm) took 5.44 us against 4.77 in the layer: only the pair gets it.
-GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384}
-GEMV_PDL_DEFAULT = False   # GEMV_PDL_PF applied with K3_GEMV_PDL unset: off until measured in the layers
+# One H100, the same probe at f41d0ef (pdl_probe_h100_f41d0ef.json), us, no PDL / 8 / 16 / 32 / 64 KiB: qkv_a 24.77 /
+# 20.06 / 19.83 / 21.59 / 24.23, in_proj 37.19 / 32.94 / 32.62 / 33.74 / 34.86, router + latent 28.74 / 27.06 /
+# 28.27 / 30.40 / 29.64 (the H200 runs these three on the MMA GEMM, where no PDL applies). In the layers at M=1
+# (layer_{kda,mla}_tp8_w1_h100_f41d0ef_pdl.json), us with the launch hidden, no PDL / qkv_a and in_proj at 16 KiB:
+# KDA 138.8 / 135.2, MLA 139.4 / 135.1, every round of the second below every round of the first.
+GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192}
+GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_GEMV_PDL unset
 _TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
 
 
@@ -667,9 +672,22 @@ def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int 
         return None
     if v != "on":
         return int(v)
+    table = _pdl_table(os.environ.get("K3_GEMV_PDL_PF", ""))
     if shape is None:
-        return 0 if GEMV_PDL_PF else None
-    return GEMV_PDL_PF.get(tuple(shape))
+        return 0 if table else None
+    return table.get(tuple(shape))
+
+
+def _pdl_table(text: str) -> dict:
+    """GEMV_PDL_PF, or K3_GEMV_PDL_PF="NxK=bytes;..." in its place (bench A/B rows)."""
+    if not text:
+        return GEMV_PDL_PF
+    out = {}
+    for part in text.split(";"):
+        shape, _, nbytes = part.partition("=")
+        n, _, k = shape.partition("x")
+        out[(int(n), int(k))] = int(nbytes)
+    return out
 
 
 def _note_trigger(nrm: torch.Tensor) -> None:
