@@ -655,7 +655,9 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 # 20.06 / 19.83 / 21.59 / 24.23, in_proj 37.19 / 32.94 / 32.62 / 33.74 / 34.86, router + latent 28.74 / 27.06 /
 # 28.27 / 30.40 / 29.64 (the H200 runs these three on the MMA GEMM, where no PDL applies). In the layers at M=1
 # (layer_{kda,mla}_tp8_w1_h100_f41d0ef_pdl.json), us with the launch hidden, no PDL / qkv_a and in_proj at 16 KiB:
-# KDA 138.8 / 135.2, MLA 139.4 / 135.1, every round of the second below every round of the first.
+# KDA 138.8 / 135.2, MLA 139.4 / 135.1, every round of the second below every round of the first. With the router +
+# latent at 8 KiB too (843c313, layer_*_h100_843c313_pdl1.json; no PDL / without that entry / this table): KDA
+# 139.0 / 135.2 / 132.4, MLA 139.4 / 134.9 / 132.5; M = 4 and 16 (MMA GEMMs there) unchanged within 0.4 us.
 GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192}
 GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_GEMV_PDL unset
 _TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
