@@ -495,6 +495,16 @@ torch.cuda.synchronize()" ;;
               --env off:K3_GEMV_PDL=off --env "rl0:K3_GEMV_PDL_PF=3648x7168=16384;6284x7168=16384" \
               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl1.json"
           done ;;
+    # K3_MMA_PDL (launch.mma_pdl, off by default, not yet measured): the MMA GEMM after the TP=1 norm / latent tail as
+    # their PDL secondary. Its GPU tests, then both layers at M=1: k3 beside mma (on), off (no PDL at all) and lz
+    # (qkv_a / in_proj on the H100's lazy GEMV configs, with the default GEMV PDL: the H200's question)
+    mmapdl) step mmapdl_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or mma_pdl"
+            for L in mla kda; do
+              step layer_${L}_tp8_w1_mmapdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
+                --env mma:K3_MMA_PDL=on --env off:K3_GEMV_PDL=off \
+                --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
+                --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mmapdl.json"
+            done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
     mla1) step layer_mla_tp8_w1 300 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
     mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;

@@ -478,6 +478,62 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
                 assert not torch.equal(b, old)
 
 
+@pytest.mark.parametrize("pf", ["0", "16384"])
+def test_mma_pdl_after_norm_and_tail_equals_plain_chain_graphed(monkeypatch, pf):
+    """K3_MMA_PDL: the tensor-core decode GEMM as the PDL secondary of the TP=1 norm kernel (split-K, plain
+    orientation) and of the latent-tail kernel (swapped, accumulating into the shared partial's copy), its rows'
+    first bytes requested into L2 before its wait; M = 1 / 4, eagerly and replayed from a CUDA graph with new
+    inputs, bit-equal to the chain without PDL (the split-K partials are summed in split order either way)."""
+    from k3compile.kernels import launch
+    g = torch.Generator("cuda").manual_seed(6)
+    H, L, bf = 7168, 3584, torch.bfloat16
+    w = (torch.randn(3648, H, device="cuda", generator=g) / H ** 0.5).to(bf)
+    w_up = (torch.randn(H, L, device="cuda", generator=g) / L ** 0.5).to(bf)
+    gw, wn = torch.rand(H, device="cuda", generator=g).to(bf) + 0.5, torch.rand(H, device="cuda", generator=g).to(bf)
+    wq = (torch.randn(H, device="cuda", generator=g) * 0.05).to(bf)
+    gl = torch.rand(L, device="cuda", generator=g).to(bf) + 0.5
+    c1, c2 = launch.MmaCfg.parse("mma 32/128/2/4/6"), launch.MmaCfg.parse("mmas 64/256/1/4/3")
+
+    def inputs(M):
+        return ([torch.randn(M, H, device="cuda", generator=g).to(bf) for _ in range(5)]
+                + [torch.randn(M, 16, L, device="cuda", generator=g).to(bf),
+                   torch.rand(M, 16, device="cuda", generator=g).to(bf), torch.randn(M, H, device="cuda", generator=g).to(bf)])
+
+    def chain(t, outs):
+        local, res, b0, b1, b2, y, tw, sp = t
+        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, [b0, b1, b2], 1e-6)
+        launch.gemv(x, w, out=outs[0], cfg=c1)
+        ln, out = launch.latent_tail(y, tw, None, gl, sp, 1e-6)
+        launch.gemv(ln, w_up, out=out, accumulate=True, cfg=c2)
+        outs[1].copy_(out)
+
+    for M in (1, 4):
+        t = inputs(M)
+        outs = {k: [torch.empty(M, n, device="cuda", dtype=bf) for n in (3648, H)] for k in ("off", "on")}
+        graphs = {}
+        for k in ("off", "on"):
+            if k == "on":
+                monkeypatch.setenv("K3_MMA_PDL", pf)
+            chain(t, outs[k])
+            torch.cuda.synchronize()
+            graphs[k] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[k]):
+                chain(t, outs[k])
+            monkeypatch.delenv("K3_MMA_PDL", raising=False)
+        for a, b in zip(outs["off"], outs["on"]):
+            assert torch.equal(a, b), (M, "eager")
+        for _ in range(3):
+            for src, dst in zip(inputs(M), t):
+                dst.copy_(src)
+            before = [o.clone() for o in outs["on"]]
+            graphs["off"].replay()
+            graphs["on"].replay()
+            torch.cuda.synchronize()
+            for a, b, old in zip(outs["off"], outs["on"], before):
+                assert torch.equal(a, b), (M, "graphed")
+                assert not torch.equal(b, old)
+
+
 @pytest.mark.parametrize("M", [1, 4, 16])
 def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     """k3::kda_conv_decode's CUDA path (kernels/triton_conv.py) at TP=8 KDA widths (12 heads of 128, width

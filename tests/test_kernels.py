@@ -610,6 +610,26 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
                                atol=2e-2, rtol=1e-2)
 
 
+def test_mma_pdl_is_off_by_default_and_cuda_only(monkeypatch):
+    """launch.mma_pdl (K3_MMA_PDL): off unless asked for (MMA_PDL_DEFAULT, unmeasured), then MMA_PDL_PF's bytes
+    per weight shape or the number given; None off CUDA or before Hopper. On CPU the MMA GEMM is unchanged."""
+    monkeypatch.delenv("K3_MMA_PDL", raising=False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    shape, pf = next(iter(launch.MMA_PDL_PF.items()))
+    assert not launch.MMA_PDL_DEFAULT and launch.mma_pdl(cuda, shape) is None and launch.mma_pdl(cuda) is None
+    monkeypatch.setenv("K3_MMA_PDL", "on")
+    assert launch.mma_pdl(cuda, shape) == pf and launch.mma_pdl(cuda, (5, 7)) is None and launch.mma_pdl(cuda) == 0
+    assert launch.mma_pdl(torch.device("cpu"), shape) is None
+    monkeypatch.setenv("K3_MMA_PDL", "2048")
+    assert launch.mma_pdl(cuda, (5, 7)) == 2048
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    assert launch.mma_pdl(cuda, shape) is None
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    torch.testing.assert_close(launch.mma_gemm(x, w, launch.MmaCfg.parse("mma 16/32/2/4/2")), x @ w.t(),
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
     """The norm kernel's mark (launch._note_trigger) goes to the first decode GEMM launched after it on the same
     stream, and makes it a PDL secondary only if that GEMM reads the norm's output: a GEMV after a kernel that

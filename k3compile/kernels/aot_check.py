@@ -65,6 +65,10 @@ def variants():
             out.append(("trigger ar_residual_norm w1 nb3", K.ar_residual_norm_kernel, ints,
                         dict(RANK=0, WORLD=1, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                              TRIGGER=1)))
+        if world == 1:   # K3_MMA_PDL: the tail letting the up GEMM after it launch at once
+            out.append(("trigger latent_tail w1", K.latent_tail_kernel, ints,
+                        dict(TOPK=16, RANK=0, WORLD=1, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1,
+                             TRIGGER=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
                     dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
         if world > 1:
@@ -133,6 +137,11 @@ def variants():
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
                         dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
+    # K3_MMA_PDL: the PDL secondary with its rows' L2 prefetch before the wait (plain and swapped)
+    out.append(("mma_gemm pdl pf split2", KG.mma_gemm_kernel, mg,
+                dict(BM=16, BN=32, BK=128, SPLIT=2, SWAP=0, EVEN_K=1, ACC=0, PDL=1, PF=16384, LANES=128)))
+    out.append(("mma_gemm pdl pf swap", KG.mma_gemm_kernel, mg,
+                dict(BM=16, BN=64, BK=256, SPLIT=1, SWAP=1, EVEN_K=1, ACC=1, PDL=1, PF=16384, LANES=128)))
     # two weights in one launch (the router + latent down-projection at TP=1: launch.mma_gemm2)
     out.append(("mma_gemm two swap split4", KG.mma_gemm_kernel, mg,
                 dict(BM=16, BN=64, BK=128, SPLIT=4, SWAP=1, EVEN_K=1, ACC=0, TWO=1)))
@@ -244,6 +253,8 @@ EXPECT = {"mla_split": ["mma"],   # the scores and p @ c on the tensor cores
           "gemv pdl": ["griddepcontrol.wait", "griddepcontrol.launch_dependents"],
           "gemv pdl pf": ["cp.async.bulk.prefetch.L2.global"],
           "trigger ar_residual_norm": ["griddepcontrol.launch_dependents"],
+          "trigger latent_tail": ["griddepcontrol.launch_dependents"],
+          "mma_gemm pdl pf": ["cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait"],
           # the arrival counter: a gpu-scope acq_rel atomic, put back to zero by the last program
           "kda_step_decode p4": ["atom.global.gpu.acq_rel.add", "atom.global.gpu.relaxed.exch"],
           # with the output norm the last program reads the head's outputs back from L2 (.cg)
@@ -267,6 +278,10 @@ ORDER = {"gemv pdl": [("ld.global", "griddepcontrol.wait")],
          "gemv pdl pf": [("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait")],
          # the trigger comes before the kernel's first load
          "trigger ar_residual_norm": [("griddepcontrol.launch_dependents", "ld.global")],
+         "trigger latent_tail": [("griddepcontrol.launch_dependents", "ld.global")],
+         # the weight rows' prefetch, then the wait, before the first weight or x tile is loaded
+         "mma_gemm pdl pf": [("cp.async.bulk.prefetch.L2.global", "griddepcontrol.wait"),
+                             ("griddepcontrol.wait", "cp.async.cg")],
          # the CTA barrier after the partial stores comes before the counting atomic
          "mma_gemm split4": [("bar.sync", "atom.global")], "mma_gemm swap split4": [("bar.sync", "atom.global")],
          # the program's partials stored, then its arrival (after a CTA barrier)

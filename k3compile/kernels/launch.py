@@ -218,7 +218,8 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
     # at TP=1 with a norm: one program per row, so the GEMV after it may stream its weights meanwhile
-    trigger = peers is None and g is not None and pushed is None and gemv_pdl(local.device) is not None
+    trigger = peers is None and g is not None and pushed is None and (
+        gemv_pdl(local.device) is not None or mma_pdl(local.device) is not None)
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -256,13 +257,16 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
                 **COLS_PROBE)
         return ln, out
     BLOCK = triton.next_power_of_2(L)
+    trigger = peers is None and mma_pdl(y.device) is not None   # the up GEMM after it as its PDL secondary
     K.latent_tail_kernel[(_programs(M, peers),)](
         y, topk_w.contiguous(), peers.ptrs if peers else ln, peers.pads if peers else ln,   # ln: unread at TP=1
         peers.epoch if peers else ln, peers.half(dt) if peers else 0,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        num_warps=_warps(BLOCK), **_comm())
+        TRIGGER=trigger, num_warps=_warps(BLOCK), **_comm())
+    if trigger:
+        _note_trigger(ln)
     return ln, out
 
 
@@ -692,6 +696,28 @@ def _pdl_table(text: str) -> dict:
     return out
 
 
+# MMA_PDL_PF: the same for the tensor-core decode GEMM (mma_gemm_kernel PDL / PF: bytes per program, spread
+# over its BN rows) where it reads the output of the TP=1 norm or latent-tail kernel (both trigger when this is
+# on): the H200's qkv_a / in_proj / stacked router + latent, and the latent up GEMM on both cards. Not measured
+# yet, so off by default (K3_MMA_PDL=on applies the table; off / a number as K3_GEMV_PDL;
+# `bench/gpu_session.sh mmapdl`). An earlier MMA PDL form with 2 KB per row after every norm / tail kernel
+# (K3_OPS_PDL, 679bc84) measured slower, without the pair rule (GEMV_PDL_PF's comment).
+MMA_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192, (7168, 3584): 16384}
+MMA_PDL_DEFAULT = False
+
+
+def mma_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
+    """gemv_pdl for the MMA GEMM: K3_MMA_PDL ("off" / "on" / bytes; unset: MMA_PDL_DEFAULT) over MMA_PDL_PF."""
+    v = os.environ.get("K3_MMA_PDL", "") or ("on" if MMA_PDL_DEFAULT else "off")
+    if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return None
+    if v != "on":
+        return int(v)
+    if shape is None:
+        return 0 if MMA_PDL_PF else None
+    return MMA_PDL_PF.get(tuple(shape))
+
+
 def _note_trigger(nrm: torch.Tensor) -> None:
     """The norm kernel that triggers its dependents wrote `nrm`: a GEMV reading it next is its PDL secondary."""
     _TRIGGERED[torch.cuda.current_stream(nrm.device).cuda_stream] = nrm.data_ptr()
@@ -759,9 +785,17 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "T
         raise ValueError(f"mma_gemm takes M <= {MMA_MAX_M} tokens, got {M}")
     if not M:
         return
-    _after_trigger(x)   # the first GEMM after the norm takes its mark (the MMA GEMM has no PDL form)
-    tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     two = w2 is not None
+    pdl, pf = False, 0
+    if _after_trigger(x) and situ is None and topk is None:   # the first GEMM after the norm takes its mark
+        auto = mma_pdl(x.device, (N, K))
+        if auto is not None:
+            pdl = True
+            es = w.element_size()
+            rows_ok = all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
+                          for t in ((w, w2) if two else (w,)))
+            pf = auto if rows_ok and (cfg.warps * 32) % cfg.bn == 0 and (cfg.bk * es) % 16 == 0 else 0
+    tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        w2 if two else w, out2 if two else out, N1,
@@ -769,7 +803,9 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "T
                                        float(situ[0]) if situ else 1.0, float(situ[1]) if situ else 1.0, *tk[:5],
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
                                        EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, SITU=situ is not None,
-                                       num_warps=cfg.warps, num_stages=cfg.stages, **tk[5])
+                                       PDL=pdl, PF=pf, LANES=cfg.warps * 32,
+                                       num_warps=cfg.warps, num_stages=cfg.stages, **tk[5],
+                                       **({"launch_pdl": True} if pdl else {}))
 
 
 def resnorm_gemm_fits(M: int, nb: int) -> bool:

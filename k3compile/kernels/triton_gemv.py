@@ -138,6 +138,23 @@ def l2_prefetch_slice(base, nbytes, PF: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
+def l2_prefetch_rows(base, stride, nrows, row_bytes, PF_ROW: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
+    """Request the first min(PF_ROW, row_bytes) bytes of each of the first nrows of ROWS rows (`stride` bytes
+    apart, from `base`, 16-byte aligned) into L2: the LANES threads split as LANES // ROWS lanes per row (LANES a
+    multiple of ROWS), each issuing one bulk prefetch (`cp.async.bulk.prefetch.L2`) of PF_ROW // that bytes."""
+    PER: tl.constexpr = LANES // ROWS
+    CH: tl.constexpr = max(16, PF_ROW // PER // 16 * 16)
+    lane = tl.arange(0, LANES)
+    r = lane // PER
+    off = (lane % PER).to(tl.int64) * CH
+    size = tl.where((r < nrows) & (off + CH <= row_bytes) & (off < PF_ROW), CH, 0).to(tl.int32)
+    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+                              "mov.u32 $0, 0; }", "=r,l,r",
+                              [base.to(tl.pointer_type(tl.int8)) + r.to(tl.int64) * stride + off, size],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def rms_norm_kernel(x, g, out, K, sxm, som, eps, BLOCK: tl.constexpr):
     """Program m: out[m] = rms_norm(x[m], g, eps) (fp32 math, rounded to out's dtype); K <= BLOCK."""
     m = tl.program_id(0)
@@ -172,7 +189,8 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                     SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False,
                     SITU: tl.constexpr = False, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1,
-                    EB: tl.constexpr = 1, SORT: tl.constexpr = False):
+                    EB: tl.constexpr = 1, SORT: tl.constexpr = False, PDL: tl.constexpr = False,
+                    PF: tl.constexpr = 0, LANES: tl.constexpr = 128):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
     `cnt` are unused when SPLIT == 1. TWO: W is two weights stacked, [w; w2] (rows [0, N1) of W are
@@ -185,7 +203,11 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     the router's [E, K] weight, E = N1): the router's top-TOPK selection of every token in the launch's
     router epilogue (triton_router.topk_after_tile: the last program to store a tile of the logits
     selects; counter tcnt, correction bias, ids [M, TOPK], weights tw [M, TOPK] times tscale, KP / EB
-    TOPK / E padded to powers of two, SORT as router_topk_kernel's); tcnt..tscale unused otherwise."""
+    TOPK / E padded to powers of two, SORT as router_topk_kernel's); tcnt..tscale unused otherwise.
+    PDL (launched with launch_pdl=True, CUDA only; launch.mma_pdl): before anything but its weights, the program
+    requests the first PF // BN bytes of each of its rows' K slice into L2 (l2_prefetch_rows; the caller checks
+    16-byte alignment and that LANES is a multiple of BN) and waits for the kernel before it (gdc_wait):
+    x, out, part and the counters are touched only after that."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
     lg = out
@@ -198,6 +220,12 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # K per split, a multiple of BK
     k_lo = sid * ks
     k_hi = tl.minimum(k_lo + ks, K)
+    if PDL:
+        if PF > 0:
+            es = w.dtype.element_ty.primitive_bitwidth // 8
+            l2_prefetch_rows(w + r0.to(tl.int64) * swn + k_lo, swn * es, tl.minimum(nlim - r0, BN), (k_hi - k_lo) * es,
+                             PF // BN, BN, LANES)
+        tl.extra.cuda.gdc_wait()   # the previous kernel's writes (x, out) are visible now
     wp = w + rn.to(tl.int64)[:, None] * swn
     xp = x + rm[:, None] * sxm
     if SWAP:
