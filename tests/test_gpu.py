@@ -423,6 +423,37 @@ def test_gemv_two_weights_bf16_graphed():
     assert ((torch.cat([o1, o2], 1).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
+    """For each M: `chain(inputs, outs)` run eagerly and captured in a CUDA graph once as it is and once with the
+    environment variable `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
+    given widths eagerly, and after new inputs are copied in, replayed (three times, each output changed)."""
+    for M in ms:
+        t = inputs(M)
+        outs = {k: [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in widths] for k in ("off", "on")}
+        graphs = {}
+        for k in ("off", "on"):
+            if k == "on":
+                monkeypatch.setenv(var, value)
+            chain(t, outs[k])   # eager (and compiled before the capture)
+            torch.cuda.synchronize()
+            graphs[k] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[k]):
+                chain(t, outs[k])
+            monkeypatch.delenv(var, raising=False)
+        for a, b in zip(outs["off"], outs["on"]):
+            assert torch.equal(a, b), (M, "eager")
+        for _ in range(3):
+            for src, dst in zip(inputs(M), t):
+                dst.copy_(src)
+            before = [o.clone() for o in outs["on"]]
+            graphs["off"].replay()
+            graphs["on"].replay()
+            torch.cuda.synchronize()
+            for a, b, old in zip(outs["off"], outs["on"], before):
+                assert torch.equal(a, b), (M, "graphed")
+                assert not torch.equal(b, old)
+
+
 @pytest.mark.parametrize("pf", ["0", "16384", "65536"])
 def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
     """K3_GEMV_PDL: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
@@ -451,31 +482,7 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
         _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
         launch.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
 
-    for M in (1, 2):
-        t = inputs(M)
-        outs = {k: [torch.empty(M, n, device="cuda", dtype=bf) for n in (3648, 3648, 896, 3648)] for k in ("off", "on")}
-        graphs = {}
-        for k in ("off", "on"):
-            if k == "on":
-                monkeypatch.setenv("K3_GEMV_PDL", pf)
-            chain(t, outs[k])   # eager (and compiled before the capture)
-            torch.cuda.synchronize()
-            graphs[k] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[k]):
-                chain(t, outs[k])
-            monkeypatch.delenv("K3_GEMV_PDL", raising=False)
-        for a, b in zip(outs["off"], outs["on"]):
-            assert torch.equal(a, b), (M, "eager")
-        for _ in range(3):
-            for src, dst in zip(inputs(M), t):
-                dst.copy_(src)
-            before = [o.clone() for o in outs["on"]]
-            graphs["off"].replay()
-            graphs["on"].replay()
-            torch.cuda.synchronize()
-            for a, b, old in zip(outs["off"], outs["on"], before):
-                assert torch.equal(a, b), (M, "graphed")
-                assert not torch.equal(b, old)
+    _pdl_chain_bit_equal(monkeypatch, "K3_GEMV_PDL", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
 
 
 @pytest.mark.parametrize("pf", ["0", "16384"])
@@ -507,31 +514,7 @@ def test_mma_pdl_after_norm_and_tail_equals_plain_chain_graphed(monkeypatch, pf)
         launch.gemv(ln, w_up, out=out, accumulate=True, cfg=c2)
         outs[1].copy_(out)
 
-    for M in (1, 4):
-        t = inputs(M)
-        outs = {k: [torch.empty(M, n, device="cuda", dtype=bf) for n in (3648, H)] for k in ("off", "on")}
-        graphs = {}
-        for k in ("off", "on"):
-            if k == "on":
-                monkeypatch.setenv("K3_MMA_PDL", pf)
-            chain(t, outs[k])
-            torch.cuda.synchronize()
-            graphs[k] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[k]):
-                chain(t, outs[k])
-            monkeypatch.delenv("K3_MMA_PDL", raising=False)
-        for a, b in zip(outs["off"], outs["on"]):
-            assert torch.equal(a, b), (M, "eager")
-        for _ in range(3):
-            for src, dst in zip(inputs(M), t):
-                dst.copy_(src)
-            before = [o.clone() for o in outs["on"]]
-            graphs["off"].replay()
-            graphs["on"].replay()
-            torch.cuda.synchronize()
-            for a, b, old in zip(outs["off"], outs["on"], before):
-                assert torch.equal(a, b), (M, "graphed")
-                assert not torch.equal(b, old)
+    _pdl_chain_bit_equal(monkeypatch, "K3_MMA_PDL", pf, (1, 4), inputs, chain, (3648, H))
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])

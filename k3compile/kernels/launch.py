@@ -673,12 +673,16 @@ def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int 
     GEMV_PDL_PF's bytes for this weight shape (none for a shape not in it); a number = that many bytes for every
     shape; unset = "on" if GEMV_PDL_DEFAULT else "off". CUDA on Hopper or later only. With shape=None: whether
     PDL is on at all (the norm kernel's TRIGGER)."""
-    v = os.environ.get("K3_GEMV_PDL", "") or ("on" if GEMV_PDL_DEFAULT else "off")
+    return _pdl_choice("K3_GEMV_PDL", GEMV_PDL_DEFAULT, _pdl_table(os.environ.get("K3_GEMV_PDL_PF", "")), device, shape)
+
+
+def _pdl_choice(var: str, default_on: bool, table: dict, device: torch.device, shape) -> int | None:
+    """gemv_pdl / mma_pdl: the switch `var` ("off" / "on" / bytes; unset: default_on) over a table by shape."""
+    v = os.environ.get(var, "") or ("on" if default_on else "off")
     if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
     if v != "on":
         return int(v)
-    table = _pdl_table(os.environ.get("K3_GEMV_PDL_PF", ""))
     if shape is None:
         return 0 if table else None
     return table.get(tuple(shape))
@@ -708,14 +712,7 @@ MMA_PDL_DEFAULT = False
 
 def mma_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
     """gemv_pdl for the MMA GEMM: K3_MMA_PDL ("off" / "on" / bytes; unset: MMA_PDL_DEFAULT) over MMA_PDL_PF."""
-    v = os.environ.get("K3_MMA_PDL", "") or ("on" if MMA_PDL_DEFAULT else "off")
-    if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return None
-    if v != "on":
-        return int(v)
-    if shape is None:
-        return 0 if MMA_PDL_PF else None
-    return MMA_PDL_PF.get(tuple(shape))
+    return _pdl_choice("K3_MMA_PDL", MMA_PDL_DEFAULT, MMA_PDL_PF, device, shape)
 
 
 def _note_trigger(nrm: torch.Tensor) -> None:
