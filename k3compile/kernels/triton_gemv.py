@@ -128,13 +128,8 @@ def l2_prefetch_slice(base, nbytes, PF: tl.constexpr, LANES: tl.constexpr):
     """Request the first min(PF, nbytes) bytes at `base` (16-byte aligned) into L2: lane i of LANES issues
     one Hopper bulk prefetch (`cp.async.bulk.prefetch.L2`) of PF // LANES bytes (a multiple of 16) at
     byte i * that; lanes past nbytes issue none. One element per thread when LANES is the program's
-    thread count (no lane repeats another's request)."""
-    CH: tl.constexpr = max(16, PF // LANES // 16 * 16)
-    off = tl.arange(0, LANES).to(tl.int64) * CH
-    size = tl.where((off + CH <= nbytes) & (off < PF), CH, 0).to(tl.int32)
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                              "mov.u32 $0, 0; }", "=r,l,r", [base.to(tl.pointer_type(tl.int8)) + off, size],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    thread count (no lane repeats another's request). l2_prefetch_rows with one row."""
+    l2_prefetch_rows(base, 0, 1, nbytes, PF, 1, LANES)
 
 
 @triton.jit
