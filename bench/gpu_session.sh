@@ -478,8 +478,8 @@ torch.cuda.synchronize()" ;;
              done ;;
     # K3_GEMV_PDL (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
-    # both layers at M=1: k3 (no PDL: the default) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj forced onto
-    # the H100's lazy GEMV configs; the H200 runs them on the MMA GEMM) and lzon (lz with PDL)
+    # both layers at M=1: k3 (the default; no PDL before 843c313) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj
+    # forced onto the H100's lazy GEMV configs; the H200 runs them on the MMA GEMM) and lzon (lz with PDL)
     gemvpdl) step pdl_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or two_weights"
          step pdl_probe 200 python3 bench/pdl_probe.py --out "$R/pdl_probe.json"
          for L in mla kda; do
