@@ -716,7 +716,8 @@ def mma_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int |
 
 
 def _note_trigger(nrm: torch.Tensor) -> None:
-    """The norm kernel that triggers its dependents wrote `nrm`: a GEMV reading it next is its PDL secondary."""
+    """A kernel that triggers its dependents (the TP=1 norm, the latent tail) wrote `nrm`: the decode GEMM reading
+    it next is its PDL secondary."""
     _TRIGGERED[torch.cuda.current_stream(nrm.device).cuda_stream] = nrm.data_ptr()
 
 
@@ -729,9 +730,11 @@ def _after_trigger(x: torch.Tensor) -> bool:
     return _TRIGGERED.pop(torch.cuda.current_stream(x.device).cuda_stream, None) == x.data_ptr()
 
 
-def _pdl_rows_ok(w: torch.Tensor, K: int) -> bool:
-    """A weight whose programs' row slices are contiguous and 16-byte aligned (the L2 prefetch's)."""
-    return w.stride(1) == 1 and w.stride(0) == K and w.data_ptr() % 16 == 0 and (K * w.element_size()) % 16 == 0
+def _pdl_rows_ok(w: torch.Tensor, K: int | None = None) -> bool:
+    """A weight whose rows are contiguous and 16-byte aligned (the L2 prefetch's); with K, also packed one after
+    another (stride K: the GEMV requests a program's rows as one slice)."""
+    return (w.stride(1) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+            and (K is None or w.stride(0) == K))
 
 
 def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, norm=None, two=None) -> None:
@@ -788,10 +791,8 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "T
         auto = mma_pdl(x.device, (N, K))
         if auto is not None:
             pdl = True
-            es = w.element_size()
-            rows_ok = all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0
-                          for t in ((w, w2) if two else (w,)))
-            pf = auto if rows_ok and (cfg.warps * 32) % cfg.bn == 0 and (cfg.bk * es) % 16 == 0 else 0
+            rows_ok = _pdl_rows_ok(w) and (not two or _pdl_rows_ok(w2))
+            pf = auto if rows_ok and (cfg.warps * 32) % cfg.bn == 0 and (cfg.bk * w.element_size()) % 16 == 0 else 0
     tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
