@@ -2,13 +2,17 @@
 
 Formats, chosen by file suffix:
 - `.json` (written by `k3c run --dump`): the graph as data: every node's op, target (an op name),
-  arguments, the shape/stride/dtype/device of its value, its module path and source line. Loading
-  resolves op names in `torch.ops` and a fixed set of Python operators; nothing from the file is
-  executed. The graph's real inputs (weights, cache, token ids), when saved, sit next to it in
-  `<stem>.inputs.pt` (tensors only, read with `torch.load(weights_only=True)`).
-- `.pt2`: a `torch.export` program. It is decomposed with Inductor's decomposition table (the
-  ATen forms the passes see after AOTAutograd); its weights and saved example inputs are used to
-  check numerics.
+  arguments, the shape/stride/dtype/device of its value, its module path and source line. The whole
+  file is checked before FX generates code from it (`_check_node`): names, placeholder / get_attr
+  targets and keyword names must be Python identifiers, call targets resolve only to ops of
+  `OP_NAMESPACES`, the functionalisation HOPs and a fixed set of Python operators; nothing from the
+  file is executed. The graph's real inputs (weights, cache, token ids), when saved, sit next to it
+  in `<stem>.inputs.pt` (tensors only, read with `torch.load(weights_only=True)`).
+- `.pt2`: a `torch.export` program. Without `trust_code` the archive is checked first
+  (`check_pt2`): no pickled weights, constants or objects, sample inputs readable as plain tensors,
+  no compiled code, allow-listed node targets, identifiers for names and plain size expressions.
+  It is decomposed with Inductor's decomposition table (the ATen forms the passes see after
+  AOTAutograd); its weights and saved example inputs are used to check numerics.
 - `.py`: a readable graph: `GraphModule.print_readable` output (ours, TORCH_COMPILE_DEBUG's
   fx_graph_readable.py / fx_graph_transformed.py, vLLM's debug dumps) or TORCH_COMPILE_DEBUG's
   fx_graph_runnable.py. It is Python that must be executed to load, so it loads only with
@@ -18,6 +22,7 @@ Formats, chosen by file suffix:
 from __future__ import annotations
 
 import json
+import keyword
 import logging
 import math
 import operator
@@ -75,19 +80,45 @@ def op_qualname(op) -> str:
     return f"{op._schema.name}.{op._overloadname}"  # aten::mm.default
 
 
+# Op namespaces a graph file may call (anything else is refused before a node is built): ATen and
+# prims, the functional collectives, this package's ops, and vLLM's / FlashInfer's / fla-core's ops.
+OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
+                           "c10d", "symm_mem", "k3", "k3model", "vllm", "_C", "_C_cache_ops", "_C_custom_ar",
+                           "_moe_C", "vllm_ir", "flashinfer", "fla"})
+# higher-order ops a graph file may name: the functionalisation wrappers of mutating ops (their
+# first argument is an op overload, itself resolved through OP_NAMESPACES)
+HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2"})
+
+
+def is_ident(s) -> bool:
+    return isinstance(s, str) and s.isidentifier() and not keyword.iskeyword(s)
+
+
+def _dotted(s) -> bool:
+    return isinstance(s, str) and all(is_ident(p) for p in s.split("."))
+
+
 def resolve_op(q: str):
     """`ns::name.overload` -> the OpOverload, or a one-line error naming what to load."""
     try:
         ns, rest = q.split("::", 1)
         name, overload = rest.rsplit(".", 1)
-    except ValueError:
+    except (ValueError, AttributeError):
         raise GraphFileError(f"malformed op name {q!r}") from None
+    if not (is_ident(ns) and is_ident(name) and is_ident(overload)):
+        raise GraphFileError(f"malformed op name {q!r}")
+    if ns not in OP_NAMESPACES:
+        raise GraphFileError(f"the graph calls {ns}::{name}.{overload}: op namespace {ns!r} is not one k3c loads "
+                             f"({', '.join(sorted(OP_NAMESPACES))})")
     if ns == "k3model":
         import k3compile.model  # noqa: F401  (registers torch.ops.k3model.*)
     elif ns == "k3":
         import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
     try:
-        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        if not isinstance(op, torch._ops.OpOverload):
+            raise AttributeError(q)
+        return op
     except (AttributeError, RuntimeError):
         hint = " (vLLM's ops: install and import vllm)" if ns in ("vllm", "_C", "vllm_ir", "_moe_C") else ""
         raise GraphFileError(f"the graph calls {ns}::{name}.{overload}, which is not registered in this "
@@ -118,14 +149,26 @@ def _enc_target(t) -> Any:
 def _dec_target(d):
     if "op" in d:
         return resolve_op(d["op"])
+    if not isinstance(d, dict) or len(d) != 1:
+        raise GraphFileError(f"a call target must be {{\"op\": ...}}, {{\"hop\": ...}} or {{\"py\": ...}}, got {_short(d)}")
+    if "op" in d:
+        return resolve_op(d["op"])
     if "hop" in d:
+        if d["hop"] not in HOPS:
+            raise GraphFileError(f"the graph names higher-order op {_short(d['hop'])}, which k3c does not load "
+                                 f"({', '.join(sorted(HOPS))})")
         try:
             return getattr(torch.ops.higher_order, d["hop"])
         except AttributeError:
             raise GraphFileError(f"unknown higher-order op {d['hop']!r} in this torch version") from None
-    if "py" in d and d["py"] in _PY_FUNCS:
+    if "py" in d and isinstance(d["py"], str) and d["py"] in _PY_FUNCS:
         return _PY_FUNCS[d["py"]]
-    raise GraphFileError(f"the graph names a Python function that k3c does not load: {d}")
+    raise GraphFileError(f"the graph names a Python function that k3c does not load: {_short(d)}")
+
+
+def _short(x, n: int = 80) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[:n] + "...'"
 
 
 # ---------------------------------------------------------------------------------------- values
@@ -172,7 +215,11 @@ def _dec(a, env: dict) -> Any:
     if isinstance(a, list):
         return [_dec(x, env) for x in a]
     if not isinstance(a, dict):
-        return a
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        raise GraphFileError(f"malformed value {_short(a)}")
+    if len(a) != 1:
+        raise GraphFileError(f"malformed value {_short(a)}")
     (k, v), = a.items()
     if k == "n":
         if v not in env:
@@ -183,15 +230,18 @@ def _dec(a, env: dict) -> Any:
     if k == "tuple":
         return tuple(_dec(x, env) for x in v)
     if k == "dict":
+        if not isinstance(v, dict):
+            raise GraphFileError(f"malformed dict value {_short(v)}")
         return {kk: _dec(vv, env) for kk, vv in v.items()}
     if k == "dtype":
         return _dtype(v)
     if k == "device":
         return torch.device(v)
-    if k == "layout":
-        return getattr(torch, v)
-    if k == "memory_format":
-        return getattr(torch, v)
+    if k in ("layout", "memory_format"):
+        val = getattr(torch, v, None) if is_ident(v) else None
+        if not isinstance(val, torch.layout if k == "layout" else torch.memory_format):
+            raise GraphFileError(f"unknown {k} {_short(v)}")
+        return val
     if k == "slice":
         return slice(*(_dec(x, env) for x in v))
     if k == "target":
@@ -295,6 +345,8 @@ def load(path: str | pathlib.Path, trust_code: bool = False, sym: dict[str, int]
         if suffix == ".json":
             return _load_json(path)
         if suffix == ".pt2":
+            if not trust_code:
+                check_pt2(path)
             return _load_pt2(path)
         if suffix == ".py":
             return _load_python(path, trust_code, sym or {})
@@ -316,11 +368,17 @@ def _load_json(path: pathlib.Path) -> LoadedGraph:
         raise GraphFileError(f"{path}: not a k3c graph (no \"format\": \"{FORMAT}\")")
     if doc.get("version") != VERSION:
         raise GraphFileError(f"{path}: k3c graph version {doc.get('version')} (this k3c reads {VERSION})")
+    nodes, traces = doc.get("nodes"), doc.get("stack_traces", [])
+    if not isinstance(nodes, list) or not isinstance(traces, list) or not all(isinstance(t, str) for t in traces):
+        raise GraphFileError(f"{path}: malformed k3c graph (\"nodes\" and \"stack_traces\" must be lists)")
+    for d in nodes:  # the whole file is checked before FX generates (and executes) any code from it
+        _check_node(d, len(traces))
+    if any("\r" in t for t in traces):  # Python reads a carriage return as a line break; FX copies traces into comments
+        raise GraphFileError(f"{path}: a stack trace holds a carriage return")
     mode = _fake_mode()
     g = Graph()
     env: dict[str, Node] = {}
-    traces = doc.get("stack_traces", [])
-    for d in doc["nodes"]:
+    for d in nodes:
         op = d["op"]
         target = d["target"] if op in ("placeholder", "get_attr", "output") else _dec_target(d["target"])
         args, kwargs = _dec(d["args"], env), _dec(d["kwargs"], env)
@@ -360,6 +418,50 @@ def _load_json(path: pathlib.Path) -> LoadedGraph:
     return LoadedGraph(gm, "k3c json", inputs, meta.get("user_outputs"), meta.get("groups", {}), meta, notes)
 
 
+_NODE_OPS = ("placeholder", "get_attr", "call_function", "output")
+
+
+def _check_node(d, n_traces: int) -> None:
+    """One line for the first field of a saved node that could reach the code FX generates, or that
+    is not what `save_json` writes: names and targets are identifiers, call targets are checked by
+    `_dec_target` (allow-listed op namespaces), keyword names are identifiers."""
+    if not isinstance(d, dict):
+        raise GraphFileError(f"malformed node {_short(d)}")
+    name, op, target = d.get("name"), d.get("op"), d.get("target")
+    if op not in _NODE_OPS:
+        raise GraphFileError(f"node {_short(name)}: op {_short(op)} is not one of {', '.join(_NODE_OPS)}")
+    if op == "output":
+        if target != "output":
+            raise GraphFileError(f"output node: target {_short(target)} is not 'output'")
+    elif not is_ident(name):
+        raise GraphFileError(f"node name {_short(name)} is not a Python identifier")
+    if op == "placeholder" and not is_ident(target):
+        raise GraphFileError(f"placeholder {name}: target {_short(target)} is not a Python identifier")
+    if op == "get_attr" and not _dotted(target):
+        raise GraphFileError(f"get_attr {name}: target {_short(target)} is not a dotted Python name")
+    if op == "call_function":
+        _dec_target(target)
+    kwargs = d.get("kwargs")
+    if not (isinstance(kwargs, dict) and set(kwargs) == {"dict"} and isinstance(kwargs["dict"], dict)):
+        raise GraphFileError(f"node {_short(name)}: malformed kwargs {_short(kwargs)}")
+    bad = [k for k in kwargs["dict"] if not is_ident(k)]
+    if bad:
+        raise GraphFileError(f"node {_short(name)}: keyword {_short(bad[0])} is not a Python identifier")
+    args = d.get("args")
+    if not (isinstance(args, dict) and set(args) == {"tuple"} and isinstance(args["tuple"], list)):
+        raise GraphFileError(f"node {_short(name)}: malformed args {_short(args)}")
+    st = d.get("stack_trace", 0)
+    if not (isinstance(st, int) and not isinstance(st, bool) and 0 <= st < max(n_traces, 1)):
+        raise GraphFileError(f"node {_short(name)}: stack_trace {_short(st)} is not an index into stack_traces")
+    nms = d.get("nn_module_stack", {})
+    if not (isinstance(nms, dict) and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2
+                                          and all(isinstance(x, str) for x in v) for k, v in nms.items())):
+        raise GraphFileError(f"node {_short(name)}: malformed nn_module_stack")
+    for k in ("desc", "k3c_input"):
+        if not isinstance(d.get(k, ""), str):
+            raise GraphFileError(f"node {_short(name)}: {k} must be a string")
+
+
 def _set_attr(root: torch.nn.Module, target: str, value) -> None:
     *mods, last = target.split(".")
     m = root
@@ -368,6 +470,97 @@ def _set_attr(root: torch.nn.Module, target: str, value) -> None:
             m.add_module(p, torch.nn.Module())
         m = getattr(m, p)
     setattr(m, last, value)
+
+
+# Names the torch.export deserializer resolves through sympy (`expr_str`): its own functions and
+# sympy's, and symbols such as s0, u3, ps1. Anything else (builtins, dunders) would be evaluated.
+_SYM_FUNCS = frozenset({
+    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt",
+    "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
+    "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
+    "ToFloat", "FloatTrueDiv", "OpaqueUnaryFn_sqrt", "Identity", "Max", "Min", "Abs", "floor", "ceiling",
+    "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "Piecewise", "True", "False", "oo", "zoo", "nan"})
+_SYM_EXPR = re.compile(r"[A-Za-z0-9_\s+\-*/%().,<>=!&|~]*")
+_PT2_TARGET = re.compile(r"torch\.ops\.(?P<ns>\w+)\.\w+\.\w+|torch\.ops\.higher_order\.\w+")
+
+
+def _safe_sym_expr(e) -> bool:
+    return (isinstance(e, str) and _SYM_EXPR.fullmatch(e) is not None and "__" not in e
+            and all(t in _SYM_FUNCS or re.fullmatch(r"[a-z]{1,4}\d+", t)
+                    for t in re.findall(r"[A-Za-z_]\w*", e)))
+
+
+def check_pt2(path: pathlib.Path) -> None:
+    """Refuse (one line) a .pt2 whose loading could run code: `torch.export.load` unpickles weights
+    and constants saved with pickle (`weights_only=False`), falls back to a full unpickle when the
+    sample inputs are not plain tensors, loads AOTInductor / ExecuTorch binaries, resolves node
+    targets as Python attribute paths and parses symbolic sizes with sympy. Nothing here unpickles
+    beyond `torch.load(weights_only=True)` of the sample inputs."""
+    import io
+
+    def refuse(why: str):
+        raise UntrustedCodeError(f"{path}: {why}; loading it could run code. If you trust the file, pass "
+                                 f"--trust-code")
+
+    if not zipfile.is_zipfile(path):
+        raise GraphFileError(f"{path}: cannot load as a .pt2 graph: not a zip archive (torch.export.save writes one)")
+    with zipfile.ZipFile(path) as z:
+        files = {}
+        for info in z.infolist():
+            parts = info.filename.split("/", 1)
+            if len(parts) == 2 and parts[1]:
+                files[parts[1]] = info.filename  # every member sits under the archive's own top folder
+        if files.get("archive_format") is None or z.read(files["archive_format"]).strip() != b"pt2":
+            refuse("not a current torch.export archive (older formats are pickles)")
+        for name in files:
+            if name.startswith(("data/aotinductor/", "data/executorch/")):
+                refuse(f"it holds compiled code ({name})")
+            if re.fullmatch(r"data/(weights|constants)/[^/]+\.pt", name):
+                refuse(f"it holds legacy pickled weights ({name})")
+        for name in files:
+            if re.fullmatch(r"data/(weights|constants)/[^/]+_config\.json", name):
+                cfg = json.loads(z.read(files[name]))
+                for fqn, meta in (cfg.get("config") or {}).items() if isinstance(cfg, dict) else ():
+                    if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(("weight_", "tensor_")):
+                        refuse(f"{fqn!r} is stored with pickle ({name})")
+            elif re.fullmatch(r"data/sample_inputs/[^/]+\.pt", name):
+                try:
+                    torch.load(io.BytesIO(z.read(files[name])), weights_only=True)
+                except Exception:  # noqa: BLE001 - torch.export.load would retry with a full unpickle
+                    refuse(f"its sample inputs are not plain tensors ({name})")
+            elif re.fullmatch(r"models/[^/]+\.json", name):
+                _check_pt2_program(json.loads(z.read(files[name])), refuse)
+
+
+def _check_pt2_program(doc, refuse) -> None:
+    """Walk the serialized program: every node target an allow-listed op, every name an identifier,
+    every symbolic expression made of sympy's functions and size symbols, no carriage return (a line
+    break to Python inside the comments FX writes from stack traces)."""
+    stack = [doc]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str) and "\r" in x:
+            refuse(f"a string holds a carriage return ({_short(x)})")
+        if isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            if isinstance(x.get("target"), str) and "inputs" in x:   # a graph node
+                t = x["target"]
+                m = _PT2_TARGET.fullmatch(t)
+                ok = (t in _PY_FUNCS or (m is not None and (m.group("ns") in OP_NAMESPACES if m.group("ns")
+                                                            else t.rsplit(".", 1)[1] in HOPS)))
+                if not ok:
+                    refuse(f"a node calls {_short(t)}, which is not an op k3c loads")
+            if isinstance(x.get("name"), str) and not is_ident(x["name"]):
+                refuse(f"name {_short(x['name'])} is not a Python identifier")
+            if "expr_str" in x and not _safe_sym_expr(x["expr_str"]):
+                refuse(f"symbolic expression {_short(x['expr_str'])} is not a size expression")
+            for k, v in x.items():
+                if k == "range_constraints" and isinstance(v, dict):
+                    bad = [e for e in v if not _safe_sym_expr(e)]
+                    if bad:
+                        refuse(f"symbolic expression {_short(bad[0])} is not a size expression")
+                stack.append(v)
 
 
 def _load_pt2(path: pathlib.Path) -> LoadedGraph:
