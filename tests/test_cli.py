@@ -344,6 +344,100 @@ def test_cuda_without_a_gpu_is_one_line():
     assert "no CUDA GPU is visible to PyTorch" in r.stderr
 
 
+# ------------------------------------------------------------------------------------ bad arguments, up front
+def refused(r, message: str, code: int = 2) -> None:
+    """One line on stderr, nothing on stdout (no run, no progress), the exit code of a bad argument."""
+    assert r.exit_code == code, (r.exit_code, r.output)
+    assert r.stderr.startswith("k3c: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert message in r.stderr and "Traceback" not in r.output, r.stderr
+    assert r.stdout == "", r.stdout
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the command if it gets as far as running a model or a graph."""
+    from k3compile.cli import engine
+
+    def ran(*a, **kw):
+        raise AssertionError("ran before refusing the arguments")
+    monkeypatch.setattr(engine, "run_model", ran)
+    monkeypatch.setattr(engine, "run_graph", ran)
+
+
+def tp2_dump(tiny_dump, d):
+    """A TP=2 dump's layout (rank0/, rank1/) from the TP=1 dump, without a two-rank run."""
+    for rank in (0, 1):
+        shutil.copytree(tiny_dump[1], d / f"rank{rank}")
+    return d
+
+
+@pytest.mark.parametrize("cmd", ["run", "bisect"])
+@pytest.mark.parametrize("tol", ["-1", "nan", "inf", "-inf"])
+def test_bad_tol_is_refused(no_run, cmd, tol):
+    refused(k3c(cmd, "--tp", 1, "--tol", tol), f"--tol must be a finite number >= 0, got {tol}")
+
+
+def test_empty_dump_is_refused(no_run):
+    refused(k3c("run", "--tp", 1, "--dump", ""), "--dump needs a directory name")
+
+
+def test_negative_diff_context_is_refused(tiny_dump):
+    refused(k3c("diff", tiny_dump[1], "fold_moe_finalize", "-U", -1), "--context must be >= 0, got -1")
+
+
+@pytest.mark.parametrize("args", [["run", "--tp", 1], ["bisect", "--tp", 1], ["explain", "fold_moe_finalize"],
+                                  ["explain", "fold_moe_finalize", "DUMP"], ["diff", "DUMP", "fold_moe_finalize"]])
+def test_negative_rank_is_refused(no_run, tiny_dump, args):
+    args = [tiny_dump[1] if a == "DUMP" else a for a in args]
+    refused(k3c(*args, "--rank", -1), "--rank must be >= 0, got -1")
+
+
+def test_rank_out_of_range_names_the_ranks_of_the_dump(tiny_dump, tmp_path):
+    d = tp2_dump(tiny_dump, tmp_path / "tp2")
+    for args in (["diff", d, "fold_moe_finalize"], ["explain", "fold_moe_finalize", d], ["run", "--graph", d]):
+        refused(k3c(*args, "--rank", 5), f"--rank 5 is out of range for {d}: the dump has ranks 0, 1")
+    assert "fold_moe_finalize: " in ok(k3c("diff", d, "fold_moe_finalize", "--rank", 1)).splitlines()[0]
+    refused(k3c("diff", tiny_dump[1], "fold_moe_finalize", "--rank", 1), "the dump has rank 0 only")
+    refused(k3c("run", "--graph", tiny_dump[1] / "graph.json", "--rank", 1), "rank 1 is out of range for TP=1")
+
+
+def test_dump_target_is_checked_before_running(no_run, tiny_dump, tmp_path):
+    f = tmp_path / "passwd"
+    f.write_text("root:x:0:0\n")
+    refused(k3c("run", "--tp", 1, "--dump", f), f"--dump {f}: {f} is a file, not a directory")
+    refused(k3c("run", "--tp", 1, "--dump", f / "sub"), f"{f} is a file, not a directory")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    refused(k3c("run", "--tp", 1, "--dump", mine), "the directory is not empty and holds no k3c dump")
+    d = shutil.copytree(tiny_dump[1], tmp_path / "d")
+    refused(k3c("run", "--graph", d / "graph.json", "--dump", d), "holds the --graph file")
+    assert f.read_text() == "root:x:0:0\n" and (mine / "notes.txt").exists() and (d / "summary.json").exists()
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        refused(k3c("run", "--tp", 1, "--dump", ro / "dump"), f"{ro} is not writable")
+
+
+def test_redump_clears_the_earlier_dump_and_keeps_other_files(tiny_dump, tmp_path):
+    d = tp2_dump(tiny_dump, tmp_path / "dump")
+    (d / "notes.txt").write_text("mine")
+    ok(k3c("run", "--model", "layer-kda", "--tp", 1, "--dump", d))
+    assert not (d / "rank0").exists() and not (d / "rank1").exists()
+    assert json.loads((d / "summary.json").read_text())["run"]["model"] == "layer-kda"
+    assert sorted(f.name for f in (d / "svg").glob("layer_*.svg")) == ["layer_01.after.svg", "layer_01.before.svg"]
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+def test_help_version_and_bare_k3c():
+    for args in ([], ["-h"], ["--help"]):
+        out = ok(k3c(*args))
+        assert out.startswith("Usage: k3c [OPTIONS] COMMAND") and "bisect" in out and "--version" in out
+    for cmd in ("passes", "run", "diff", "explain", "bisect"):
+        assert ok(k3c(cmd, "-h")).startswith(f"Usage: k3c {cmd} [OPTIONS]")
+    assert ok(k3c("--version")) == f"k3c {k3compile.__version__}\n"
+
+
 # ------------------------------------------------------------------------------------ structured trace
 def test_passes_log_before_and_after_graphs_to_the_structured_trace():
     """What TORCH_TRACE=dir records (tlparse shows artifacts): each pass's graph before and after."""

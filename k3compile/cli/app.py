@@ -5,7 +5,9 @@ found a pass past tolerance, `run --strict` with missed sites); 2 a bad argument
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import pathlib
 import sys
 import time
 from typing import Annotated, Literal, Optional
@@ -17,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 app = typer.Typer(
-    name="k3c", add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    name="k3c", add_completion=False, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
     help="k3c: pass-by-pass debugging of the k3 torch.compile backend (Kimi K3 decoder). "
          "Which passes fire, where the others stopped and why, and what each one does to the numerics.")
 
@@ -63,6 +65,50 @@ def fail(msg: str, code: int = 1):
     raise typer.Exit(code)
 
 
+def _at_least(value: int | None, option: str, lo: int) -> None:
+    if value is not None and value < lo:
+        fail(f"{option} must be >= {lo}, got {value}", 2)
+
+
+def _check_tol(tol: float) -> None:
+    if not math.isfinite(tol) or tol < 0:
+        fail(f"--tol must be a finite number >= 0, got {tol:g}", 2)
+
+
+def _dump_target(dump: str | None, graph: str | None = None) -> None:
+    """Check the --dump directory before anything runs, and clear an earlier k3c dump in it."""
+    if dump is None:
+        return
+    from .engine import clear_dump, is_dump
+    if not dump.strip():
+        fail("--dump needs a directory name, got an empty one", 2)
+    d = pathlib.Path(dump)
+    if graph is not None and d.resolve() in (g := pathlib.Path(graph).resolve(), *g.parents):
+        fail(f"--dump {dump} holds the --graph file, which the dump would overwrite: dump into another directory", 2)
+    here = next(p for p in (d, *d.absolute().parents) if p.exists())  # d, or the folder it would be made in
+    if not here.is_dir():
+        fail(f"--dump {dump}: {here} is a file, not a directory", 2)
+    if not os.access(here, os.W_OK | os.X_OK):
+        fail(f"--dump {dump}: {here} is not writable", 2)
+    if d.is_dir() and any(d.iterdir()):
+        if not is_dump(d):
+            fail(f"--dump {dump}: the directory is not empty and holds no k3c dump; give a new or empty one", 2)
+        try:
+            clear_dump(d)
+        except OSError as e:
+            fail(f"--dump {dump}: cannot clear the earlier dump: {e}")
+
+
+def _read_dump(dump_dir: str, rank: int | None) -> tuple[pathlib.Path, dict]:
+    from .engine import RankError, read_summary
+    try:
+        return read_summary(dump_dir, rank)
+    except RankError as e:
+        fail(str(e), 2)
+    except (FileNotFoundError, ValueError) as e:
+        fail(str(e))
+
+
 def _names(text: str | None, what: str) -> tuple[str, ...] | None:
     if text is None:
         return None
@@ -88,10 +134,8 @@ def _spec(model, tp, batch, passes, skip, device, dtype, inductor, graph, **kw):
         fail("--graph and --model exclude each other: a graph file brings its own model", 2)
     if graph is not None and inductor:
         fail("--inductor has no effect with --graph: the passes run on the loaded graph itself", 2)
-    if batch < 1:
-        fail(f"--batch must be >= 1, got {batch}", 2)
-    if tp is not None and tp < 1:
-        fail(f"--tp must be >= 1, got {tp}", 2)
+    _at_least(batch, "--batch", 1)
+    _at_least(tp, "--tp", 1)
     spec = RunSpec(model=model or "tiny", tp=tp if tp is not None else DEFAULT_TP, batch=batch,
                    passes=_names(passes, "--passes"), skip=_names(skip, "--skip") or (), device=device,
                    dtype=dtype, inductor=inductor, progress=sys.stderr.isatty(), **kw)
@@ -112,7 +156,7 @@ def _spec(model, tp, batch, passes, skip, device, dtype, inductor, graph, **kw):
 
 def _execute(spec, graph=None, trust_code=False, sym=None, rank=None, tp_given=None) -> list[dict]:
     """Run (rank results, rank 0 first); any failure is one line and exit code 1."""
-    from .engine import run_graph, run_model
+    from .engine import RankError, run_graph, run_model
     from .graphio import GraphFileError
     try:
         if graph is not None:
@@ -123,6 +167,8 @@ def _execute(spec, graph=None, trust_code=False, sym=None, rank=None, tp_given=N
         return run_ranks(run_model, spec.tp, spec, backend="nccl" if spec.device == "cuda" else "gloo")
     except typer.Exit:
         raise
+    except RankError as e:
+        fail(str(e), 2)
     except GraphFileError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line for the user; K3C_DEBUG=1 for the traceback
@@ -280,6 +326,21 @@ def _err_text(x, tol, rel=None, dim=False) -> Text:
 
 
 # ------------------------------------------------------------------------------------ commands
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+        typer.echo(f"k3c {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def _main(ctx: typer.Context, version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="print the version and exit")] = False):
+    if ctx.invoked_subcommand is None:  # bare `k3c`: the help, exit code 0
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
 @app.command()
 def passes(
     passes_: OptPasses = None, skip: OptSkip = None,
@@ -341,7 +402,10 @@ def run(
 ):
     """Compile and run one decode step; per pass: sites matched/expected, nodes before/after,
     pass time, and the max abs/rel error of the logits vs eager with that pass and every earlier one on."""
+    _check_tol(tol)
+    _at_least(rank, "--rank", 0)
     spec = _spec(model, tp, batch, passes_, skip, device, dtype, inductor, graph, dump=dump)
+    _dump_target(dump, graph)
     t = time.perf_counter()
     results = _execute(spec, graph, trust_code, sym, rank, tp)
     con = _out()
@@ -357,16 +421,15 @@ def diff(
     pass_name: Annotated[str, typer.Argument(metavar="PASS", help="the pass whose before/after to diff")],
     context: Annotated[int, typer.Option("--context", "-U", help="lines of context")] = 3,
     comments: Annotated[bool, typer.Option("--comments", help="keep the `# File: ...` source comments")] = False,
-    rank: Annotated[int, typer.Option("--rank", help="which rank of a TP > 1 dump")] = 0,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="which rank of a TP > 1 dump (default 0)",
+                                                show_default=False)] = None,
 ):
     """The before/after diff of one pass, coloured."""
     from ..report import CompileReport
-    from .engine import read_summary
     _check_pass(pass_name)
-    try:
-        d, summary = read_summary(dump_dir, rank)
-    except (FileNotFoundError, ValueError) as e:
-        fail(str(e))
+    _at_least(context, "--context", 0)
+    _at_least(rank, "--rank", 0)
+    d, summary = _read_dump(dump_dir, rank)
     rep = CompileReport.from_dict(summary["report"])
     files = summary.get("files", {}).get("passes", {}).get(pass_name)
     p = rep.get(pass_name)
@@ -415,13 +478,10 @@ def explain(
     """Every near-miss of one pass: the node where matching stopped, why, and the source line."""
     from ..passes.manager import PASSES
     from ..report import CompileReport
-    from .engine import read_summary
     _check_pass(pass_name)
+    _at_least(rank, "--rank", 0)
     if dump_dir is not None:
-        try:
-            _, summary = read_summary(dump_dir, rank or 0)
-        except (FileNotFoundError, ValueError) as e:
-            fail(str(e))
+        _, summary = _read_dump(dump_dir, rank)
         reps = [CompileReport.from_dict(summary["report"])]
         where = f"the dump in {dump_dir}"
     else:
@@ -469,6 +529,8 @@ def bisect(
 ):
     """Turn the passes on one at a time (1, then 1-2, ...) and name the first that pushes the error
     past --tol. Exit code 1 when one does."""
+    _check_tol(tol)
+    _at_least(rank, "--rank", 0)
     spec = _spec(model, tp, batch, passes_, skip, device, dtype, inductor, graph, tol=tol)
     t = time.perf_counter()
     results = _execute(spec, graph, trust_code, sym, rank, tp)
@@ -524,4 +586,4 @@ def bisect(
 
 
 def main() -> None:  # `python -m k3compile.cli`
-    app()
+    app(prog_name="k3c")

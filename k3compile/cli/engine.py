@@ -436,8 +436,8 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
     t0 = time.perf_counter()
     prog = Progress(spec.progress, 2 + len(PASSES))
     p = pathlib.Path(path)
-    if p.is_dir() and not (p / "graph.json").exists() and (p / f"rank{rank or 0}" / "graph.json").exists():
-        path = str(p / f"rank{rank or 0}")  # a TP > 1 dump: one rank's graph
+    if p.is_dir() and not (p / "graph.json").exists() and dump_ranks(p):
+        path = str(rank_dir(p, rank))  # a TP > 1 dump: one rank's graph
     try:
         with prog.step(f"loading {path}"):
             lg = graphio.load(path, trust_code=trust_code, sym=sym)
@@ -447,7 +447,7 @@ def run_graph(spec: RunSpec, path: str, trust_code: bool = False, sym: dict | No
         world = tp or (saved[1] if saved else 1)
         me = rank if rank is not None else (saved[0] if saved else 0)
         if me >= world:
-            raise ValueError(f"rank {me} is not below the TP size {world}")
+            raise RankError(f"rank {me} is out of range for TP={world} (ranks 0..{world - 1})")
         if names and world == 1 and not saved:
             notes.append(f"the graph has collectives over group(s) {names} of unknown size: matched as TP=1 "
                          f"(give the TP size with --tp N)")
@@ -551,9 +551,7 @@ def write_dump(d: pathlib.Path, rec: Recorder, report: CompileReport, stages: li
     from . import svg
 
     d.mkdir(parents=True, exist_ok=True)
-    for pat in DUMP_GLOBS:  # a dump dir holds one run: drop files an earlier run left
-        for f in d.glob(pat):
-            f.unlink()
+    clear_dump(d)  # a dump dir holds one run: drop what an earlier run left
     files = graphio.save_json(rec.input, d / "graph.json", meta=dict(meta, user_outputs=user_outputs),
                               inputs=inputs, constants=constants)
     pass_files = {}
@@ -576,20 +574,70 @@ def write_dump(d: pathlib.Path, rec: Recorder, report: CompileReport, stages: li
     return files
 
 
-def read_summary(d: str | pathlib.Path, rank: int = 0) -> tuple[pathlib.Path, dict]:
+class RankError(ValueError):
+    """A rank that the dump or graph does not have (a bad --rank or --tp)."""
+
+
+def is_dump(d: str | pathlib.Path) -> bool:
+    """Whether `d` holds a k3c dump: a summary.json written by k3c, in `d` or in its rank<N>/."""
+    d = pathlib.Path(d)
+    for f in [d / "summary.json", *d.glob("rank[0-9]*/summary.json")]:
+        try:
+            summary = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(summary, dict) and "k3c" in summary:
+            return True
+    return False
+
+
+def clear_dump(d: str | pathlib.Path) -> None:
+    """Delete what a k3c dump writes in `d` (its files, svg/, rank<N>/); anything else stays."""
+    d = pathlib.Path(d)
+    for sub in d.glob("rank[0-9]*"):
+        if sub.is_dir():
+            clear_dump(sub)
+            with contextlib.suppress(OSError):
+                sub.rmdir()  # only if nothing else is left in it
+    for pat in DUMP_GLOBS:
+        for f in d.glob(pat):
+            if f.is_file():
+                f.unlink()
+    with contextlib.suppress(OSError):
+        (d / "svg").rmdir()
+
+
+def dump_ranks(d: str | pathlib.Path) -> list[int]:
+    """The ranks of a TP > 1 dump (its rank<N>/ folders with a summary.json), in order."""
+    return sorted(int(f.parent.name[4:]) for f in pathlib.Path(d).glob("rank*/summary.json")
+                  if f.parent.name[4:].isdigit())
+
+
+def rank_dir(d: pathlib.Path, rank: int | None) -> pathlib.Path:
+    """One rank's folder of a TP > 1 dump (default: rank 0)."""
+    ranks = dump_ranks(d)
+    rank = 0 if rank is None else rank
+    if rank not in ranks:
+        raise RankError(f"--rank {rank} is out of range for {d}: the dump has ranks {', '.join(map(str, ranks))}")
+    return d / f"rank{rank}"
+
+
+def read_summary(d: str | pathlib.Path, rank: int | None = None) -> tuple[pathlib.Path, dict]:
     """The dump directory of one rank and its summary.json (a TP > 1 dump has rank0/, rank1/, ...)."""
     d = pathlib.Path(d)
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no such directory (make one with `k3c run --dump {d}`)")
-    if not (d / "summary.json").exists() and (d / f"rank{rank}" / "summary.json").exists():
-        d = d / f"rank{rank}"
+    one_rank = (d / "summary.json").exists()
+    if not one_rank and dump_ranks(d):
+        d = rank_dir(d, rank)
     f = d / "summary.json"
     if not f.exists():
         raise FileNotFoundError(f"{d}: no summary.json here: not a `k3c run --dump` directory")
     try:
-        return d, json.loads(f.read_text())
+        summary = json.loads(f.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{f}: unreadable ({e})") from None
-
-
-
+    saved = summary.get("run", {}).get("rank", 0) if isinstance(summary, dict) else 0
+    if one_rank and rank is not None and rank != saved:
+        raise RankError(f"--rank {rank} is out of range for {d}: the dump has rank {saved} only")
+    return d, summary
