@@ -2,7 +2,7 @@
 
     torch.compile(model, backend="k3")                      # registered by entry point
     torch.compile(model, backend=k3compile.backend(strict=True, skip=["overlap_shared_expert"]))
-    torch.compile(model, backend="k3", options={"mode": "eager"})
+    torch.compile(model, backend="k3", options={"mode": "eager"})    # or torch.compile(..., mode="eager")
 
 mode="inductor" (default): Inductor with the K3 passes in its post-grad custom pass slot.
 mode="eager": AOT-trace with Inductor's decompositions, run the passes, then run the
@@ -138,20 +138,51 @@ def pdl_choice(pdl: str, example_inputs) -> tuple[bool, str]:
     return True, f"sm_{cap[0]}{cap[1]}"
 
 
+# torch.compile's own modes (Inductor settings); torch hands a custom backend its `mode` as given
+TORCH_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _options(options: dict, torch_mode: str | None) -> K3Options:
+    """K3Options from the backend's options and torch.compile's `mode`. torch.compile(..., mode="eager")
+    is k3's mode="eager" (torch has no such mode and passes it on); a torch mode that configures
+    Inductor is refused with k3's eager mode, and an unknown one always: never ignored."""
+    if torch_mode == "eager":
+        if options.get("mode", "eager") != "eager":
+            raise ValueError(f"k3: torch.compile(mode='eager') but the k3 options say mode={options['mode']!r}: "
+                             "pass one of them")
+        options = {**options, "mode": "eager"}
+    elif torch_mode not in (None, *TORCH_MODES):
+        raise ValueError(f"k3: unknown torch.compile mode {torch_mode!r}: torch.compile's modes are "
+                         f"{list(TORCH_MODES)}; k3's op-by-op mode is mode='eager' "
+                         "(or options={'mode': 'eager'})")
+    opts = K3Options.make(**options)
+    if opts.mode == "eager" and torch_mode not in (None, "default", "eager"):
+        raise ValueError(f"k3: torch.compile mode {torch_mode!r} sets Inductor options, but the k3 backend runs "
+                         "mode='eager' (no Inductor): drop one of them")
+    return opts
+
+
 def k3_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """Entry point for `torch.compile(..., backend="k3", mode=..., options={...})`."""
-    return _compile(gm, example_inputs, K3Options.make(**(options or {})), torch_mode=mode)
+    return _compile(gm, example_inputs, _options(options or {}, mode), torch_mode=mode)
 
 
 def backend(**options):
     """A configured k3 backend: `torch.compile(model, backend=k3compile.backend(**options))`.
 
     Options (see `K3Options`): passes, skip, strict, mode ("inductor"|"eager"), dtypes, tp_sizes,
-    m_ranges, gate, prefetch, pdl, verbose. Unknown names raise ValueError at once."""
+    m_ranges, gate, prefetch, pdl, verbose. Unknown names raise ValueError at once. torch.compile's
+    own `mode` is honoured as in `k3_backend` (mode="eager": k3's eager mode)."""
     opts = K3Options.make(**options)
+    mode_chosen = "mode" in options
 
     def k3(gm, example_inputs, mode: str | None = None, options: dict | None = None):
-        o = K3Options.make(**{**_as_kwargs(opts), **(options or {})}) if options else opts
+        o = opts
+        if options or mode not in (None, "default"):
+            kw = {**_as_kwargs(opts), **(options or {})}
+            if not mode_chosen and "mode" not in (options or {}):
+                kw.pop("mode")  # not chosen: torch.compile's mode="eager" may choose it
+            o = _options(kw, mode)
         return _compile(gm, example_inputs, o, torch_mode=mode)
 
     k3.options = opts

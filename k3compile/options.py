@@ -176,10 +176,13 @@ class K3Options:
 
     @classmethod
     def make(cls, **kw) -> "K3Options":
+        """Options from keywords, then the environment. A sequence option (passes, skip, dtypes,
+        tp_sizes, ungated) takes one value or a list of them: `skip="fuse_oproj_allreduce"` is one
+        pass, `dtypes=torch.float32` one dtype. Unknown names raise ValueError listing the valid ones."""
         env = os.environ
         if "passes" not in kw and env.get("K3_PASSES"):
             kw["passes"] = tuple(p for p in env["K3_PASSES"].split(",") if p)
-        skip = kw.pop("skip", None) or tuple(p for p in env.get("K3_SKIP", "").split(",") if p)
+        skip = _seq(kw.pop("skip", None)) or tuple(p for p in env.get("K3_SKIP", "").split(",") if p)
         if "strict" not in kw and env.get("K3_STRICT"):
             kw["strict"] = env["K3_STRICT"] not in ("0", "")
         if "mode" not in kw and env.get("K3_MODE"):
@@ -188,20 +191,25 @@ class K3Options:
         if unknown:
             raise ValueError(f"unknown k3 backend option(s) {sorted(unknown)}; valid: "
                              f"{sorted(f.name for f in dataclasses.fields(cls))} and 'skip'")
-        passes = tuple(kw.get("passes", PASS_ORDER))
+        passes = _seq(kw.get("passes", PASS_ORDER))
         bad = [p for p in (*passes, *skip) if p not in PASS_ORDER]
         if bad:
             raise ValueError(f"unknown pass(es) {bad}; valid passes: {list(PASS_ORDER)}")
         kw["passes"] = tuple(p for p in PASS_ORDER if p in passes and p not in skip)
         if "dtypes" in kw:
-            kw["dtypes"] = tuple(str(d).replace("torch.", "") for d in kw["dtypes"])
+            kw["dtypes"] = tuple(_dtype_name(d) for d in _seq(kw["dtypes"]))
+        if "tp_sizes" in kw:
+            kw["tp_sizes"] = _seq(kw["tp_sizes"])
+            bad = [t for t in kw["tp_sizes"] if isinstance(t, bool) or not isinstance(t, int) or t < 1]
+            if bad:
+                raise ValueError(f"tp_sizes must be positive ints (e.g. tp_sizes=(1, 2, 4, 8)), got {bad}")
         if kw.get("mode", "inductor") not in ("inductor", "eager"):
             raise ValueError(f"mode must be 'inductor' or 'eager', got {kw['mode']!r}")
         if os.environ.get("K3_GATE") and "gate" not in kw:
             kw["gate"] = os.environ["K3_GATE"]
         if "ungated" not in kw and env.get("K3_UNGATED"):
             kw["ungated"] = tuple(p for p in env["K3_UNGATED"].split(",") if p)
-        kw["ungated"] = tuple(kw.get("ungated", ()))
+        kw["ungated"] = _seq(kw.get("ungated", ()))
         bad = [p for p in kw["ungated"] if p not in (*PASS_ORDER, "prefetch")]
         if bad:
             raise ValueError(f"unknown pass(es) {bad} in ungated; valid: {list(PASS_ORDER)} and 'prefetch'")
@@ -224,3 +232,27 @@ class K3Options:
         d.pop("verbose")
         d["m_ranges"] = {k: list(v) for k, v in sorted(self.m_ranges.items())}
         return json.dumps(d, sort_keys=True)
+
+
+# the float dtypes a graph's activations can have, by torch's name (an alias such as "half" or a
+# torch.dtype is taken as its name)
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def _seq(v) -> tuple:
+    """One value (a name, a dtype, an int) or a sequence of them, as a tuple. A bare string is one
+    name, never its characters."""
+    if v is None:
+        return ()
+    if isinstance(v, (str, int)) or type(v).__name__ == "dtype":
+        return (v,)
+    return tuple(v)
+
+
+def _dtype_name(d) -> str:
+    import torch
+    t = d if isinstance(d, torch.dtype) else getattr(torch, d, None) if isinstance(d, str) else None
+    name = str(t).replace("torch.", "") if isinstance(t, torch.dtype) else None
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"unknown dtype {d!r} in dtypes; valid: {list(FLOAT_DTYPES)} (names or torch dtypes)")
+    return name

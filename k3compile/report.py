@@ -117,6 +117,7 @@ class CompileReport:
     passes: list[PassReport] = field(default_factory=list)
     seconds: float = 0.0
     cache_hit: bool = False  # Inductor loaded the compiled graph from its cache: no pass ran now
+    blocked: str | None = None  # why no pass could apply to this graph at all (its dtype), one line
 
     @property
     def is_k3(self) -> bool:
@@ -137,7 +138,7 @@ class CompileReport:
         head = (f"k3: {self.graph}: {st.get('attention_layers', 0)} attention layers, "
                 f"{st.get('moe_layers', 0)} MoE layers, TP={st.get('tp')}, M={st.get('m')}, "
                 f"dtype={st.get('dtype')}")
-        lines = [head] + ["  " + p.line() for p in self.passes]
+        lines = [head] + (["  " + self.blocked] if self.blocked else []) + ["  " + p.line() for p in self.passes]
         if near_misses:
             for p in self.passes:
                 for nm in p.near_misses[:10]:

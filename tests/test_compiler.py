@@ -362,6 +362,88 @@ def test_unsupported_inputs_fall_back_with_reason(kw, dtype, reason):
         assert reason in (rep.get(name).skipped or ""), (name, rep.render())
 
 
+def test_dtype_gate_says_so_in_one_line_and_strict_raises():
+    """A graph in a dtype the fused ops do not take gets no rewrite: the report says so in one line under
+    its head (not only per pass), the compile warns, strict=True raises with that line. The presets are
+    bfloat16, so the model built without a dtype fuses."""
+    line = ("float32 graph: the fused ops accept bfloat16 only (options dtypes=('bfloat16',)); "
+            "no K3 rewrite applied")
+    m = K3Model(K3Config.tiny(dtype="float32", num_layers=2))
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.warns(UserWarning, match=re.escape(line)):
+        torch.compile(m, backend=k3compile.backend(mode="eager"), fullgraph=True)(ids, m.new_cache(2))
+    rep = k3compile.last_report()
+    assert rep.render().splitlines()[1].strip().startswith(line), rep.render()
+    assert all(p.matched == 0 for p in rep.passes)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape(line)):
+        torch.compile(m, backend=k3compile.backend(mode="eager", strict=True), fullgraph=True)(ids, m.new_cache(2))
+    torch._dynamo.reset()
+    m = K3Model(K3Config.tiny(num_layers=2))   # the preset's dtype: bfloat16
+    torch.compile(m, backend=k3compile.backend(mode="eager", strict=True), fullgraph=True)(ids, m.new_cache(2))
+    rep = k3compile.last_report()
+    assert rep.blocked is None and rep.structure["dtype"] == "bfloat16"
+    assert rep.get("fuse_oproj_allreduce").matched == rep.get("fuse_oproj_allreduce").expected == 2
+
+
+def test_sequence_options_take_one_name_or_a_list():
+    """passes, skip, dtypes, tp_sizes, ungated: a bare string (or dtype, or int) is one value, never its
+    characters; unknown values raise ValueError naming the valid ones."""
+    make = k3compile.options.K3Options.make
+    assert make(dtypes="float32").dtypes == ("float32",)
+    assert make(dtypes=torch.float16).dtypes == ("float16",)
+    assert make(dtypes=[torch.bfloat16, "float32"]).dtypes == ("bfloat16", "float32")
+    assert make(dtypes="half").dtypes == ("float16",)
+    assert make(passes="fold_kda_gate").passes == ("fold_kda_gate",)
+    assert make(skip="fuse_oproj_allreduce").passes == tuple(p for p in PASS_ORDER if p != "fuse_oproj_allreduce")
+    assert make(ungated="prefetch").ungated == ("prefetch",)
+    assert make(tp_sizes=2).tp_sizes == (2,)
+    assert "fuse_oproj_allreduce" not in k3compile.backend(skip="fuse_oproj_allreduce").options.passes
+    assert k3compile.backend(dtypes="float32").options.dtypes == ("float32",)
+    with pytest.raises(ValueError, match=r"unknown dtype 'fp32' in dtypes; valid: \['bfloat16', 'float16', 'float32'"):
+        make(dtypes="fp32")
+    with pytest.raises(ValueError, match=r"unknown dtype torch.int64"):
+        make(dtypes=torch.int64)
+    with pytest.raises(ValueError, match=r"unknown pass\(es\) \['fuse_everything'\]; valid passes: \['shard_router_latent'"):
+        k3compile.backend(skip="fuse_everything")
+    with pytest.raises(ValueError, match=r"unknown pass\(es\) \['fold'\] in ungated"):
+        make(ungated="fold")
+    for bad in (0, "2", (1, 2.0), -4, True):
+        with pytest.raises(ValueError, match=r"tp_sizes must be positive ints"):
+            make(tp_sizes=bad)
+
+
+def test_torch_compile_mode_is_honoured_or_refused(monkeypatch):
+    """torch.compile hands its `mode` to the backend. mode="eager" (not one of torch's) is k3's eager mode
+    (no Inductor); a torch mode k3's eager mode cannot honour, an unknown one, or a clash with the k3
+    options raises ValueError naming the spelling that works."""
+    import torch._inductor.compile_fx as cfx
+    from k3compile.compiler import _options
+
+    def no_inductor(*a, **k):
+        raise AssertionError("Inductor ran")
+    monkeypatch.setattr(cfx, "compile_fx", no_inductor)
+    m = K3Model(K3Config.tiny(num_layers=2))
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    ref = m(ids, m.new_cache(2))
+    for be in ("k3", k3compile.backend()):
+        torch._dynamo.reset()
+        out = torch.compile(m, backend=be, mode="eager", fullgraph=True)(ids, m.new_cache(2))
+        assert torch.equal(out, ref)   # k3's eager mode: the rewritten graph op by op, bit-identical
+        assert k3compile.last_report().get("fuse_oproj_allreduce").matched == 2
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"unknown torch.compile mode 'bogus'.*options=\{'mode': 'eager'\}") as e:
+        torch.compile(m, backend="k3", mode="bogus")(ids, m.new_cache(2))
+    assert isinstance(e.value.inner_exception, ValueError)
+    assert _options({}, None).mode == _options({}, "default").mode == "inductor"
+    assert _options({}, "max-autotune").mode == "inductor"
+    with pytest.raises(ValueError, match=r"torch.compile mode 'reduce-overhead' sets Inductor options, but the k3 "
+                                         r"backend runs mode='eager'"):
+        _options({"mode": "eager"}, "reduce-overhead")
+    with pytest.raises(ValueError, match=r"torch.compile\(mode='eager'\) but the k3 options say mode='inductor'"):
+        _options({"mode": "inductor"}, "eager")
+
+
 def test_prefill_sized_graph_stays_correct():
     cfg = K3Config.tiny(dtype="bfloat16", num_layers=4, max_seq=600)
     m = K3Model(cfg)

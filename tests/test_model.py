@@ -2,7 +2,8 @@
 consistency, the SiTU / AttnRes / RMSNorm math, input validation, real-size shapes on the
 meta device, and deterministic weights.
 
-Tolerances: float32 throughout; logits are compared with atol = 1e-4 * max|logits| (rtol 0).
+Tolerances: the numerical tests build float32 models (the presets are bfloat16); logits are compared
+with atol = 1e-4 * max|logits| (rtol 0).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_tp2_matches_tp1_prefill_and_decode():
     KV cache equals TP=1's; each rank's KDA state is its head-slice of TP=1's state. The same
     run checks that a TP=1 cache is refused by the TP=2 model and that TPInfo.current refuses a
     TP size other than the world size."""
-    cfg = K3Config.tiny()
+    cfg = K3Config.tiny(dtype="float32")
     assert cfg.kda_layers and cfg.mla_layers, "tiny() must have both KDA and MLA layers"
     assert any(cfg.writes_block(i) for i in range(cfg.num_layers)), "tiny() must write AttnRes blocks"
     assert any(cfg.blocks_before(i) > 0 for i in range(cfg.num_layers)), "blocks must be read by later layers"
@@ -81,7 +82,7 @@ def test_tp2_matches_tp1_prefill_and_decode():
 def test_prefill_then_decode_equals_decode_from_scratch():
     """Prefill T=3 tokens then decode 1 vs decoding the same 4 tokens one at a time:
     logits (after the prefill and after the last token) and every cache entry match."""
-    cfg = K3Config.tiny()
+    cfg = K3Config.tiny(dtype="float32")
     model = K3Model(cfg)
     M, T = 2, 3
     toks = _ids((M, T + 1), cfg.vocab, 3)
@@ -224,6 +225,39 @@ def test_cache_other_batch(tiny_model):
         m.decode(torch.tensor([1, 2]), m.new_cache(3))
     with pytest.raises(ValueError, match=r"cache batch must be >= 1, got 0"):
         m.new_cache(0)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_cache_other_batch_compiled(tiny_model, fullgraph):
+    """The compiled forward checks the cache's batch as eager does (the check reads shapes only, so it is
+    traced): the same ValueError, not a fake-tensor shape error from deep inside a layer. With
+    fullgraph=True dynamo cannot leave the graph to raise: its error carries the ValueError."""
+    m = tiny_model
+    f = torch.compile(m, backend="eager", fullgraph=fullgraph)
+    ids = torch.tensor([[1], [2]])
+    f(ids, m.new_cache(2))   # a matching cache first: the mismatch is a recompile, as in a real loop
+    want = "cache holds 3 sequences, token_ids has batch 2"
+    if fullgraph:
+        with pytest.raises(Exception, match=rf"ValueError\('{want}'\)"):
+            f(ids, m.new_cache(3))
+    else:
+        with pytest.raises(ValueError, match=rf"^{want}$"):
+            f(ids, m.new_cache(3))
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=rf"^{want}$"):   # and on the first call
+        torch.compile(m, backend="eager")(ids, m.new_cache(3))
+    if not fullgraph:   # the TP check is traced too
+        with pytest.raises(ValueError, match=r"^cache was made for TP=2, the model runs TP=1$"):
+            f(ids, K3Cache(m.cfg, 2, TPInfo(rank=0, size=2, group_name="x")))
+
+
+def test_presets_default_to_bfloat16():
+    """The fused ops take bfloat16 by default (K3Options.dtypes): the built-in configs match it."""
+    from k3compile.options import K3Options
+    for cfg in (K3Config.tiny(), K3Config.small(), K3Config.kimi_k3()):
+        assert cfg.dtype == "bfloat16" and cfg.dtype in K3Options.make().dtypes, cfg.name
+    assert K3Model(K3Config.tiny(num_layers=1)).embed.dtype == torch.bfloat16
+    assert K3Config.tiny(dtype="float32").torch_dtype == torch.float32
 
 
 def test_cache_other_tp(tiny_model):

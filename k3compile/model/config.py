@@ -2,7 +2,8 @@
 
 `K3Config.kimi_k3()` holds the published numbers; `tiny()` and `small()` keep every structural
 feature (KDA and MLA layers, a dense layer 0, AttnRes blocks, LatentMoE with latent < hidden,
-top-k < experts, a shared expert, MXFP4 experts) at widths that run on a laptop CPU.
+top-k < experts, a shared expert, MXFP4 experts) at widths that run on a laptop CPU. Every preset
+is bfloat16 unless given `dtype=` (the fused ops take bfloat16 by default: K3Options.dtypes).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class K3Config:
             kda_heads=4, kda_head_dim=16, kda_f_rank=8,
             mla_heads=4, q_lora=32, kv_lora=32, qk_nope=16, qk_rope=8, v_head=16,
             dense_inter=128, num_experts=8, top_k=2, expert_inter=64, latent=32,
-            shared_inter=64, attnres_block=3, max_seq=64, dtype="float32",
+            shared_inter=64, attnres_block=3, max_seq=64,
         )
         base.update(kw)
         return cls(**base)
@@ -82,7 +83,7 @@ class K3Config:
             kda_heads=8, kda_head_dim=32, kda_f_rank=16,
             mla_heads=8, q_lora=64, kv_lora=64, qk_nope=32, qk_rope=16, v_head=32,
             dense_inter=512, num_experts=32, top_k=4, expert_inter=128, latent=128,
-            shared_inter=256, attnres_block=4, max_seq=128, dtype="float32",
+            shared_inter=256, attnres_block=4, max_seq=128,
         )
         base.update(kw)
         return cls(**base)

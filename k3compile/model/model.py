@@ -47,13 +47,17 @@ class K3Cache:
         return [*self.conv.values(), *self.state.values(), *self.kv.values(), self.seq_lens]
 
     def check(self, cfg: K3Config, tp: TPInfo, batch: int, T: int) -> None:
-        if self.cfg != cfg:
+        """Raise ValueError if this cache does not fit the model and batch. Traced under torch.compile (the
+        same errors as eager, not a shape error deep in a layer), except the config comparison: a changed
+        config field becomes a symbolic int there, which a dataclass comparison cannot take."""
+        if not torch.compiler.is_compiling() and self.cfg != cfg:
             raise ValueError(f"cache was made for config {self.cfg.name!r}, the model has config {cfg.name!r} "
                              f"(or a variant of it): make a new cache with K3Cache(model.cfg, ...)")
         if self.tp_size != tp.size:
-            raise ValueError(f"cache was made for TP={self.tp_size}, the model runs TP={tp.size}")
-        if self.batch != batch:
-            raise ValueError(f"cache holds {self.batch} sequences, token_ids has batch {batch}")
+            raise ValueError(f"cache was made for TP={int(self.tp_size)}, the model runs TP={tp.size}")
+        held = self.seq_lens.shape[0]  # == self.batch; a shape, so a traced check adds no guard on batch
+        if held != batch:
+            raise ValueError(f"cache holds {int(held)} sequences, token_ids has batch {int(batch)}")
 
 
 class K3Model(nn.Module):
@@ -85,8 +89,7 @@ class K3Model(nn.Module):
         if token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token_ids must be int64 or int32, got {token_ids.dtype}")
         M, T = token_ids.shape
-        if not torch.compiler.is_compiling():  # traced code guards on the cache instead
-            cache.check(self.cfg, self.tp, M, T)
+        cache.check(self.cfg, self.tp, M, T)  # traced too: under torch.compile the same ValueError as eager
         prefix = F.embedding(token_ids.reshape(-1), self.embed)
         delta, blocks = None, []
         for layer in self.layers.values():

@@ -6,17 +6,18 @@ section 2 "per-head RMSNorm(o) * sigmoid(g)"):
     o, new_conv_state, new_state = auto_functionalized(k3::kda_step_decode_, ...)
     y = mul(rms_norm(o, W_o, eps), sigmoid(view(G, [M, H, V])))
 with rms_norm the model's (patterns.graph.match_rms_norm: fp32, x * rsqrt(mean(x^2) + eps), times the
-[V] weight, cast back), o read by the norm alone, the norm and the sigmoid by the mul alone, G
-[M, H * V] in the model dtype (the input projection's g slice).
+[V] weight, cast back; an fp32 graph has no casts, so x^2 and the product read o itself), o read by
+the norm alone, the norm and the sigmoid by the mul alone, G [M, H * V] in the model dtype (the input
+projection's g slice).
 Emits: the same node with o_norm=W_o, gate=G, o_eps=eps added, its o now y (the mul's readers read
 it; the norm's nodes go). On CUDA the step kernel's last program per head (the one that already
 shifts the head's q / k conv state) reads the head's V outputs back and writes them normed and gated:
 the Inductor norm kernel and its launch go (1.2 us and about 1 us of gaps at M=1, TP=8 widths, an
 H200, d50de8b timeline). Reference: kda_step_decode_'s, then model.functional.rms_norm and the
 sigmoid product: exact on CPU.
-Near-misses: the core is not fold_kda_step's (that pass did not apply), o is read by more than the
-norm, the norm has no [V] weight, the gate is not sigmoid(view(G)) of a [M, H * V] tensor, or the
-dtypes differ.
+Near-misses: the core is not fold_kda_step's (that pass did not apply), o (or a node between o and
+the norm's output) is read by more than the norm, the norm has no [V] weight, the gate is not
+sigmoid(view(G)) of a [M, H * V] tensor, or the dtypes differ.
 Expected: one site per KDA decode core. Skipped: model dtype / TP size not supported, static M
 outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16:
 0.8 / 1.8 us faster per KDA layer step at M = 1 / 4 on an H200, 2.5 at 16 with fold_kda_step, which
@@ -44,6 +45,23 @@ def _sigmoid_gate(n):
     if not is_call(v, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
     return v.args[0]
+
+
+def _between(src, dst, order) -> set:
+    """The nodes on a path from src to dst (both left out)."""
+    up, stack = set(), [dst]
+    while stack:   # dst's inputs back to src's position in the graph
+        for a in stack.pop().all_input_nodes:
+            if a not in up and a is not src and order.get(a, -1) > order[src]:
+                up.add(a)
+                stack.append(a)
+    down, stack = set(), [src]
+    while stack:   # src's readers that lead to dst
+        for u in stack.pop().users:
+            if u in up and u not in down:
+                down.add(u)
+                stack.append(u)
+    return down
 
 
 class FoldKdaOnorm(K3Pass):
@@ -77,8 +95,6 @@ class FoldKdaOnorm(K3Pass):
         if len(outs) != 1:
             return Fail(core, "the step's o is not read through one getitem")
         o = outs[0]
-        if len(o.users) != 1:
-            return Fail(o, f"the step's o has {len(o.users)} readers: its output norm alone may read it")
         # the product with the gate: the first mul downstream of o (a few nodes: the norm's chain) with an
         # operand that is an RMSNorm of o
         found, seen, front = None, set(), [o]
@@ -98,6 +114,14 @@ class FoldKdaOnorm(K3Pass):
         if found is None:
             return Fail(o, "o is not read by rms_norm(o, w) * sigmoid(...)")
         mul, normed, sig, site = found
+        # o's new value is the product: nothing but the norm may read o or a node between o and the norm's
+        # output (in bf16 / fp16 o's one reader is the cast to fp32; in fp32 there is no cast, and x^2 and
+        # x * rsqrt(...) read o itself)
+        inside = _between(o, normed, order)
+        outside = [u for n in (o, *inside) for u in n.users if u not in inside and u is not normed]
+        if outside:
+            return Fail(o, f"the step's o has readers outside its output norm ({', '.join(u.name for u in outside)}): "
+                           "the norm alone may read it")
         gate = _sigmoid_gate(sig)
         if gate is None:
             return Fail(mul, "the norm's factor is not sigmoid(view(g))")

@@ -141,6 +141,7 @@ class PassManager(CustomGraphPass):
         if (info.attention or info.experts) and canonicalize(graph):
             info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
         report = CompileReport(graph=self.name, structure=info.summary())
+        report.blocked = _dtype_gate(info, self.opts) if report.is_k3 else None
         # One copy of the graph, taken before the first pass that runs; a pass that raises restores it
         # and the passes that succeeded since are applied again (they are deterministic). A copy per
         # pass was half of the pass manager's time on a 93-layer graph.
@@ -198,6 +199,10 @@ class PassManager(CustomGraphPass):
         text = report.render()
         (print if self.opts.verbose else log.info)(text)
         _trace(report, graph)
+        if report.blocked:
+            if self.opts.strict:
+                raise K3StrictError(f"k3: {report.blocked}")
+            warnings.warn(f"k3: {report.blocked}", stacklevel=2)
         missing = [p for p in report.passes if p.name in self.opts.passes and not p.skipped and not p.error
                    and p.matched < p.expected]
         if missing:
@@ -216,6 +221,15 @@ class PassManager(CustomGraphPass):
         if lo <= s and e <= hi:
             return None
         return f"compile range [{s}, {e}] is not inside this pass's batch range [{lo}, {hi}]"
+
+
+def _dtype_gate(info: GraphInfo, opts: K3Options) -> str | None:
+    """One line when the graph's dtype keeps every enabled pass off (options.dtypes), else None."""
+    dt = str(info.dtype).replace("torch.", "") if info.dtype else None
+    if dt is None or dt in opts.dtypes or not opts.passes:
+        return None
+    return (f"{dt} graph: the fused ops accept {' / '.join(opts.dtypes)} only (options dtypes={opts.dtypes}); "
+            f"no K3 rewrite applied (build the model in {opts.dtypes[0]}, or pass dtypes=[..., '{dt}'])")
 
 
 def _needs_reason(p, report: CompileReport) -> str | None:
