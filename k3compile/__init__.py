@@ -1,7 +1,8 @@
 """k3compile: a torch.compile backend for the Kimi K3 decoder.
 
     import torch
-    model = torch.compile(model, backend="k3")       # no import of k3compile needed
+    model.compile(backend="k3")                      # no import of k3compile needed; in place, so the
+                                                     # model's decode() / prefill() (they call model(...)) run compiled
     import k3compile; k3compile.backend(strict=True)  # a configured backend
 """
 import os as _os
