@@ -121,7 +121,8 @@ class CompileReport:
 
     @property
     def is_k3(self) -> bool:
-        return bool(self.structure.get("attention_layers") or self.structure.get("moe_layers"))
+        st = self.structure
+        return bool(st.get("attention_layers") or st.get("moe_layers") or st.get("residual_adds") or st.get("routers"))
 
     @property
     def ok(self) -> bool:
@@ -133,12 +134,16 @@ class CompileReport:
                     f"and options; no match report now (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 recompiles)")
         if not self.is_k3:
             return (f"k3: {self.graph}: nothing matched: no K3 structure found "
-                    f"(no attention cores or MoE experts); compiled without K3 passes")
+                    f"(no residual stream of [M, hidden] adds, no router top-k, no known attention or expert op); "
+                    f"compiled without K3 passes")
         st = self.structure
         head = (f"k3: {self.graph}: {st.get('attention_layers', 0)} attention layers, "
                 f"{st.get('moe_layers', 0)} MoE layers, TP={st.get('tp')}, M={st.get('m')}, "
                 f"dtype={st.get('dtype')}")
-        lines = [head] + (["  " + self.blocked] if self.blocked else []) + ["  " + p.line() for p in self.passes]
+        lines = [head] + (["  " + self.blocked] if self.blocked else [])
+        if st.get("unclassified"):   # a residual add whose delta takes no role: the layers around it are not counted
+            lines.append(f"  residual stream: {st['unclassified']}")
+        lines += ["  " + p.line() for p in self.passes]
         if near_misses:
             for p in self.passes:
                 for nm in p.near_misses[:10]:

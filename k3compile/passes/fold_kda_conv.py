@@ -46,6 +46,7 @@ INPLACE = True
 
 class FoldKdaConv(K3Pass):
     name = "fold_kda_conv"
+    core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
     description = "KDA short conv + SiLU of one decode token (window, state slice, conv, q/k/v copies) -> k3::kda_conv_decode"
     pattern = "split(silu(sum(unfold(cat([state, cat(Xq, Xk, Xv)])) * w)), C/3) -> the KDA decode core (per KDA decode layer)"
     emits = "k3::kda_conv_decode_, in place on the conv-state input (auto-functionalized)"

@@ -32,6 +32,7 @@ _CORE = "k3::kda_decode_gated"
 
 class FoldKdaFb(K3Pass):
     name = "fold_kda_fb"
+    core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
     needs = ("fold_kda_gate",)
     description = "KDA gate up-projection (f_b GEMV) + the gated recurrence -> k3::kda_decode_fb"
     pattern = "kda_decode_gated(..., f=view(mm(fa, f_b^T)), ...) (per KDA decode layer, after fold_kda_gate)"

@@ -32,6 +32,7 @@ _KDA_DECODE = "k3model::kda_decode"
 
 class FoldKdaGate(K3Pass):
     name = "fold_kda_gate"
+    core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
     description = "KDA decode prologue (q/k L2 norm, gate, beta sigmoid) + recurrence -> k3::kda_decode_gated"
     pattern = "kda_decode(l2norm(q), l2norm(k), v, gate(f), sigmoid(b), state) (per KDA decode layer)"
     emits = "k3::kda_decode_gated, in place of kda_decode"

@@ -66,6 +66,7 @@ def _between(src, dst, order) -> set:
 
 class FoldKdaOnorm(K3Pass):
     name = "fold_kda_onorm"
+    core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
     needs = ("fold_kda_step",)
     description = "KDA output norm (per-head RMSNorm(o) * sigmoid(g)) -> into k3::kda_step_decode_'s kernel"
     pattern = "mul(rms_norm(o, W_o), sigmoid(view(g))) with o = kda_step_decode_(...)[0] (per KDA decode layer)"

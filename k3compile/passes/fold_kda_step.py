@@ -59,6 +59,7 @@ def _outputs(n) -> dict:
 
 class FoldKdaStep(K3Pass):
     name = "fold_kda_step"
+    core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
     needs = ("fold_kda_conv", "fold_kda_fb")
     description = "KDA short conv + the f_b-folded recurrence -> k3::kda_step_decode_ (one kernel for the step)"
     pattern = "kda_decode_fb(view(q), view(k), view(v), ...) with q, k, v = kda_conv_decode_(...) (per KDA decode layer)"

@@ -38,6 +38,7 @@ _CORE = "k3::mla_decode_normed"
 
 class FoldMlaOutput(K3Pass):
     name = "fold_mla_output"
+    core = "MLA"   # rewrites the reference model's MLA attention-core op: skipped (with a reason) without it
     needs = ("fold_mla_prologue", "lower_decode_gemm")
     description = "MLA split combine + value up-projection (+ output gate) -> k3::mla_decode_uv"
     pattern = "k3::decode_bmm(permute(o), W_uv, w_nk, G), o = mla_decode_normed(...) (per MLA decode layer)"

@@ -33,6 +33,7 @@ _MLA_DECODE = "k3model::mla_decode"
 
 class FoldMlaPrologue(K3Pass):
     name = "fold_mla_prologue"
+    core = "MLA"   # rewrites the reference model's MLA attention-core op: skipped (with a reason) without it
     description = "MLA decode prologue (kv_a RMSNorm + cat, q_rope copy) + attention -> k3::mla_decode_normed"
     pattern = "mla_decode(q_lat, contiguous(q_rope), cat(rms_norm(kv_a[:, :L]), kv_a[:, L:]), cache) (per MLA decode layer)"
     emits = "k3::mla_decode_normed, in place of mla_decode"

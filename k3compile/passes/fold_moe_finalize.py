@@ -1,16 +1,21 @@
 """fold_moe_finalize: MXFP4 top-k finalize + latent tail -> one op.
 
-Matches, once per MoE layer (anchored on each routed-expert op, whose output is the
-unfinalised [N, top_k, latent] expert results):
+Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles; the
+finalize is where its weights meet the unfinalised [N, top_k, latent] expert results, whatever
+computes them: patterns.moe.finalize):
     routed_partial = sum_k(y * w[..., None])            # finalize (fp32, cast back)
     routed = all_reduce(routed_partial)                 # absent at TP=1
     tail = RMSNorm(routed) * g_latent @ W_up[r].T
     final_partial = shared_partial + tail               # TP=1 (or Inductor's addmm form)
     final_partial = slice_scatter(clone(shared_partial), slice(...) + tail, 1, r*n, (r+1)*n)   # TP>1
+    (any other spelling of "add the tail at this rank's columns", `F.pad`, `narrow(...).add_`,
+    is checked by evaluation: patterns.moe.tail_add)
 Emits:
     final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
-and lowers the matched layer's expert op, k3model::mxfp4_experts, to k3::mxfp4_experts (same
-arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels).
+and lowers the matched layer's expert op, where it is k3model::mxfp4_experts, to k3::mxfp4_experts
+(same arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels). Expert results in
+another dtype than the model's (fp32 plain-torch experts) are cast to it first (the model casts the
+finalized sum; this rounds each expert's result, within bf16 tolerance).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
 profitability gate, base.gated_off; the reason is in the report). A site whose latent all-reduce +
@@ -22,9 +27,11 @@ from __future__ import annotations
 import torch
 
 from ..ops import OPS
-from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, is_call, is_weight_like, match_all_reduce, match_linear,
+from ..patterns.graph import (CONVERT_OPS, Fail, aten, describe, dtype, is_call, is_weight_like, match_all_reduce, match_linear,
                               rms_norms_by_input, shape, strip, strip_converts, weight_out_in,
                               why_not_rms_norm)
+from ..patterns.moe import finalize, moe_partial, tail_add, topk_weights
+from ..patterns.roles import ResidualAdd
 from ..patterns.vllm_forms import prefused
 from .base import K3Pass
 from .common import emit, last_of, replace, users_through_views
@@ -47,13 +54,17 @@ class FoldMoeFinalize(K3Pass):
     emits = "k3::moe_latent_tail, k3::mxfp4_experts (the layer's expert op, lowered)"
 
     def expected(self, info):
-        return len(info.experts)
+        return info.n_moe
 
     def run(self, graph, info, opts, report):
         norms = rms_norms_by_input(graph)
-        for s in self.collect(info.experts, lambda e: self.match(e, info, norms), report):
+        anchors = info.moe if info.by_role else info.experts
+        for s in self.collect(anchors, lambda e: self.match(e, info, norms), report):
             w_up = weight_out_in(graph, s["lin"], s["final"])
-            args = (s["y"], s["w"], s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
+            y = s["y"]
+            if dtype(y) != dtype(s["shared"]):
+                y = emit(graph, y, torch.ops.prims.convert_element_type.default, (y, dtype(s["shared"])))
+            args = (y, s["w"], s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
                     s["group"], [])
             fused = emit(graph, last_of(graph, [s["final"], w_up]), OPS["moe_latent_tail"], args)
             replace(graph, s["final"], fused)
@@ -62,6 +73,15 @@ class FoldMoeFinalize(K3Pass):
             report.matched += 1
 
     def match(self, e, info, norms):
+        if isinstance(e, ResidualAdd):   # a MoE found by role
+            w = topk_weights(e.topk)
+            if isinstance(w, Fail):
+                return w
+            f = finalize(w)
+            if isinstance(f, Fail):
+                return f
+            y, routed_partial = f
+            return self.tail(y, w, routed_partial, info, norms, moe_partial(e.delta) if e.delta is not None else None)
         y = e
         # finalize: sum over k of y * w[..., None], in fp32 or the model dtype
         mul = _only_user(y, "expert output")
@@ -83,6 +103,11 @@ class FoldMoeFinalize(K3Pass):
         routed_partial = red
         if len(red.users) == 1 and is_call(next(iter(red.users)), *CONVERT_OPS):
             routed_partial = next(iter(red.users))  # the cast back to the model dtype
+        return self.tail(y, w, routed_partial, info, norms)
+
+    def tail(self, y, w, routed_partial, info, norms, final=None):
+        """From the finalized output on: [all-reduce ->] RMSNorm -> up GEMM -> add into the shared
+        partial (`final`: the MoE's output before its all-reduce, where the layer was found by role)."""
         group = None
         routed = routed_partial
         if info.tp > 1:
@@ -118,12 +143,19 @@ class FoldMoeFinalize(K3Pass):
         add = _only_user(up, "up-projection")
         if isinstance(add, Fail):
             return add
-        if not is_call(add, aten.add.Tensor):
+        if is_call(add, aten.add.Tensor):
+            other = add.args[0] if strip(add.args[1]) is strip(up) else add.args[1]
+            if info.tp == 1 or shape(up) == shape(add):
+                return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=other, final=add)
+            m = self._slice_form(other, add, info, y, w, group, norm, lin)
+            if not isinstance(m, Fail) or final is None:
+                return m
+        if final is None:
             return Fail(add, f"tail is not added to the shared partial (found {describe(add)})")
-        other = add.args[0] if add.args[1] is up else add.args[1]
-        if info.tp == 1 or shape(up) == shape(add):
-            return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=other, final=add)
-        return self._slice_form(other, add, info, y, w, group, norm, lin)
+        shared = tail_add(up, final, info.rank)
+        if isinstance(shared, Fail):
+            return shared
+        return dict(y=y, w=w, group=group, norm=norm, lin=lin, shared=shared, final=final)
 
     def _slice_form(self, other, add, info, y, w, group, norm, lin):
         """TP>1: shared[:, r*n:(r+1)*n] += tail -> slice_scatter(clone(shared), slice + tail, 1, a, b)."""

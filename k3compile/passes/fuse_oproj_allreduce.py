@@ -1,6 +1,8 @@
 """fuse_oproj_allreduce: attention o-proj GEMM + all-reduce + residual add (+ post-norm) -> one op.
 
-Matches, once per attention layer (anchored on each attention core op):
+Matches, once per decoder layer (anchored on the layer's o-proj GEMM, found by role: the GEMM
+whose output, through its all-reduce, is the residual stream's attention delta, patterns.roles;
+where a graph has no role-found layers, the first GEMM after each known attention core op):
     y = all_reduce(o @ W_o.T)            # mm / addmm / matmul forms; no all-reduce at TP=1
     updated = prefix + y                 # or Inductor's addmm(prefix, o, W_o.T) at TP=1
     normed = RMSNorm(updated) * g        # or the AttnRes mixer over [blocks..., updated] (optional)
@@ -20,6 +22,7 @@ from ..patterns.attnres import match_attnres_from_norm
 from ..patterns.graph import (Fail, c10d, match_all_reduce, match_linear, rms_norms_by_input, aten, is_call,
                               is_weight_like, strip, weight_out_in, describe)
 from ..patterns.graph import why_not_rms_norm
+from ..patterns.structure import op_name
 from ..patterns.vllm_forms import prefused
 from .base import K3Pass
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
@@ -32,7 +35,13 @@ class FuseOprojAllreduce(K3Pass):
     emits = "k3::oproj_allreduce_residual"
 
     def expected(self, info):
-        return len(info.attention)
+        return info.n_attention
+
+    @staticmethod
+    def anchors(info):
+        if info.layers:
+            return [g for g in info.oproj if op_name(g) != "k3::oproj_allreduce_residual"]
+        return [g if g is not None else core for core, g in ((c, forward_gemm(c)) for c in info.attention)]
 
     def run(self, graph, info, opts, report):
         norms = rms_norms_by_input(graph)
@@ -52,7 +61,7 @@ class FuseOprojAllreduce(K3Pass):
             report.notes.append(f"{len(unparsed)} AttnRes mixer(s) did not match (first at "
                                 f"{getattr(first.node, 'name', first.node)}: {first.reason}); a site whose "
                                 "post-norm is one is fused without it")
-        for s in self.collect(info.attention, lambda core: self.match(core, info, post_norm), report):
+        for s in self.collect(self.anchors(info), lambda gemm: self.match(gemm, info, post_norm), report):
             if s["mix"] is None:
                 why = why_not_rms_norm(s["updated"])
                 if why:
@@ -60,10 +69,7 @@ class FuseOprojAllreduce(K3Pass):
             self.rewrite(graph, s, info)
             report.matched += 1
 
-    def match(self, core, info, post_norm):
-        gemm = forward_gemm(core)
-        if gemm is None:
-            return Fail(core, "no GEMM after the attention core")
+    def match(self, gemm, info, post_norm):
         lin = match_linear(gemm)
         if isinstance(lin, Fail):
             return lin

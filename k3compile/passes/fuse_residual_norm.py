@@ -11,8 +11,8 @@ Emits:
     updated, normed = k3::residual_norm(partial, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
 On CUDA one Triton kernel (the o-proj op's all-reduce + residual + norm kernel without its GEMM)
 replaces the NCCL all-reduce and Inductor's mixer kernels (4-6 reductions for three blocks).
-Expected: one site per attention layer (the first layer adds nothing; the final norm adds the last
-layer's output). Not counted: the post-attention mixers, whose delta is an o-proj GEMM's
+Expected: one site per MLP / MoE residual add found by role (patterns.roles: each layer's but the
+first is the next layer's input; the last one's is the final norm's). Not counted: the post-attention mixers, whose delta is an o-proj GEMM's
 (fuse_oproj_allreduce's sites, when that pass is off). An all-reduce whose result is read
 elsewhere too stays, and only the add and the norm are fused (a note says so). A layer input
 that vLLM's all-reduce fusion already took (FlashInfer / AITER, patterns.vllm_forms) is left as it is,
@@ -29,7 +29,8 @@ from ..patterns.graph import (Fail, aten, describe, is_call, match_all_reduce, m
                               shape, strip)
 from ..patterns.vllm_forms import is_vllm_fused_allreduce
 from .base import K3Pass
-from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
+from .common import emit, getitem, last_of, replace, users_through_views
+from .fuse_oproj_allreduce import FuseOprojAllreduce
 
 
 class FuseResidualNorm(K3Pass):
@@ -39,10 +40,10 @@ class FuseResidualNorm(K3Pass):
     emits = "k3::residual_norm"
 
     def expected(self, info):
-        return len(info.attention)
+        return len(info.ffn) if info.stream else len(info.attention)
 
     def run(self, graph, info, opts, report):
-        oproj = {g for g in (forward_gemm(c) for c in info.attention) if g is not None}
+        oproj = set(FuseOprojAllreduce.anchors(info))
         pre = [n for n in graph.nodes if _vllm_fused_layer_input(n, oproj)]
         if pre:   # vLLM's FlashInfer / AITER all-reduce fusion took these: left as it fused them
             report.expected -= len(pre)
@@ -51,16 +52,17 @@ class FuseResidualNorm(K3Pass):
                                 "as expected")
         norms = {s.out: s for sites in rms_norms_by_input(graph).values() for s in sites
                  if s.weight is not None and s.out.users}   # anchored (and reported) at each norm's output
-        for s in self.collect(list(norms), lambda n: self.match(norms[n], oproj), report):
-            if s is None:
-                continue
+        stream = {r.add: r for r in info.stream}   # the residual adds found by role: their prefix and delta
+        sites = [s for s in self.collect(list(norms), lambda n: self.match(norms[n], oproj, stream), report)
+                 if s is not None]
+        for s in _one_per_add(sites):
             if s["kept_ar"]:
                 report.notes.append(f"{s['updated'].name}: its all-reduce is read elsewhere too; "
                                     "fused the add and the norm only")
             self.rewrite(graph, s)
             report.matched += 1
 
-    def match(self, norm, oproj):
+    def match(self, norm, oproj, stream=None):
         """A site dict; None where the norm is not a residual add's (not this pass's business)."""
         mix = match_attnres_from_norm(norm)
         if isinstance(mix, Fail):
@@ -81,6 +83,11 @@ class FuseResidualNorm(K3Pass):
         a, b = add.args
         if not all(hasattr(x, "op") for x in (a, b)):
             return None   # x + constant
+        role = (stream or {}).get(add)
+        if role is not None:
+            if role.kind == "attention":
+                return None   # a post-attention mixer: fuse_oproj_allreduce's site
+            a, b = role.prefix, role.delta
         if shape(a) != shape(b) or len(shape(add) or ()) != 2:
             return Fail(add, f"residual add of operands shaped {shape(a)} and {shape(b)}, not two [M, hidden]")
         ar = next((r for r in (match_all_reduce(b), match_all_reduce(a)) if not isinstance(r, Fail)), None)
@@ -107,6 +114,20 @@ class FuseResidualNorm(K3Pass):
         fused = emit(graph, anchor, OPS["residual_norm"], args)
         replace(graph, mix.norm.out, getitem(graph, fused, 1))
         replace(graph, s["updated"], getitem(graph, fused, 0))
+
+
+def _one_per_add(sites: list[dict]) -> list[dict]:
+    """One site per residual add: an unrolled AttnRes mixer also normalises `updated` itself, as a
+    source of its logits (a plain RMSNorm of the add); the mixer's output norm is the site: the one
+    that mixes blocks, else the last in graph order."""
+    order = {}
+    best: dict = {}
+    for i, s in enumerate(sites):
+        k = s["updated"]
+        order.setdefault(k, i)
+        if k not in best or len(s["mix"].blocks) >= len(best[k]["mix"].blocks):
+            best[k] = s
+    return sorted(best.values(), key=lambda s: order[s["updated"]])
 
 
 def _vllm_fused_layer_input(n, oproj) -> bool:

@@ -1,13 +1,15 @@
 """fuse_router_topk: the K3 router's expert selection after its logits -> one k3::router_topk.
 
-Matches, once per MoE layer (anchored on each routed-expert op, walking back from its expert ids),
-at any TP size, on the router's logits however they were computed (`x @ W_r.T`, or the sharded
-GEMM + all-gather shard_router_latent emits):
+Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles), at any
+TP size, on the router's logits however they were computed (`x @ W_r.T` in fp32 or the model dtype,
+a split of one GEMM, or the sharded GEMM + all-gather shard_router_latent emits):
     scores = sigmoid(fp32(logits))                        # [N, E]
     ids    = topk(scores + bias, k, dim=-1).indices       # bias: a 1-D parameter (noaux_tc)
     w      = gather(scores, -1, ids)
     w      = w / w.sum(-1, keepdim=True) (* scale)
-(`patterns.router.match_router_topk` checks the chain.)
+(`patterns.moe.selection` checks it: the reference spelling structurally, any other by evaluating
+the chain against this math, so a renormalisation with an eps, `w * (s / w.sum())` or a bias added
+through a view all match.)
 Emits:
     ids, w = k3::router_topk(logits, bias, k, scale, ids_int32)
 (ids_int32 where only expert ops read the ids: the kernel writes int32 ids, which the expert kernels
@@ -27,6 +29,7 @@ import operator
 
 from ..ops import OPS
 from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_converts
+from ..patterns.moe import selection
 from ..patterns.router import match_router_topk
 from .base import K3Pass
 from ..patterns.structure import EXPERT_OPS, op_name
@@ -56,10 +59,16 @@ class FuseRouterTopk(K3Pass):
     emits = "k3::router_topk"
 
     def expected(self, info):
-        return len(info.experts)
+        return info.n_moe
+
+    @staticmethod
+    def anchors(info):
+        if info.by_role:
+            return [r.topk for r in info.moe if is_call(r.topk, aten.topk.default)]
+        return list(info.experts)
 
     def run(self, graph, info, opts, report):
-        for site in self.collect(info.experts, self.match, report):
+        for site in self.collect(self.anchors(info), self.match, report):
             # int32 ids where only expert ops read them (their kernels take int32: no conversion kernel);
             # the selection's own gather dies with the weights it computed
             # (EXPERT_OPS: k3's and the model's MXFP4 expert ops, not names a user adds)
@@ -78,6 +87,8 @@ class FuseRouterTopk(K3Pass):
 
     @staticmethod
     def match(e):
+        if is_call(e, aten.topk.default):
+            return selection(e)
         logits = router_logits(e.args[1])
         if isinstance(logits, Fail):
             return logits

@@ -140,7 +140,9 @@ class LowerDecodeGemm(K3Pass):
         report.expected = len(cands)
         order = {n: i for i, n in enumerate(graph.nodes)}
         gated = 0
+        done = {}   # a GEMM already replaced -> its op (a GEMM may read another's output: f_a -> f_b)
         for mm, x, w, *nk in self.collect(cands, lambda n: self.match(n, opts), report):
+            x = done.get(x, x)
             gate = _gate_of(mm, order) if nk else None
             with graph.inserting_before(mm):
                 if not nk:
@@ -155,6 +157,7 @@ class LowerDecodeGemm(K3Pass):
                 new.meta["val"] = v
             mm.replace_all_uses_with(new)
             graph.erase_node(mm)
+            done[mm] = new
             if gate:
                 mul, _, end = gate
                 mul.replace_all_uses_with(end)

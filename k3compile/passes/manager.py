@@ -138,9 +138,10 @@ class PassManager(CustomGraphPass):
         t0 = time.perf_counter()
         self._observe("input", None, graph)
         info = analyze(graph)
-        if (info.attention or info.experts) and canonicalize(graph):
+        if (info.stream or info.attention or info.experts) and canonicalize(graph):
             info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
         report = CompileReport(graph=self.name, structure=info.summary())
+        found = info   # the structure as found before any pass: every pass's expected sites derive from it
         report.blocked = _dtype_gate(info, self.opts) if report.is_k3 else None
         # One copy of the graph, taken before the first pass that runs; a pass that raises restores it
         # and the passes that succeeded since are applied again (they are deterministic). A copy per
@@ -149,12 +150,17 @@ class PassManager(CustomGraphPass):
         for name, p in self.passes.items():
             pr = PassReport(name)
             report.passes.append(pr)
-            pr.expected = p.expected(info) if report.is_k3 else 0
+            pr.expected = p.expected(found) if report.is_k3 else 0
             if name not in self.opts.passes:
                 pr.skipped = "disabled by options"
                 continue
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
+                continue
+            if pr.expected == 0 and getattr(p, "core", None) and found.by_role:
+                pr.skipped = (f"no {p.core} attention-core op of the reference model (k3model::{p.core.lower()}_decode "
+                              "or the k3:: ops the folds before it emit) in this graph: this fold rewrites that op; "
+                              "the passes that act around the cores do not need it")
                 continue
             reason = _needs_reason(p, report) or p.skip_reason(info, self.opts) or self._range_reason(name)
             if reason:
@@ -285,7 +291,8 @@ def _refresh(info: GraphInfo, graph: Graph) -> GraphInfo:
     replaced some); the TP group, M and dtype as first seen: once the passes have taken every
     collective the graph no longer shows them."""
     fresh = analyze(graph)
-    return dataclasses.replace(info, attention=fresh.attention, experts=fresh.experts)
+    return dataclasses.replace(info, attention=fresh.attention, experts=fresh.experts, stream=fresh.stream,
+                               layers=fresh.layers, routers=fresh.routers)
 
 
 def _apply(p, graph: Graph, info: GraphInfo, opts: K3Options, pr: PassReport) -> None:

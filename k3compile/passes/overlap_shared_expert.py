@@ -1,6 +1,7 @@
 """overlap_shared_expert: shared expert on a side stream; L2 prefetch during communication.
 
-Matches, once per MoE layer (anchored on each routed-expert op):
+Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles; the MoE
+input is the router GEMM's input, the routed work the join waits for is the experts' results):
     s = SiTU(x @ W_gate_up.T) @ W_down.T      # x: the MoE input (the routed experts' router input)
 Emits:
     h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta, logits)
@@ -37,6 +38,8 @@ import torch
 from ..ops import OPS
 from ..patterns.graph import (Fail, aten, c10d, describe, dtype, is_call, is_weight_like, match_all_reduce,
                               match_linear, scalar, shape, strip, val, weight_out_in)
+from ..patterns.moe import finalize, selection
+from ..patterns.roles import ResidualAdd
 from ..patterns.vllm_forms import count_vllm_fused_allreduces
 from .base import K3Pass, gated_off
 from .common import emit, forward_gemm, last_of, replace, users_through_views
@@ -55,14 +58,15 @@ class OverlapSharedExpert(K3Pass):
     emits = "k3::shared_expert_async, k3::stream_join, k3::all_reduce_prefetch"
 
     def expected(self, info):
-        return len(info.experts)
+        return info.n_moe
 
     def run(self, graph, info, opts, report):
         pinned = 0
-        for s in self.collect(info.experts, self.match, report):
+        anchors = info.moe if info.by_role else info.experts
+        for s in self.collect(anchors, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
-            tk = _router_topk_of(s["expert"]) if opts.pin_shared_fork else None
+            tk = (s["topk"] if "topk" in s else _router_topk_of(s["expert"])) if opts.pin_shared_fork else None
             if tk is None:
                 anchor = last_of(graph, [s["x"], gu, dn])
                 h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
@@ -104,6 +108,8 @@ class OverlapSharedExpert(K3Pass):
                 report.notes.append(f"{k} all-reduce(s) already fused by vLLM (FlashInfer/AITER) get no L2 prefetch")
 
     def match(self, e):
+        if isinstance(e, ResidualAdd):
+            return self.match_role(e)
         lat = e.args[0]
         if is_call(lat, operator.getitem) and is_call(lat.args[0], OPS["router_latent_sharded"]):
             x = lat.args[0].args[0]
@@ -112,9 +118,46 @@ class OverlapSharedExpert(K3Pass):
             if isinstance(lin, Fail):
                 return Fail(lat, f"cannot find the MoE input ({lin.reason})")
             x = lin.x
+        return self.match_shared(x, {lat}, e)
+
+    def match_role(self, r):
+        """A MoE found by role: the MoE input is the router GEMM's input; the routed work to wait for
+        is the experts' results (the finalize's input, or the latent tail op's)."""
+        topk = r.topk
+        tk = topk if is_call(topk, OPS["router_topk"]) else None
+        if tk is not None:
+            logits = tk.args[0]
+            w = next((u for u in tk.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
+        else:
+            sel = selection(topk)
+            if isinstance(sel, Fail):
+                return sel
+            logits, w = sel.logits, sel.weights
+        src = strip(logits)
+        if is_call(src, operator.getitem) and is_call(src.args[0], OPS["router_latent_sharded"]):
+            x = strip(src.args[0].args[0], converts=True)
+            gemms = set()
+        else:
+            if is_call(src, operator.getitem) and is_call(src.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+                src = strip(src.args[0].args[0])
+            lin = match_linear(src)
+            if isinstance(lin, Fail):
+                return Fail(logits, f"cannot find the MoE input ({lin.reason})")
+            x, gemms = strip(lin.x, converts=True), {src}
+        tails = [u for u in (w.users if w is not None else ()) if is_call(u, OPS["moe_latent_tail"])]
+        if tails:
+            y = tails[0].args[0]
+        else:
+            f = finalize(w) if w is not None else Fail(topk, "the router's weights are not used")
+            if isinstance(f, Fail):
+                return f
+            y = f[0]
+        return self.match_shared(x, gemms, y, tk, role=True)
+
+    def match_shared(self, x, skip, expert, topk=None, role=False):
         why = []  # why each candidate GEMM on x (or on a view of it) was not the shared expert
         for u in users_through_views(x):
-            if not is_call(u, aten.mm.default) or u is lat:
+            if not is_call(u, aten.mm.default) or u in skip:
                 continue
             up = match_linear(u)
             if isinstance(up, Fail) or not is_weight_like(up.w):
@@ -127,12 +170,17 @@ class OverlapSharedExpert(K3Pass):
                 continue
             act = self.situ_between(u, down.x)
             if isinstance(act, Fail):
-                why.append(f"{u.name}: {act.reason}")
+                two = is_call(act.node, aten.mm.default) and strip(match_linear(act.node).x, converts=True) is strip(x, converts=True)
+                why.append(f"{u.name}: " + ("the gate and up projections are two GEMMs on the MoE input "
+                                            "(k3::shared_expert_async takes one [gate; up] weight)" if two else act.reason))
                 continue
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
                 why.append(f"{u.name}: down-projection does not return to the hidden size")
                 continue
-            return dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1], expert=e)
+            found = dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1], expert=expert)
+            if role:
+                found["topk"] = topk   # the fused selection to pin the fork before, if fuse_router_topk ran
+            return found
         return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input"
                        + (f" ({'; '.join(why)})" if why else ""))
 
@@ -155,7 +203,8 @@ class OverlapSharedExpert(K3Pass):
                 d = n.args[0]
                 if is_call(d, aten.div.Tensor) and scalar(d.args[1]) is not None:
                     gi = strip(d.args[0], views=True, converts=True)
-                    idx = gi.args[1] if is_call(gi, operator.getitem) else None
+                    idx = (gi.args[1] if is_call(gi, operator.getitem)   # split(gu, n)[i] or gu[:, a:b]
+                           else (0 if gi.args[2] in (0, None) else 1) if is_call(gi, aten.slice.Tensor) else None)
                     consts[idx] = scalar(d.args[1])
         if set(consts) != {0, 1}:
             return Fail(end, "shared expert activation is not SiTU (two tanh(x / c) on the gate and up halves)")

@@ -1,6 +1,8 @@
 """shard_router_latent: replicated router + latent projection -> one TP-sharded GEMM + all-gather.
 
-Matches, once per MoE layer (anchored on each routed-expert op):
+Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles; the
+latent GEMM is the GEMM on the router's input that the experts' results depend on; one GEMM over
+both weights, split into [logits, latent], matches too):
     logits = x @ W_r.T      # [N, E], replicated weight (E = number of experts)
     lat    = x @ W_down.T   # [N, L], replicated weight, the expert op's input
 Emits:
@@ -23,7 +25,12 @@ by TP, router and latent weights of different dtypes, no router GEMM on the same
 from __future__ import annotations
 
 from ..ops import OPS
-from ..patterns.graph import Fail, aten, dtype, is_call, is_weight_like, match_linear, shape, weight_out_in
+import operator
+
+from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, dtype, is_call, is_weight_like, match_linear, shape,
+                              strip, val, weight_out_in)
+from ..patterns.moe import finalize, selection, topk_weights
+from ..patterns.roles import ResidualAdd
 from .base import K3Pass
 from .common import emit, getitem, last_of, replace
 
@@ -36,10 +43,15 @@ class ShardRouterLatent(K3Pass):
     emits = "k3::router_latent_sharded"
 
     def expected(self, info):
-        return len(info.experts)
+        return info.n_moe
 
     def run(self, graph, info, opts, report):
-        for router, latent in self.collect(info.experts, lambda e: self.match(e, info), report):
+        anchors = info.moe if info.by_role else info.experts
+        for router, latent in self.collect(anchors, lambda e: self.match(e, info), report):
+            if isinstance(router, tuple):   # one GEMM over [W_r; W_down], split: its rows
+                self.rewrite_split(graph, router, latent, info)
+                report.matched += 1
+                continue
             wr = weight_out_in(graph, router, last_of(graph, [router.out, latent.out]))
             wd = weight_out_in(graph, latent, last_of(graph, [router.out, latent.out]))
             anchor = last_of(graph, [router.x, wr, wd])
@@ -50,7 +62,23 @@ class ShardRouterLatent(K3Pass):
             replace(graph, latent.out, lat)
             report.matched += 1
 
+    def rewrite_split(self, graph, split, lin, info):
+        """logits, lat = split(x @ W.T, [E, L]): the op over W's first E rows and the rest."""
+        logits, lat, e = split
+        w = weight_out_in(graph, lin, lin.out)
+        with graph.inserting_before(lin.out):
+            wr = graph.call_function(aten.slice.Tensor, (w, 0, 0, e))
+            wd = graph.call_function(aten.slice.Tensor, (w, 0, e, shape(w)[0]))
+        for t, a, b in ((wr, 0, e), (wd, e, shape(w)[0])):
+            t.meta["val"] = val(w)[a:b]
+        op = emit(graph, last_of(graph, [lin.x, wr, wd]), OPS["router_latent_sharded"],
+                  (lin.x, wr, wd, info.rank, info.tp, info.group))
+        replace(graph, logits, getitem(graph, op, 0))
+        replace(graph, lat, getitem(graph, op, 1))
+
     def match(self, e, info):
+        if isinstance(e, ResidualAdd):
+            return self.match_role(e, info)
         lat = e.args[0]
         latent = match_linear(lat)
         if isinstance(latent, Fail):
@@ -74,3 +102,89 @@ class ShardRouterLatent(K3Pass):
         if total % info.tp:
             return Fail(lat, f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
         return router, latent
+
+    def match_role(self, r, info):
+        """A MoE found by role: the router GEMM under its selection's logits, and the latent GEMM on
+        the same input that the experts' results depend on."""
+        logits = _logits(r.topk)
+        if isinstance(logits, Fail):
+            return logits
+        n_exp = shape(logits)[-1] if shape(logits) else None
+        src = strip(logits)
+        if is_call(src, operator.getitem) and is_call(src.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+            sp = src.args[0]
+            lin = match_linear(sp.args[0])
+            sizes = sp.args[1] if isinstance(sp.args[1], (list, tuple)) else None
+            outs = {u.args[1]: u for u in sp.users if is_call(u, operator.getitem)}
+            if (isinstance(lin, Fail) or not is_weight_like(lin.w) or lin.bias is not None or lin.residual is not None
+                    or src.args[1] != 0 or set(outs) != {0, 1} or (sizes is not None and len(sizes) != 2)):
+                return Fail(src, "the router logits are a split of something other than one GEMM into [logits, latent]")
+            if dtype(lin.x) != info.dtype:
+                return Fail(lin.out, f"the router GEMM runs in {dtype(lin.x)}: the sharded op computes in {info.dtype}")
+            total = shape(lin.out)[-1]
+            if total % info.tp:
+                return Fail(lin.out, f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
+            return (outs[0], outs[1], n_exp), lin
+        router = match_linear(logits)
+        if isinstance(router, Fail):
+            return Fail(logits, f"the router logits are not a GEMM ({router.reason})")
+        if not is_weight_like(router.w) or router.bias is not None or router.residual is not None:
+            return Fail(logits, "the router GEMM has a bias or a computed weight")
+        if dtype(router.x) != info.dtype:
+            return Fail(logits, f"the router GEMM runs in {dtype(router.x)} (its inputs cast up): the sharded op "
+                                f"computes the logits in {info.dtype}")
+        x = strip(router.x, converts=True)
+        y = _expert_results(r)
+        lats = [u for u in _readers(x) if u is not strip(logits) and is_call(u, aten.mm.default)
+                and y is not None and _depends(y, u)]
+        if len(lats) != 1:
+            return Fail(x, f"expected one latent GEMM on the router's input feeding the experts, found {len(lats)}")
+        latent = match_linear(lats[0])
+        if isinstance(latent, Fail) or not is_weight_like(latent.w) or latent.bias is not None:
+            return Fail(lats[0], "the latent projection has a bias or a computed weight")
+        if dtype(router.w) != dtype(latent.w):
+            return Fail(lats[0], f"router weight dtype {dtype(router.w)} != latent weight dtype {dtype(latent.w)}: "
+                                 "one GEMM needs one dtype")
+        total = n_exp + shape(lats[0])[-1]
+        if total % info.tp:
+            return Fail(lats[0], f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
+        return router, latent
+
+
+def _logits(topk):
+    if is_call(topk, aten.topk.default):
+        s = selection(topk)
+        return s if isinstance(s, Fail) else s.logits
+    return topk.args[0]   # k3::router_topk(logits, ...)
+
+
+def _readers(x):
+    """The nodes that read x, through views and casts."""
+    out, stack = [], [x]
+    while stack:
+        for u in stack.pop().users:
+            if is_call(u, *VIEW_OPS, *CONVERT_OPS):
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
+
+
+def _expert_results(r):
+    w = topk_weights(r.topk)
+    f = finalize(w) if not isinstance(w, Fail) else w
+    return None if isinstance(f, Fail) else f[0]
+
+
+def _depends(y, n, limit: int = 3000) -> bool:
+    """y depends on n (a bounded walk back from y)."""
+    seen, stack = {y}, [y]
+    while stack and len(seen) < limit:
+        m = stack.pop()
+        if m is n:
+            return True
+        for a in m.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False

@@ -5,17 +5,27 @@ Two forms, both starting from `updated` (= prefix + delta):
 - n blocks:  `RMSNorm(sum_s softmax_s(sum_d RMSNorm(src_s) * w_norm * w_qk) * src_s) * g` over
   srcs = stack([blocks..., updated]) (post-grad: stack, or cat + reshape; softmax decomposed or not, or
   in the online form Inductor gives it on CUDA: prims.prepare_softmax_online).
+
+`match_attnres_from_norm` parses that reference spelling structurally first (`_match_stacked`); any
+other spelling (weights applied inside the key RMSNorm, an einsum, sources in a preallocated buffer,
+an unrolled loop with a running max, ...) is found by role and verified by evaluation
+(`_match_general`): the region of the graph between the final norm's input and the [M, H] sources
+it normalises is run on random CPU tensors and compared with the spec's formula.
 """
 from __future__ import annotations
 
 import operator
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
+from torch.fx.node import map_aggregate
 
-from .graph import Fail, RmsNormSite, aten, is_call, match_rms_norm, shape, strip, strip_converts, _name
+from .graph import (CONVERT_OPS, VIEW_OPS, Fail, RmsNormSite, aten, concrete, describe, is_call, match_rms_norm,
+                    scalar, shape, strip, strip_converts, val, _name)
 
 
 @dataclass
@@ -25,6 +35,11 @@ class AttnResSite:
     blocks: list        # block nodes, oldest first ([] for the plain RMSNorm form)
     w_norm: Node | None
     w_qk: Node | None
+    # "post_norm": the norm after a mixer / a residual add (or any plain RMSNorm; `updated` is then
+    # its input, whatever that is). "key_norm": the norm is one of a mixer's per-source key norms
+    # (an unrolled mixer normalises each source, the residual add among them, on its own): it is
+    # not a residual norm site, and `updated` is None.
+    role: str = "post_norm"
 
 
 def _sources(t: Node) -> list | Fail:
@@ -59,11 +74,12 @@ def _softmax_input(p: Node) -> Node | Fail:
     return Fail(p, f"mixing weights are not a softmax over the sources (found {_name(p)})")
 
 
-def match_attnres_from_norm(norm: RmsNormSite) -> AttnResSite | Fail:
-    """Given the final RMSNorm, recognise what feeds it: `updated` directly or the mixer."""
+def _match_stacked(norm: RmsNormSite) -> AttnResSite | Fail | None:
+    """The structural fast path: the mixer as the reference model writes it (a sum over stacked
+    sources of softmax weights times the sources). None where the norm's input is not such a sum."""
     mixed = strip_converts(norm.x)
     if not is_call(mixed, aten.sum.dim_IntList) or list(mixed.args[1]) != [0]:
-        return AttnResSite(norm, norm.x, [], None, None)  # plain RMSNorm form
+        return None
     prod = mixed.args[0]
     if not is_call(prod, aten.mul.Tensor):
         return Fail(prod, f"mixer: expected p * sources, found {_name(prod)}")
@@ -100,3 +116,475 @@ def match_attnres_from_norm(norm: RmsNormSite) -> AttnResSite | Fail:
         return Fail(inner, "mixer logits normalise a different tensor than the mixed sources")
     srcs = _sources(srcs_node)
     return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk)
+
+
+# ------------------------------------------------------------------------------------------ any spelling
+def match_attnres_from_norm(norm: RmsNormSite) -> AttnResSite | Fail:
+    """Given the final RMSNorm, recognise what feeds it: `updated` directly or the mixer.
+
+    The reference spelling is parsed structurally (`_match_stacked`); any other one is found by role
+    and verified by evaluation (`_match_general`). A norm whose input is no mixer is the plain form:
+    `updated` is its input, whatever that is (the callers take it only where it is a residual add),
+    except a per-source key norm of an unrolled mixer (role "key_norm", `updated` None)."""
+    site = _match_any(norm)
+    if isinstance(site, AttnResSite) and site.updated is not None:
+        site.norm = _inner_out(site.norm, site.updated)
+    return site
+
+
+def _match_any(norm: RmsNormSite) -> AttnResSite | Fail:
+    fast = _match_stacked(norm)
+    if isinstance(fast, AttnResSite):
+        return fast
+    found = _find_mixer(norm.x)
+    if found is not None:
+        return _verify(norm, found)
+    if isinstance(fast, Fail):
+        return fast
+    if _is_residual_add(norm.x) and _inside_mixer(norm):
+        return AttnResSite(norm, None, [], None, None, role="key_norm")
+    return AttnResSite(norm, norm.x, [], None, None)
+
+
+def _inner_out(norm: RmsNormSite, updated: Node) -> RmsNormSite:
+    """The norm with its output taken at the innermost cast in the residual stream's dtype: where a
+    consumer upcasts the output (`F.linear(x.float(), W.float())`), the site found at the upcast
+    would otherwise be rewritten there, leaving the other consumers on the unfused mixer."""
+    want = val(updated).dtype if isinstance(val(updated), torch.Tensor) else None
+    n, pick = norm.out, None
+    while is_call(n):
+        if getattr(val(n), "dtype", None) == want:
+            pick = n
+        if n.target not in CONVERT_OPS:
+            break   # the norm's last op (its weight mul): a candidate too, then stop
+        n = n.args[0]
+    if pick is None or pick is norm.out:
+        return norm
+    return RmsNormSite(pick, norm.x, norm.weight, norm.eps, [pick] + [x for x in norm.nodes if x is not norm.out])
+
+
+# How far the walks go (nodes): a mixer over 9 sources written as an unrolled loop is about 250
+# nodes; the backward walk may also run down the residual stream's chain of adds (one add and a
+# GEMM output per layer) before it ends at GEMMs, collectives and graph inputs.
+_WALK_BUDGET = 4000
+_REGION_BUDGET = 1500
+_FORWARD_BUDGET = 600
+
+_GEMMS = {aten.mm.default, aten.bmm.default, aten.mv.default, aten.addmm.default, aten.baddbmm.default,
+          aten.dot.default, aten.matmul.default}
+# not pointwise-tagged, but what a mixer's math is made of (besides pointwise ops, converts and views)
+_REGION_OPS = {
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+    aten.amin.default, aten.max.dim, aten.logsumexp.default, aten.prod.dim_int,
+    aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+    aten.permute.default, aten.expand.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
+    aten.select.int, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.cat.default, aten.stack.default, aten.select_scatter.default,
+    aten.slice_scatter.default, aten.copy.default, aten.full.default, aten.scalar_tensor.default,
+    aten.zeros.default, aten.ones.default, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+}
+_LOW_PRECISION = {torch.bfloat16, torch.float16}
+
+
+def _exp_ops() -> set:
+    ops = {aten.exp.default, aten.exp2.default, aten._softmax.default, aten.softmax.int}
+    online = getattr(torch.ops.prims, "prepare_softmax_online", None)   # registered by Inductor
+    if online is not None:
+        ops.add(online.default)
+    return ops
+
+
+def _sig(n: Any) -> tuple | None:
+    """A node's shape as strings (symbolic sizes by name): compared without guarding on SymInts."""
+    s = shape(n)
+    return None if s is None else tuple(str(d) for d in s)
+
+
+def _is_weight_matrix(a: Any) -> bool:
+    """a is a graph input / get_attr of 2+ dims (through views, converts and transposes): a GEMM
+    reading it is a projection, where a mixer's region ends."""
+    while is_call(a) and (a.target in VIEW_OPS or a.target in CONVERT_OPS or a.target in (
+            aten.permute.default, aten.t.default, aten.transpose.int, aten.expand.default)):
+        a = a.args[0]
+    return isinstance(a, Node) and a.op in ("placeholder", "get_attr") and len(shape(a) or ()) >= 2
+
+
+def _expandable(n: Any) -> bool:
+    """Whether a walk goes through n: elementwise math, reductions, layout ops, softmax, GEMMs of
+    activations (einsum); not projections, collectives, custom ops or graph inputs."""
+    if not is_call(n):
+        return False
+    t = n.target
+    if t is operator.getitem or t in _REGION_OPS or t in CONVERT_OPS or t in VIEW_OPS:
+        return True
+    if t in _GEMMS:
+        return not any(_is_weight_matrix(a) for a in n.args[:3])
+    if t in _exp_ops():
+        return True
+    return torch.Tag.pointwise in getattr(t, "tags", ())
+
+
+def _squared(n: Any) -> Node | None:
+    """x where n is x^2 (pow or x * x): what a mean-of-squares normalises."""
+    if is_call(n, aten.pow.Tensor_Scalar) and n.args[1] == 2 and isinstance(n.args[0], Node):
+        return n.args[0]
+    if is_call(n, aten.mul.Tensor) and isinstance(n.args[0], Node) and n.args[0] is n.args[1]:
+        return n.args[0]
+    return None
+
+
+def _canon(n: Any) -> Any:
+    """n through dtype casts, shape-keeping views and copies into a same-shaped buffer slot."""
+    while is_call(n):
+        t = n.target
+        if t in CONVERT_OPS or (t in VIEW_OPS and _sig(n.args[0]) == _sig(n)):
+            n = n.args[0]
+        elif t is aten.copy.default and _sig(n.args[1]) == _sig(n):
+            n = n.args[1]
+        else:
+            break
+    return n
+
+
+def _is_residual_add(n: Any) -> bool:
+    """n = prefix + delta of two same-shaped tensors (or Inductor's addmm(prefix, h, W^T) at TP=1)."""
+    if is_call(n, aten.add.Tensor) and len(n.args) >= 2:
+        a, b = n.args[:2]
+        return isinstance(a, Node) and isinstance(b, Node) and _sig(a) == _sig(b) == _sig(n) and len(_sig(n)) == 2
+    if is_call(n, aten.addmm.default):
+        return isinstance(n.args[0], Node) and len(shape(n.args[0]) or ()) == 2
+    return False
+
+
+def _int(a: Any) -> int | None:
+    return concrete(a)
+
+
+def _slice_of(n: Node, first: int) -> slice | None:
+    """The Python slice of aten.slice / slice_scatter's (start, end, step) at args[first:]; None where
+    a bound has no example value."""
+    names = ("start", "end", "step")
+    got = [n.args[first + i] if len(n.args) > first + i else n.kwargs.get(k, 1 if k == "step" else None)
+           for i, k in enumerate(names)]
+    out = [None if a is None else _int(a) for a in got]
+    if any(o is None and a is not None for o, a in zip(out, got)) or out[2] is None:
+        return None
+    return slice(*out)
+
+
+def _slots(t: Node, ms: tuple, depth: int = 0) -> list:
+    """The [M, H] sources stacked (along dim 0) in t, [S, M, H]: nodes, or a Fail for a slot no
+    [M, H] node holds (a buffer slot read from a graph input)."""
+    n = t
+    while is_call(n) and (n.target in CONVERT_OPS or (n.target in VIEW_OPS and _sig(n.args[0]) == _sig(n))):
+        n = n.args[0]
+    s = _sig(n)
+    count = _int(shape(n)[0]) if s else None
+
+    def unresolved():
+        return [Fail(n, f"AttnRes source slot {i} of {describe(t)} is read from {describe(n)}: no [M, H] node "
+                        "holds it") for i in range(count or 1)]
+
+    def dim0(i):
+        d = n.args[i] if len(n.args) > i else n.kwargs.get("dim", 0)
+        return d in (0, -len(s))
+
+    if depth > 64 or s is None:
+        return unresolved()
+    if is_call(n, aten.stack.default) and dim0(1):
+        return [_canon(x) for x in n.args[0]]
+    if is_call(n, aten.cat.default) and dim0(1):
+        out = []
+        for x in n.args[0]:
+            sx = _sig(x)
+            if is_call(x, aten.unsqueeze.default) and x.args[1] == 0 and _sig(x.args[0]) == ms:
+                out.append(_canon(x.args[0]))
+            elif sx is not None and sx[1:] == ms and len(sx) == len(ms) + 1:
+                out.extend(_slots(x, ms, depth + 1))
+            else:
+                return unresolved()
+        return out
+    if is_call(n, aten.view.default, aten.reshape.default, aten._unsafe_view.default) and s[1:] == ms:
+        u = n.args[0]
+        while is_call(u) and (u.target in CONVERT_OPS or (u.target in VIEW_OPS and _sig(u.args[0]) == _sig(u))):
+            u = u.args[0]
+        if is_call(u, aten.cat.default) and (len(u.args) < 2 or u.args[1] == 0) and all(
+                _sig(x) == ms for x in u.args[0]):   # cat([M, H] sources) viewed as [S, M, H]
+            return [_canon(x) for x in u.args[0]]
+        return unresolved()
+    if is_call(n, aten.slice.Tensor) and dim0(1):
+        sl = _slice_of(n, 2)
+        return unresolved() if sl is None else _slots(n.args[0], ms, depth + 1)[sl]
+    if is_call(n, aten.select_scatter.default) and n.args[2] in (0, -len(s)):
+        base = list(_slots(n.args[0], ms, depth + 1))
+        i = _int(n.args[3])
+        if i is None or not -len(base) <= i < len(base) or _sig(n.args[1]) != ms:
+            return unresolved()
+        base[i] = _canon(n.args[1])
+        return base
+    if is_call(n, aten.slice_scatter.default) and (n.args[2] if len(n.args) > 2 else 0) in (0, -len(s)):
+        base = list(_slots(n.args[0], ms, depth + 1))
+        sl = _slice_of(n, 3)
+        part = _slots(n.args[1], ms, depth + 1)
+        if sl is None or len(range(*sl.indices(len(base)))) != len(part):
+            return unresolved()
+        base[sl] = part
+        return base
+    if is_call(n, aten.copy.default) and _sig(n.args[1]) == s:
+        return _slots(n.args[1], ms, depth + 1)
+    return unresolved()
+
+
+@dataclass
+class _Found:
+    """A mixer found by role: the region between the final norm's input and what it reads."""
+    mixed: Node
+    region: list          # the region's nodes, in a topological order (mixed last)
+    leaves: dict          # node read by the region -> ("src" | "alias", source) / ("stack", [slots]) /
+                          # ("weight", None) / ("size", int)
+    sources: list         # distinct [M, H] sources, graph order
+    updated: Node
+    weights: list
+    foreign: list
+    unresolved: list
+
+
+def _find_mixer(mixed: Any) -> _Found | None:
+    """The AttnRes mixer whose output is `mixed`, found by role, or None where `mixed` is no mixer.
+
+    Role: the sources are the [M, H] tensors (mixed's shape) the region RMS-normalises (their
+    squares are averaged), one at a time or stacked into [S, M, H] (stack, cat, a buffer's slots);
+    the region is everything between them and `mixed`; it must contain a softmax (an exp), read
+    at least two sources, and the newest residual add among them is `updated`. Whether it computes
+    the spec's formula is `_verify`'s business."""
+    if not _expandable(mixed):
+        return None
+    ms = _sig(mixed)
+    if ms is None or len(ms) < 2:
+        return None
+    # 1. candidates: what the region squares (walk back through mixer-like ops only)
+    singles, stacked = {}, {}
+    seen, todo = {mixed}, deque([mixed])
+    while todo:
+        n = todo.popleft()
+        x = _squared(n)
+        if x is not None:
+            c = _canon(x)
+            sc = _sig(c)
+            if sc == ms:
+                singles[c] = None
+            elif sc is not None and len(sc) == len(ms) + 1 and sc[1:] == ms:
+                stacked[c] = None
+        for a in n.all_input_nodes:
+            if a not in seen and len(seen) < _WALK_BUDGET:
+                seen.add(a)
+                if _expandable(a):
+                    todo.append(a)
+    if not singles and not stacked:
+        return None
+    slots = {t: _slots(t, ms) for t in stacked}
+    src_set = set(singles) | {x for sl in slots.values() for x in sl if isinstance(x, Node)}
+    stop = src_set | set(stacked)
+    # 2. the region: from mixed back to the sources; everything else it reads is a leaf
+    hdim = ms[-1:]
+    leaves: dict = {}
+    weights, foreign = [], []
+    region, visited = [], {mixed}
+    stack = [(mixed, iter(mixed.all_input_nodes))]
+    while stack:
+        n, it = stack[-1]
+        for a in it:
+            if a in visited:
+                continue
+            visited.add(a)
+            if len(visited) > _REGION_BUDGET:
+                return None
+            if a in stacked:
+                leaves[a] = ("stack", slots[a])
+            elif a in src_set:
+                leaves[a] = ("src", a)
+            elif _canon(a) in src_set:
+                leaves[a] = ("alias", _canon(a))
+            elif _restacks(a, ms, src_set) is not None:   # the same sources stacked again (another slice)
+                leaves[a] = ("stack", _restacks(a, ms, src_set))
+            elif not isinstance(val(a), torch.Tensor) and concrete(a) is not None:
+                leaves[a] = ("size", concrete(a))
+            elif a.op in ("placeholder", "get_attr") and _sig(a) == hdim:
+                leaves[a] = ("weight", None)
+                weights.append(a)
+            elif _expandable(a):
+                stack.append((a, iter(a.all_input_nodes)))
+                break
+            else:
+                foreign.append(a)
+        else:
+            stack.pop()
+            region.append(n)
+    exps = _exp_ops()
+    if not any(n.target in exps for n in region):
+        return None
+    sources, unresolved = {}, []
+    for kind, v in leaves.values():
+        for x in (v if kind == "stack" else [v] if kind in ("src", "alias") else []):
+            if isinstance(x, Fail):
+                unresolved.append(x)
+            else:
+                sources[x] = None
+    ordered = sorted(sources, key=lambda n: n._sort_key) if all(hasattr(n, "_sort_key") for n in sources) else \
+        list(sources)
+    adds = [s for s in ordered if _is_residual_add(s)]
+    if len(ordered) + len(unresolved) < 2 or not adds:
+        return None
+    return _Found(mixed, region, leaves, ordered, adds[-1], weights, foreign, unresolved)
+
+
+def _restacks(a: Node, ms: tuple, src_set: set) -> list | None:
+    """a's slots where a is an [S, M, H] stack of known sources only, else None."""
+    sa = _sig(a)
+    if sa is None or len(sa) != len(ms) + 1 or sa[1:] != ms:
+        return None
+    sl = _slots(a, ms)
+    return sl if sl and all(isinstance(x, Node) and x in src_set for x in sl) else None
+
+
+def _inside_mixer(norm: RmsNormSite) -> bool:
+    """Whether this norm (of a residual add) is a key norm inside a mixer: a mixer found downstream
+    (within a short forward walk) has it in its region."""
+    mine = {norm.out, *norm.nodes}
+    xs = _sig(norm.x)
+    seen, todo, tried = {norm.out}, deque([norm.out]), set()
+    while todo:
+        n = todo.popleft()
+        for u in n.users:
+            if u in seen or len(seen) >= _FORWARD_BUDGET:
+                continue
+            seen.add(u)
+            if not _expandable(u):
+                continue
+            todo.append(u)
+            x = _squared(u)
+            if x is None:
+                continue
+            c = strip_converts(x)
+            if c in tried or _sig(c) != xs:
+                continue
+            tried.add(c)
+            found = _find_mixer(c)
+            if found is not None and any(m in mine for m in found.region):
+                return True
+    return False
+
+
+def _verify(norm: RmsNormSite, f: _Found) -> AttnResSite | Fail:
+    """f's region computes the spec's mixer over f.sources with its two [H] weights: an AttnResSite."""
+    if f.unresolved:
+        return f.unresolved[0]
+    if f.foreign:
+        return Fail(f.foreign[0], f"the AttnRes mixer's region (at {describe(f.mixed)}) reads {describe(f.foreign[0])}, "
+                                  "neither a source [M, H] tensor nor an [H] weight"
+                                  + (f" ({len(f.foreign)} such inputs)" if len(f.foreign) > 1 else ""))
+    if len(f.weights) != 2:
+        return Fail(f.mixed, f"the AttnRes mixer's region reads {len(f.weights)} [H] weight(s)"
+                             f"{' (' + ', '.join(w.name for w in f.weights) + ')' if f.weights else ''}, expected 2 "
+                             "(w_norm and w_qk)")
+    eps = sorted({e for n in f.region if is_call(n, aten.add.Tensor, aten.add.Scalar)
+                  for e in (scalar(a) for a in n.args[:2]) if e is not None and 0 < e <= 1e-2} | {norm.eps})
+    for fp32 in (True, False):
+        r = _evaluate(f, fp32, eps)
+        if isinstance(r, Fail):
+            return r
+        err, tol, what = r
+        if not err <= tol:
+            return Fail(f.mixed, f"evaluated AttnRes mixer (at {describe(f.mixed)}, {len(f.sources)} sources) differs "
+                                 f"from the spec formula by {err:.3g} (relative, {what}; tolerance {tol:g})")
+    w_norm, w_qk = _order_weights(f)
+    return AttnResSite(norm, f.updated, [s for s in f.sources if s is not f.updated], w_norm, w_qk)
+
+
+def _order_weights(f: _Found) -> tuple:
+    """(w_norm, w_qk): the weight a key RMSNorm multiplies by is w_norm (their product is what the
+    math uses; the order only names them)."""
+    a, b = f.weights
+    inside = set(f.region)
+    for w in (a, b):
+        users = [u for u in w.users if u in inside]
+        while users:
+            u = users.pop()
+            if is_call(u) and u.target in CONVERT_OPS:
+                users.extend(x for x in u.users if x in inside)
+                continue
+            site = match_rms_norm(u)
+            if not isinstance(site, Fail) and site.weight is not None and strip_converts(site.weight) is w:
+                return (w, b if w is a else a)
+    return a, b
+
+
+def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
+    """(relative error against the spec formula, tolerance, label): f's region run on random CPU
+    tensors, all floats as fp32 (casts to bf16 / fp16 become fp32: the math alone) or as the graph's
+    dtypes (meta['val'])."""
+    dims = [concrete(d) for d in shape(f.mixed)]
+    if None in dims:
+        return Fail(f.mixed, f"the AttnRes mixer's shape {shape(f.mixed)} has a size without an example value")
+
+    def dt(n):
+        d = val(n).dtype if isinstance(val(n), torch.Tensor) else torch.float32
+        return torch.float32 if fp32 and d in _LOW_PRECISION else d
+
+    def fix(a):
+        if isinstance(a, Node):
+            return env[a]
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        if fp32 and isinstance(a, torch.dtype) and a in _LOW_PRECISION:
+            return torch.float32
+        return a
+
+    lowest = torch.float32
+    with unset_fake_temporarily(), torch.no_grad():
+        g = torch.Generator().manual_seed(1234)
+        h = dims[-1]
+        base = {s: (torch.randn(dims, generator=g, dtype=torch.float64) * (0.5 + 0.35 * i) + 0.1 * i).to(dt(s))
+                for i, s in enumerate(f.sources)}
+        w = [(1 + 0.25 * torch.randn(h, generator=g, dtype=torch.float64)),
+             torch.randn(h, generator=g, dtype=torch.float64) * (2.0 / h ** 0.5)]
+        w = [x.to(dt(n)) for x, n in zip(w, f.weights)]
+        env: dict = {}
+        for n, (kind, v) in f.leaves.items():
+            if kind == "src" or kind == "alias":
+                env[n] = base[v].to(dt(n))
+            elif kind == "stack":
+                env[n] = torch.stack([base[x] for x in v]).to(dt(n))
+            elif kind == "weight":
+                env[n] = w[f.weights.index(n)]
+            else:
+                env[n] = v
+        for d in (dt(s) for s in [*f.sources, *f.weights]):
+            lowest = d if d in _LOW_PRECISION else lowest
+        try:
+            for n in f.region:
+                args = map_aggregate(n.args, fix)
+                kwargs = map_aggregate(n.kwargs, fix)
+                env[n] = n.target(*args, **kwargs)
+                if isinstance(env[n], torch.Tensor) and env[n].dtype in _LOW_PRECISION:
+                    lowest = env[n].dtype
+        except Exception as e:  # noqa: BLE001 - a region this replay cannot run is reported, not raised
+            return Fail(n, f"evaluating the AttnRes mixer's region failed at {describe(n)}: {type(e).__name__}: {e}"[:300])
+        out = env[f.mixed]
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(dims):
+            return Fail(f.mixed, f"the AttnRes mixer's region gives {getattr(out, 'shape', out)}, not {dims}")
+        out = out.double()
+        srcs = torch.stack([base[s].double() for s in f.sources])          # [S, M, H]
+        wq = w[0].double() * w[1].double()
+        best = float("inf")
+        for eps in eps_candidates:
+            nrm = srcs * torch.rsqrt(srcs.pow(2).mean(-1, keepdim=True) + eps)
+            p = torch.softmax((nrm * wq).sum(-1), dim=0)
+            ref = (p.unsqueeze(-1) * srcs).sum(0)
+            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            best = min(best, err if err == err else float("inf"))
+    if fp32:
+        return best, 1e-4, "fp32"
+    tol = {torch.bfloat16: 4e-2, torch.float16: 5e-3}.get(lowest, 1e-4)
+    return best, tol, f"as traced, {str(lowest).replace('torch.', '')}"

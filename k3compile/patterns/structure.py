@@ -1,9 +1,13 @@
-"""What K3 structure a graph holds: how many attention and MoE layers, TP size, M, dtype.
+"""What K3 structure a graph holds: its decoder layers, TP size, M, dtype.
 
-The expected site count of every pass is derived from this (an attention core per layer, an
-expert op per MoE layer), so a site that fails to match shows up as "matched < expected".
-Attention cores and expert ops are recognised by op name: our reference model's `k3model::*`
-ops, plus names a user adds (K3_ATTENTION_OPS / K3_EXPERT_OPS, comma-separated `ns::name`).
+The layers are found by role (`patterns.roles`): the residual stream's adds, and what each add's
+delta is (an attention o-proj, a dense MLP, a MoE with its router top-k), whatever the ops inside
+the attention cores and experts are. The expected site count of every pass derives from these
+(an o-proj per layer, a router per MoE layer), so a site that fails to match shows up as
+"matched < expected". Known opaque ops are mapped to roles as well (`ATTENTION_OPS`,
+`EXPERT_OPS`, plus names a user adds in K3_ATTENTION_OPS / K3_EXPERT_OPS, comma-separated
+`ns::name`): the folds that rewrite an attention core need its op; where a graph has no role-found
+layers (a graph cut inside a layer), the layers counted from these ops stand in.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import torch
 from torch.fx import Node
 
 from .graph import c10d, dtype, is_call, shape
+from .roles import Layer, ResidualAdd, layers as role_layers, op_name, residual_stream  # noqa: F401
+from .roles import routers as role_routers
 
 ATTENTION_OPS = {"k3model::kda_decode", "k3model::kda_prefill", "k3model::mla_decode", "k3model::mla_prefill",
                  "k3::kda_decode_gated", "k3::mla_decode_normed",   # after fold_kda_gate / fold_mla_prologue
@@ -23,28 +29,17 @@ ATTENTION_OPS = {"k3model::kda_decode", "k3model::kda_prefill", "k3model::mla_de
 EXPERT_OPS = {"k3model::mxfp4_experts", "k3::mxfp4_experts"}  # the second: after fold_moe_finalize lowered it
 
 
-def op_name(n: Node) -> str | None:
-    """`ns::name` of the op a node calls, looking through auto_functionalized wrappers."""
-    if not is_call(n):
-        return None
-    t = n.target
-    if t in (torch.ops.higher_order.auto_functionalized, getattr(torch.ops.higher_order, "auto_functionalized_v2", None)):
-        t = n.args[0]
-    name = getattr(t, "name", None)
-    if callable(name):
-        s = name()  # OpOverload.name() -> 'ns::op.overload'
-        return s.split(".")[0]
-    return None
-
-
 def _extra(var: str) -> set[str]:
     return {s.strip() for s in os.environ.get(var, "").split(",") if s.strip()}
 
 
 @dataclass
 class GraphInfo:
-    attention: list = field(default_factory=list)   # attention core nodes, in graph order
-    experts: list = field(default_factory=list)     # routed-expert op nodes
+    attention: list = field(default_factory=list)   # attention core nodes (known ops), in graph order
+    experts: list = field(default_factory=list)     # routed-expert op nodes (known ops)
+    layers: list = field(default_factory=list)      # roles.Layer per decoder layer, found by role
+    stream: list = field(default_factory=list)      # roles.ResidualAdd: the residual stream, in order
+    routers: list = field(default_factory=list)     # roles.ResidualAdd of kind "moe" per router top-k
     groups: dict = field(default_factory=dict)      # group name -> (rank, size)
     tp: int = 1
     rank: int = 0
@@ -57,9 +52,41 @@ class GraphInfo:
     def m_static(self) -> int | None:
         return self.m if isinstance(self.m, int) else None
 
+    @property
+    def oproj(self) -> list:
+        """The o-proj GEMM of each decoder layer (role-found)."""
+        return [lay.attention.gemm for lay in self.layers]
+
+    @property
+    def moe(self) -> list:
+        """The MoE sub-layer (a roles.ResidualAdd, kind "moe", with its router top-k) of each MoE layer,
+        with the routers outside the stream (add None) after them."""
+        return self.routers
+
+    @property
+    def ffn(self) -> list:
+        """The residual adds that are layer inputs: MLP / MoE outputs (each a layer input, or the final
+        norm's) and a traced layer's input add."""
+        return [r for r in self.stream if r.kind in ("mlp", "moe", "input")]
+
+    @property
+    def by_role(self) -> bool:
+        """The layers were found by role (else the known attention / expert ops stand in)."""
+        return bool(self.layers or self.routers)
+
+    @property
+    def n_attention(self) -> int:
+        return len(self.layers) or len(self.attention)
+
+    @property
+    def n_moe(self) -> int:
+        return len(self.routers) if self.by_role else len(self.experts)
+
     def summary(self) -> dict:
         return {
-            "attention_layers": len(self.attention), "moe_layers": len(self.experts),
+            "attention_layers": self.n_attention, "moe_layers": self.n_moe,
+            "residual_adds": len(self.stream), "routers": len(self.routers),
+            "unclassified": next((f"{r.add.name}: {r.why}" for r in self.stream if r.kind == "unknown"), None),
             "tp": self.tp, "m": self.m,
             "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None, "device": self.device,
         }
@@ -101,6 +128,9 @@ def analyze(graph) -> GraphInfo:
         # the TP group is the one the most collectives use
         info.group = next(iter(info.groups))
         info.rank, info.tp = info.groups[info.group]
+    info.stream = residual_stream(graph)
+    info.layers = role_layers(info.stream)
+    info.routers = role_routers(graph, info.stream)
     if dtypes:
         info.dtype = dtypes.most_common(1)[0][0]
     if ms:

@@ -45,10 +45,17 @@ def _drive(mod, cfg, rank, world, group, M, steps, backend, dtype):
 
 
 def run(style: str, world: int = 1, rank: int = 0, M: int = 1, backend=None, steps: int = 2,
-        cfg=None, group=None, dtype=torch.bfloat16, all_steps: bool = False):
-    """Returns (eager_logits, compiled_logits or None)."""
+        cfg=None, group=None, dtype=torch.bfloat16, all_steps: bool = False, report: bool = False):
+    """Returns (eager_logits, compiled_logits or None), and with report=True the k3 match report of
+    the compile (k3compile.last_report().to_dict()) third. backend "k3-eager" is
+    `k3compile.backend(mode="eager")` (a name, so that it travels to spawned ranks)."""
     mod = style_module(style)
     cfg = cfg or mod.tiny_config()
+    if backend == "k3-eager":
+        import k3compile
+        k3compile.clear_reports()
+        torch._dynamo.reset()
+        backend = k3compile.backend(mode="eager")
     with torch.no_grad():
         eager = _drive(mod, cfg, rank, world, group, M, steps, None, dtype)
         compiled = None
@@ -57,6 +64,10 @@ def run(style: str, world: int = 1, rank: int = 0, M: int = 1, backend=None, ste
     if not all_steps:
         eager = eager[-1]
         compiled = None if compiled is None else compiled[-1]
+    if report:
+        import k3compile
+        rep = k3compile.last_report()
+        return eager, compiled, rep.to_dict() if rep is not None else None
     return eager, compiled
 
 

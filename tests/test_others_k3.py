@@ -1,0 +1,86 @@
+"""The k3 backend on K3 decoders it was not written against (tests/others: written from the spec
+alone, in three styles): every expected site of the passes that apply to such graphs matches, the
+expected counts come from the graph's own structure (4 layers: KDA dense, KDA MoE, MLA MoE, KDA MoE),
+and the compiled logits equal eager's.
+
+The backend runs in its eager mode (the rewritten graph op by op, the k3 ops' PyTorch references on
+CPU), so the comparison checks the rewrites' math. Tolerance: bf16, as tests/test_others_eager.py
+(2e-2 * max|ref| + 1e-2): the rewrites keep every value's dtype except where a pass states it
+rounds (fold_moe_finalize casts fp32 plain-torch expert results to bf16 before the weighted sum).
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from tests.others import run as R  # noqa: E402
+
+LAYERS, MOE = 4, 3
+# pass -> expected sites on the 4-layer decoders (per layer, per MoE layer; the residual norm: one
+# per MLP / MoE add, i.e. each layer input but the first, and the final norm)
+EXPECTED = {
+    "fuse_oproj_allreduce": LAYERS,
+    "fuse_residual_norm": LAYERS,
+    "fuse_router_topk": MOE,
+    "fold_moe_finalize": MOE,
+    "shard_router_latent": MOE,
+    "overlap_shared_expert": MOE,
+}
+# Sites that do not match yet, each with the reason the report gives (a failing test once they do):
+# the sharded router op computes bf16 logits, so an fp32 router GEMM stays; the side-stream shared
+# expert takes one [gate; up] weight, so separate gate and up projections stay.
+KNOWN_MISSES = {
+    ("hf_style", "shard_router_latent"): "the router GEMM runs in torch.float32",
+    ("functional", "shard_router_latent"): "the router GEMM runs in torch.float32",
+    ("hf_style", "overlap_shared_expert"): "the gate and up projections are two GEMMs",
+}
+
+
+def _tol(ref):
+    return 2e-2 * ref.abs().max().item() + 1e-2
+
+
+def check(style, eager, compiled, rep, world, M):
+    assert rep is not None, "no k3 report: the backend did not run"
+    st = rep["structure"]
+    assert (st["attention_layers"], st["moe_layers"], st["tp"], st["m"]) == (LAYERS, MOE, world, M), st
+    by = {p["name"]: p for p in rep["passes"]}
+    for name, n in EXPECTED.items():
+        p = by[name]
+        nms = [(nm["site"], nm["reason"]) for nm in p["near_misses"]]
+        known = KNOWN_MISSES.get((style, name))
+        if known is not None:
+            assert (p["matched"], p["expected"]) == (0, n) and len(nms) == n, (style, name, p["matched"], nms[:3])
+            assert all(known in reason for _, reason in nms), (style, name, nms)
+            continue
+        assert (p["matched"], p["expected"]) == (n, n), (style, world, M, name, p["matched"], p["expected"],
+                                                         p["skipped"], p["error"], nms[:3])
+    err = (compiled - eager).abs().max().item()
+    assert err <= _tol(eager), f"{style} TP={world} M={M}: max abs err {err:.4g} > {_tol(eager):.4g}"
+
+
+@pytest.mark.parametrize("style", R.STYLES)
+@pytest.mark.parametrize("M", [1, 3])
+def test_every_site_matches_tp1(style, M):
+    eager, compiled, rep = R.run(style, world=1, M=M, backend="k3-eager", steps=2, report=True)
+    check(style, eager, compiled, rep, 1, M)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", R.STYLES)
+def test_every_site_matches_tp1_m8(style):
+    eager, compiled, rep = R.run(style, world=1, M=8, backend="k3-eager", steps=2, report=True)
+    check(style, eager, compiled, rep, 1, 8)
+
+
+@pytest.mark.parametrize("style", R.STYLES)
+def test_every_site_matches_tp2(style):
+    """Two gloo ranks, M = 1, 3 and 8 in one launch; rank 0's report and logits."""
+    ms = (1, 3, 8)
+    out = R.launch_many([dict(style=style, M=M, backend="k3-eager", steps=2, report=True) for M in ms], world=2)
+    for M, (eager, compiled, rep) in zip(ms, out):
+        check(style, eager, compiled, rep, 2, M)
