@@ -138,7 +138,7 @@ def finalize(weights: Node) -> tuple[Node, Node] | Fail:
             if is_call(u, *VIEW_OPS, *CONVERT_OPS, aten.expand.default, aten.permute.default):
                 stack.append(u)
                 continue
-            if is_call(u, aten.mul.Tensor, aten.bmm.default):
+            if is_call(u, aten.mul.Tensor, aten.bmm.default, aten.mm.default):   # mm: M=1, the batch squeezed
                 other = u.args[1] if u.args[0] is n else u.args[0]
                 y = _unview(other)
                 ys = shape(y)
