@@ -122,7 +122,7 @@ class CompileReport:
     @property
     def is_k3(self) -> bool:
         st = self.structure
-        return bool(st.get("attention_layers") or st.get("moe_layers") or st.get("residual_adds") or st.get("routers"))
+        return bool(st.get("attention_layers") or st.get("moe_layers") or st.get("routers"))
 
     @property
     def ok(self) -> bool:
@@ -133,6 +133,11 @@ class CompileReport:
             return (f"k3: {self.graph}: loaded from Inductor's cache, compiled earlier with the same K3 passes "
                     f"and options; no match report now (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 recompiles)")
         if not self.is_k3:
+            st = self.structure
+            if st.get("residual_adds"):   # a residual stream, but no delta took a K3 role
+                return (f"k3: {self.graph}: no K3 layer found: a residual stream of {st['residual_adds']} add(s), "
+                        f"none an attention o-proj or a MoE ({st.get('unclassified') or 'no router top-k'}); "
+                        f"compiled without K3 passes")
             return (f"k3: {self.graph}: nothing matched: no K3 structure found "
                     f"(no residual stream of [M, hidden] adds, no router top-k, no known attention or expert op); "
                     f"compiled without K3 passes")

@@ -277,7 +277,10 @@ def test_non_k3_model_compiles_unchanged(cls, shape, capsys):
     f = torch.compile(m, backend=k3compile.backend(mode="eager", verbose=True))
     torch.testing.assert_close(f(x), m(x))
     out = capsys.readouterr().out
-    assert "nothing matched: no K3 structure found" in out
+    # a residual stream without a K3 role (the Llama block's 3-D stream) is named, not "nothing matched"
+    assert ("no K3 layer found: a residual stream" in out and "the residual stream is 3-D" in out
+            if cls is LlamaBlock else "nothing matched: no K3 structure found" in out), out
+    assert "compiled without K3 passes" in out
     assert all(p.matched == 0 for p in k3compile.last_report().passes)
 
 

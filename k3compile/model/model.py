@@ -55,9 +55,10 @@ class K3Cache:
                              f"(or a variant of it): make a new cache with K3Cache(model.cfg, ...)")
         if self.tp_size != tp.size:
             raise ValueError(f"cache was made for TP={int(self.tp_size)}, the model runs TP={tp.size}")
-        held = self.seq_lens.shape[0]  # == self.batch; a shape, so a traced check adds no guard on batch
-        if held != batch:
-            raise ValueError(f"cache holds {int(held)} sequences, token_ids has batch {int(batch)}")
+        held = self.seq_lens.shape[0]  # == self.batch
+        # traced with a symbolic batch (dynamic shapes), comparing would specialise it: checked where static
+        if isinstance(held, int) and isinstance(batch, int) and held != batch:
+            raise ValueError(f"cache holds {held} sequences, token_ids has batch {batch}")
 
 
 class K3Model(nn.Module):

@@ -41,7 +41,7 @@ class K3Pass:
     pattern: str = ""      # one line: the op chain it matches, per site
     emits: str = ""        # the k3:: op(s) it emits
     # "KDA" / "MLA": the pass rewrites the reference model's attention-core op of that kind; in a graph
-    # whose layers were found by role but that has no such op, it is skipped with that reason
+    # whose layers were found by role and that has none of the known core ops, it is skipped with that reason
     core: str | None = None
     # passes whose emitted ops this one anchors on: where one of them does not run in a compile
     # (disabled, skipped, gated off or rolled back), this pass is skipped with that reason, not

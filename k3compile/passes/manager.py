@@ -157,7 +157,7 @@ class PassManager(CustomGraphPass):
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
                 continue
-            if pr.expected == 0 and getattr(p, "core", None) and found.by_role:
+            if pr.expected == 0 and getattr(p, "core", None) and found.by_role and not found.attention:
                 pr.skipped = (f"no {p.core} attention-core op of the reference model (k3model::{p.core.lower()}_decode "
                               "or the k3:: ops the folds before it emit) in this graph: this fold rewrites that op; "
                               "the passes that act around the cores do not need it")

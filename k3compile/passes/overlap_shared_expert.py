@@ -143,7 +143,7 @@ class OverlapSharedExpert(K3Pass):
             lin = match_linear(src)
             if isinstance(lin, Fail):
                 return Fail(logits, f"cannot find the MoE input ({lin.reason})")
-            x, gemms = strip(lin.x, converts=True), {src}
+            x, gemms = lin.x, {src}
         tails = [u for u in (w.users if w is not None else ()) if is_call(u, OPS["moe_latent_tail"])]
         if tails:
             y = tails[0].args[0]
@@ -156,7 +156,10 @@ class OverlapSharedExpert(K3Pass):
 
     def match_shared(self, x, skip, expert, topk=None, role=False):
         why = []  # why each candidate GEMM on x (or on a view of it) was not the shared expert
-        for u in users_through_views(x):
+        base = strip(x, converts=True)   # an fp32 router reads x cast up; the shared expert reads x
+        cands = users_through_views(x) + ([u for u in users_through_views(base) if u not in users_through_views(x)]
+                                          if base is not x else [])
+        for u in cands:
             if not is_call(u, aten.mm.default) or u in skip:
                 continue
             up = match_linear(u)
@@ -177,7 +180,7 @@ class OverlapSharedExpert(K3Pass):
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
                 why.append(f"{u.name}: down-projection does not return to the hidden size")
                 continue
-            found = dict(x=x, up=up, down=down, beta=act[0], lbeta=act[1], expert=expert)
+            found = dict(x=up.x, up=up, down=down, beta=act[0], lbeta=act[1], expert=expert)
             if role:
                 found["topk"] = topk   # the fused selection to pin the fork before, if fuse_router_topk ran
             return found

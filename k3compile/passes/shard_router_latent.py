@@ -25,6 +25,7 @@ by TP, router and latent weights of different dtypes, no router GEMM on the same
 from __future__ import annotations
 
 from ..ops import OPS
+import collections
 import operator
 
 from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, dtype, is_call, is_weight_like, match_linear, shape,
@@ -176,15 +177,15 @@ def _expert_results(r):
     return None if isinstance(f, Fail) else f[0]
 
 
-def _depends(y, n, limit: int = 3000) -> bool:
-    """y depends on n (a bounded walk back from y)."""
-    seen, stack = {y}, [y]
-    while stack and len(seen) < limit:
-        m = stack.pop()
+def _depends(y, n, limit: int = 2000) -> bool:
+    """y depends on n (a bounded breadth-first walk back from y: the latent GEMM is a few steps away)."""
+    seen, queue = {y}, collections.deque([y])
+    while queue and len(seen) < limit:
+        m = queue.popleft()
         if m is n:
             return True
         for a in m.all_input_nodes:
             if a not in seen:
                 seen.add(a)
-                stack.append(a)
+                queue.append(a)
     return False

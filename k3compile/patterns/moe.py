@@ -41,7 +41,7 @@ def _scores_and_logits(sel_in: Any) -> tuple[Node, Node] | Fail:
             return n, strip_converts(strip(n.args[0]))
         if is_call(n, aten.add.Tensor, aten.sub.Tensor, *VIEW_OPS, *CONVERT_OPS) and len(seen) < 12:
             stack.extend(a for a in n.args if isinstance(a, Node) and not is_weight_like(a))
-    return Fail(sel_in, "the top-k's input is not sigmoid(logits) + bias")
+    return Fail(sel_in, "the topk is not over `scores + correction bias` (sigmoid(logits) + bias)")
 
 
 def _final_weights(gather: Node, m: int, k: int) -> Node | Fail:
@@ -70,12 +70,12 @@ def selection(topk: Node) -> RouterTopkSite | Fail:
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     if not isinstance(k, int) or dim not in (-1, 1) or largest is not True:
         return Fail(topk, f"topk(k={k}, dim={dim}, largest={largest}) is not a top-k over the experts")
-    values = _getitem(topk, 0)
-    if values is not None and values.users:
-        return Fail(topk, "the topk values are used (only the indices should be)")
     sl = _scores_and_logits(topk.args[0])
     if isinstance(sl, Fail):
         return sl
+    values = _getitem(topk, 0)
+    if values is not None and values.users:
+        return Fail(topk, "the topk values are used (only the indices should be)")
     sig, logits = sl
     fast = match_router_topk(logits)   # the reference spelling, parsed structurally
     if not isinstance(fast, Fail):

@@ -34,16 +34,29 @@ STREAM_OPS = {"k3::oproj_allreduce_residual": (2, 0, "attention"), "k3::residual
 TOPK_OPS = {"k3::router_topk"}
 
 
+_AUTO_FUNCTIONALIZED = (torch.ops.higher_order.auto_functionalized,
+                        getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
+_NAMES: dict = {}   # op overload -> "ns::name" (called for every node, every pass: cached)
+
+
 def op_name(n: Any) -> str | None:
     """`ns::name` of the op a node calls (through auto_functionalized), or None."""
-    if not is_call(n):
+    if not isinstance(n, Node) or n.op != "call_function":
         return None
     t = n.target
-    if t in (torch.ops.higher_order.auto_functionalized,
-             getattr(torch.ops.higher_order, "auto_functionalized_v2", None)):
+    if t in _AUTO_FUNCTIONALIZED:
         t = n.args[0]
+    try:
+        return _NAMES[t]
+    except (KeyError, TypeError):
+        pass
     name = getattr(t, "name", None)
-    return name().split(".")[0] if callable(name) else None
+    out = name().split(".")[0] if callable(name) and isinstance(t, torch._ops.OpOverload) else None
+    try:
+        _NAMES[t] = out
+    except TypeError:
+        pass
+    return out
 
 
 def is_topk(n: Any) -> bool:
@@ -155,7 +168,10 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
         return []
     stream = max(chains, key=len)
     for r in stream:
-        if r.kind == "unknown":
+        dims = shape(r.prefix) or ()
+        if len(dims) != 2 and r.kind == "unknown":
+            r.why = f"the residual stream is {len(dims)}-D {list(dims)}: the fused ops take [M, hidden]"
+        elif r.kind == "unknown":
             _classify(r, pos.get(_base(r.prefix), 0), pos)
         elif r.kind == "attention":
             r.gemm = r.add.args[0]   # an o-proj already fused: its op

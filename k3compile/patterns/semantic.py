@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph import Fail, is_weight_like, val
+from .graph import Fail, concrete, is_weight_like, val
 
 MAX_NODES = 600
 
@@ -44,13 +44,20 @@ def region(outputs: list[Node], inputs: list[Node], max_nodes: int = MAX_NODES) 
         if len(seen) > max_nodes:
             return Fail(n, f"the region is over {max_nodes} nodes")
         stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(next(iter(outputs)).graph.nodes)}
-    return sorted(seen, key=order.__getitem__), sorted(leaves, key=order.__getitem__)
+    def key(n):   # graph order (FX keeps a sort key per node)
+        return n._sort_key
+
+    return sorted(seen, key=key), sorted(leaves, key=key)
 
 
 def _cpu(a):
+    """An argument as the CPU run takes it: devices -> cpu, symbolic sizes -> their example values
+    (read as hints: no guard is added, so a dynamic graph stays dynamic)."""
     if isinstance(a, torch.device):
         return torch.device("cpu")
+    if isinstance(a, (torch.SymInt, torch.SymFloat)):
+        h = a.node.hint
+        return h if h is not None else 4
     if isinstance(a, (list, tuple)):
         return type(a)(_cpu(x) for x in a)
     if isinstance(a, dict):
@@ -72,9 +79,11 @@ def module(nodes: list[Node], inputs: list[Node], outputs: list[Node]) -> GraphM
     return GraphModule(torch.nn.Module(), g)
 
 
-def random_like(n: Node, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def random_like(n: Node, gen: torch.Generator, scale: float = 1.0):
     v = val(n)
-    shape = [int(s) for s in v.shape]
+    if isinstance(v, torch.SymInt):   # a size the region reads (dynamic graphs): its example value
+        return concrete(v)
+    shape = [concrete(s) or 4 for s in v.shape]
     if v.dtype.is_floating_point:
         return (torch.randn(shape, generator=gen) * scale).to(v.dtype)
     if v.dtype == torch.bool:
@@ -91,7 +100,7 @@ def evaluate(outputs: list[Node], inputs: list[Node], make_inputs: Callable[[tor
     if isinstance(r, Fail):
         return r
     nodes, leaves = r
-    if any(not isinstance(val(x), torch.Tensor) for x in (*inputs, *leaves)):
+    if any(not isinstance(val(x), (torch.Tensor, torch.SymInt)) for x in (*inputs, *leaves)):
         return Fail(outputs[0], "the region's inputs have no example values")
     gm = module(nodes, inputs + leaves, outputs)
     with _real_tensors(), torch.no_grad():
@@ -102,7 +111,8 @@ def evaluate(outputs: list[Node], inputs: list[Node], make_inputs: Callable[[tor
             outs = gm(*xs, *ws)
         except Exception as e:  # noqa: BLE001 - a region that does not run is not this site
             return Fail(outputs[0], f"the region does not run on CPU ({type(e).__name__}: {str(e)[:80]})")
-        return check(outs, xs, dict(zip(leaves, ws)))
+        # the weight-like leaves that are tensors (a dynamic graph's size inputs are leaves too)
+        return check(outs, xs, {n: w for n, w in zip(leaves, ws) if isinstance(w, torch.Tensor)})
 
 
 class _real_tensors:
