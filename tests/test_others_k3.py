@@ -19,17 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from tests.others import run as R  # noqa: E402
 
-LAYERS, MOE = 4, 3
-# pass -> expected sites on the 4-layer decoders (per layer, per MoE layer; the residual norm: one
-# per MLP / MoE add, i.e. each layer input but the first, and the final norm)
-EXPECTED = {
-    "fuse_oproj_allreduce": LAYERS,
-    "fuse_residual_norm": LAYERS,
-    "fuse_router_topk": MOE,
-    "fold_moe_finalize": MOE,
-    "shard_router_latent": MOE,
-    "overlap_shared_expert": MOE,
-}
+from tests.others.run import EXPECTED, LAYERS, MOE  # noqa: E402
 # Sites that do not match yet, each with the reason the report gives (a failing test once they do):
 # the sharded router op computes bf16 logits, so an fp32 router GEMM stays; the side-stream shared
 # expert takes one [gate; up] weight, so separate gate and up projections stay.

@@ -19,24 +19,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-try:   # hypothesis is not in pyproject's [test] extras yet: only the property test needs it
-    from hypothesis import HealthCheck, given, note, settings
-    from hypothesis import strategies as st
-except ImportError:  # pragma: no cover
-    given = None
+from hypothesis import HealthCheck, given, note, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from tests.others import mixed as MX  # noqa: E402
 from tests.others import run as R  # noqa: E402
 
-LAYERS, MOE = 4, 3
-EXPECTED = {
-    "fuse_oproj_allreduce": LAYERS,
-    "fuse_residual_norm": LAYERS,
-    "fuse_router_topk": MOE,
-    "fold_moe_finalize": MOE,
-    "shard_router_latent": MOE,
-    "overlap_shared_expert": MOE,
-}
+from tests.others.run import EXPECTED, LAYERS, MOE  # noqa: E402
 ROUTER_FP32_REASON = "the router GEMM runs in torch.float32"
 
 # One fixed spelling per layer that uses every value of every key at least once (world 2 test).
@@ -102,8 +91,6 @@ def test_every_spelling_is_the_same_function():
 
 
 def _property_test(fn):
-    if given is None:
-        return pytest.mark.skip(reason="hypothesis is not installed (pip install hypothesis)")(fn)
     fn = given(spellings=st.lists(_layer_spelling(1), min_size=LAYERS, max_size=LAYERS),
                M=st.sampled_from([1, 3]))(fn)
     return settings(max_examples=4, deadline=None, derandomize=True, print_blob=True,

@@ -180,7 +180,9 @@ class OverlapSharedExpert(K3Pass):
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
                 why.append(f"{u.name}: down-projection does not return to the hidden size")
                 continue
-            found = dict(x=up.x, up=up, down=down, beta=act[0], lbeta=act[1], expert=expert)
+            xs = strip(up.x)   # the shared GEMM's input, before any view of it made later in the graph
+            found = dict(x=xs if shape(xs) == shape(up.x) else up.x, up=up, down=down, beta=act[0], lbeta=act[1],
+                         expert=expert)
             if role:
                 found["topk"] = topk   # the fused selection to pin the fork before, if fuse_router_topk ran
             return found

@@ -39,8 +39,6 @@ spellings substituted.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -367,26 +365,7 @@ def run(spellings, world: int = 1, rank: int = 0, M: int = 1, backend="k3-eager"
     return eager, compiled, rep
 
 
-def _worker(rank, world, port, jobs, out_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results = [run(world=world, rank=rank, **job) for job in jobs]
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
 def launch_many(jobs: list[dict], world: int = 2) -> list:
     """Each job (kwargs of `run` other than world/rank) on `world` spawned gloo ranks; rank 0's results."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from .run import free_port
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rank0.pt")
-        mp.spawn(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True)
-        return torch.load(out)
+    from .run import launch_many as launch
+    return launch(jobs, world, fn=run)

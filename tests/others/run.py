@@ -77,26 +77,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, jobs, out_path):
+def _worker(rank, world, port, jobs, out_path, fn=None):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        results = [run(world=world, rank=rank, **job) for job in jobs]
+        results = [(fn or run)(world=world, rank=rank, **job) for job in jobs]
         if rank == 0:
             torch.save(results, out_path)
     finally:
         dist.destroy_process_group()
 
 
-def launch_many(jobs: list[dict], world: int = 2) -> list:
-    """Run each job (kwargs of `run` other than world/rank) on `world` gloo ranks spawned with
-    torch.multiprocessing on 127.0.0.1; returns rank 0's list of (eager, compiled) results."""
+def launch_many(jobs: list[dict], world: int = 2, fn=None) -> list:
+    """Run each job (kwargs of `fn`, default `run`, other than world/rank; fn a module-level function)
+    on `world` gloo ranks spawned with torch.multiprocessing on 127.0.0.1; returns rank 0's results."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.pt")
-        mp.spawn(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), jobs, out, fn), nprocs=world, join=True)
         return torch.load(out)
+
+
+# Sites every role-anchored pass must match on the 4-layer decoders (KDA dense, KDA MoE, MLA MoE,
+# KDA MoE): per layer, per MoE layer; the residual norm once per MLP / MoE add (each layer input but
+# the first, and the final norm)
+LAYERS, MOE = 4, 3
+EXPECTED = {"fuse_oproj_allreduce": LAYERS, "fuse_residual_norm": LAYERS, "fuse_router_topk": MOE,
+            "fold_moe_finalize": MOE, "shard_router_latent": MOE, "overlap_shared_expert": MOE}
 
 
 def launch(style: str, world: int = 2, M: int = 1, backend=None, steps: int = 2, **kw):
