@@ -48,6 +48,9 @@ def _full_match(rep, tp):
             assert (p["skipped"] or "").startswith(f"TP={tp}:"), (name, p["skipped"])
             continue
         assert p["skipped"] is None, (name, p["skipped"])
+        if name in ("fold_resnorm_gemm", "fold_resnorm_moe"):   # measured slower, gated off on CUDA, to be deleted
+            assert p["matched"] == p["expected"], (name, p["matched"], p["expected"])   # on the look-alike now
+            continue
         assert p["matched"] == p["expected"] > 0, (name, p["matched"], p["expected"], p["near_misses"][:3])
 
 

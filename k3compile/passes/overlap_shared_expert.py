@@ -62,7 +62,9 @@ class OverlapSharedExpert(K3Pass):
 
     def run(self, graph, info, opts, report):
         pinned = 0
-        anchors = info.moe if info.by_role else info.experts
+        # the known expert ops where the graph has them (their latent input leads to the MoE input), else
+        # the MoEs found by role (the router's input)
+        anchors = info.experts or info.moe
         for s in self.collect(anchors, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
