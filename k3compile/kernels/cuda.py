@@ -178,23 +178,23 @@ def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
     return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
 
 
-def _ok_router(x, w_router, w_down, rank, tp, group):
-    return (x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype and w_down.dtype == x.dtype
+def _ok_router(x, w_router, w_down, rank, tp, group, router_fp32=False):
+    return (not router_fp32 and x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype and w_down.dtype == x.dtype
             and bool(group) and (w_router.shape[0] + w_down.shape[0]) % tp == 0)
 
 
-def _ok_router1(x, w_router, w_down, rank, tp, group):
-    return (tp == 1 and not group and x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype
+def _ok_router1(x, w_router, w_down, rank, tp, group, router_fp32=False):
+    return (not router_fp32 and tp == 1 and not group and x.dim() == 2 and x.dtype in _FLOAT and w_router.dtype == x.dtype
             and w_down.dtype == x.dtype and w_router.shape[1] == w_down.shape[1] == x.shape[1])
 
 
 @register("router_latent_sharded", "cuda", "one_gemm_triton", _ok_router1)
-def _router1(x, w_router, w_down, rank, tp, group):
+def _router1(x, w_router, w_down, rank, tp, group, router_fp32=False):
     return launch.router_latent_one(x, w_router, w_down)
 
 
 @register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
-def _router(x, w_router, w_down, rank, tp, group):
+def _router(x, w_router, w_down, rank, tp, group, router_fp32=False):
     S = (w_router.shape[0] + w_down.shape[0]) // tp
     ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size(), "router_latent_sharded", x.shape[0])
     if not ok or peers.world != tp or peers.rank != rank:
@@ -423,7 +423,9 @@ def _decode_bmm(x, w, w_nk, gate=None):
 
 
 @register("shared_expert_async", "cuda", "side_stream")
-def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta, after=None):
+def _shared_expert_async(x, w_gate_up, w_down, beta, linear_beta, after=None, w_up=None):
+    if w_up is not None:   # separate gate and up weights: both GEMMs, then the SiTU and down GEMM, on the side stream
+        return streams.fork(launch.situ_mlp2, x, w_gate_up, w_up, w_down, beta, linear_beta)
     return streams.fork(launch.situ_mlp if x.dim() == 2 else situ_mlp, x, w_gate_up, w_down, beta, linear_beta)
 
 

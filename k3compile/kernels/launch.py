@@ -992,6 +992,15 @@ def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Ten
     return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
 
 
+def situ_mlp2(x, w_gate, w_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
+    """The shared expert with separate gate and up weights: both GEMMs into one [M, 2I] buffer, the
+    SiTU kernel, the down GEMM."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gu = torch.cat([choose.gemm("shared_gate_up", x2, w_gate), choose.gemm("shared_gate_up", x2, w_up)], -1)
+    out = choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
+    return out.reshape(*x.shape[:-1], w_down.shape[0])
+
+
 def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_down, topk=None, cfg=None):
     """(upd, logits, latent) of k3::residual_norm_router_latent: one resnorm_gemm launch over [W_r; W_down]
     where the stacked shape has an MMA config whose BN divides the router's rows and the rows fit the

@@ -95,14 +95,16 @@ def _(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
 # ----------------------------------------------------------------- 3. sharded router + latent projection
 @torch.library.custom_op("k3::router_latent_sharded", mutates_args=())
 def router_latent_sharded(x: Tensor, w_router: Tensor, w_down: Tensor, rank: int, tp: int,
-                          group: Optional[str]) -> tuple[Tensor, Tensor]:
-    """(x @ W_r.T, x @ W_down.T), each rank computing 1/tp of the rows of [W_r; W_down], all-gathered."""
-    return _run("router_latent_sharded", ref.router_latent_sharded, x, w_router, w_down, rank, tp, group)
+                          group: Optional[str], router_fp32: bool = False) -> tuple[Tensor, Tensor]:
+    """(x @ W_r.T, x @ W_down.T), each rank computing 1/tp of the rows of [W_r; W_down], all-gathered.
+    router_fp32: the logits in fp32, as the model's x.float() @ W_r.float().T (gathered in fp32)."""
+    return _run("router_latent_sharded", ref.router_latent_sharded, x, w_router, w_down, rank, tp, group, router_fp32)
 
 
 @router_latent_sharded.register_fake
-def _(x, w_router, w_down, rank, tp, group):
-    return x.new_empty(x.shape[0], w_router.shape[0]), x.new_empty(x.shape[0], w_down.shape[0])
+def _(x, w_router, w_down, rank, tp, group, router_fp32=False):
+    logits = x.new_empty(x.shape[0], w_router.shape[0], dtype=torch.float32 if router_fp32 else x.dtype)
+    return logits, x.new_empty(x.shape[0], w_down.shape[0])
 
 
 @torch.library.custom_op("k3::router_topk", mutates_args=())
@@ -127,16 +129,17 @@ def _(logits, bias, k, scale, ids_int32=False, after=None):
 # ----------------------------------------------------------------- 4. side stream + prefetch
 @torch.library.custom_op("k3::shared_expert_async", mutates_args=())
 def shared_expert_async(x: Tensor, w_gate_up: Tensor, w_down: Tensor, beta: float, linear_beta: float,
-                        after: Optional[Tensor] = None) -> Tensor:
+                        after: Optional[Tensor] = None, w_up: Optional[Tensor] = None) -> Tensor:
     """The SiTU shared expert's TP-partial output, launched on the side stream (GPU); the result
     may only be read after `k3::stream_join`. `after` is not read: an ordering dependency (the
-    router logits, so no scheduler forks before the router GEMM)."""
-    return _run("shared_expert_async", lambda a, gu, dn, b, lb, _a: ref.shared_expert(a, gu, dn, b, lb),
-                x, w_gate_up, w_down, beta, linear_beta, after)
+    router logits, so no scheduler forks before the router GEMM). With `w_up`, `w_gate_up` is the
+    gate projection alone and `w_up` the up projection (a model with two weights)."""
+    return _run("shared_expert_async", lambda a, gu, dn, b, lb, _a, wu: ref.shared_expert_split(a, gu, dn, b, lb, wu),
+                x, w_gate_up, w_down, beta, linear_beta, after, w_up)
 
 
 @shared_expert_async.register_fake
-def _(x, w_gate_up, w_down, beta, linear_beta, after=None):
+def _(x, w_gate_up, w_down, beta, linear_beta, after=None, w_up=None):
     return x.new_empty(x.shape[0], w_down.shape[0])
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3compile.model.functional import attnres_mix, rms_norm, situ_mlp as shared_expert  # noqa: F401
+from k3compile.model.functional import attnres_mix, rms_norm, situ, situ_mlp as shared_expert  # noqa: F401
 
 
 def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
@@ -54,24 +54,29 @@ def moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group)
     return out
 
 
-def router_latent_sharded(x, w_router, w_down, rank, tp, group):
+def router_latent_sharded(x, w_router, w_down, rank, tp, group, router_fp32=False):
     """Rows [rank*s, (rank+1)*s) of [W_r; W_down] times x on each rank, all-gathered.
 
-    Returns (router logits in x.dtype [M, E], latent [M, L]) equal to the replicated GEMMs."""
+    Returns (router logits [M, E], latent [M, L]) equal to the replicated GEMMs: the logits in x.dtype,
+    or with router_fp32 as x.float() @ W_r.float().T (then the gather carries fp32; the latent's
+    round trip through fp32 is exact)."""
+    router = (lambda w: F.linear(x.float(), w.float())) if router_fp32 else (lambda w: F.linear(x, w))
     if tp == 1:
-        return F.linear(x, w_router), F.linear(x, w_down)
+        return router(w_router), F.linear(x, w_down)
     E, n = w_router.shape[0], w_router.shape[0] + w_down.shape[0]
     s = n // tp
     a, b = rank * s, (rank + 1) * s
     pieces = []
     if a < E:  # this rank's rows of W_r
-        pieces.append(F.linear(x, w_router[a:min(b, E)]))
+        pieces.append(router(w_router[a:min(b, E)]))
     if b > E:  # this rank's rows of W_down
         pieces.append(F.linear(x, w_down[max(a, E) - E:b - E]))
-    part = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)
+    part = torch.cat([t.to(pieces[0].dtype) for t in pieces], -1) if len(pieces) > 1 else pieces[0]
+    if router_fp32:
+        part = part.float()
     full = all_gather(part, group, tp)  # [tp, M, s]
     full = full.permute(1, 0, 2).reshape(x.shape[0], n)
-    return full[:, :E].clone(), full[:, E:].clone()  # fresh tensors: outputs may not alias
+    return full[:, :E].clone(), full[:, E:].to(x.dtype)  # fresh tensors: outputs may not alias
 
 
 def router_topk(logits, bias, k, scale, ids_int32=False):
@@ -171,6 +176,14 @@ def residual_norm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, e
     """k3::residual_norm_router_latent_topk: k3::residual_norm_router_latent, then the router's selection."""
     upd, logits, lat = residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
     return (upd, logits, lat, *router_topk(logits, bias, k, scale, ids_int32))
+
+
+def shared_expert_split(x, w_gate, w_down, beta, linear_beta, w_up=None):
+    """k3::shared_expert_async's math: the SiTU MLP over [gate; up] (one weight, or two with w_up)."""
+    if w_up is None:
+        return shared_expert(x, w_gate, w_down, beta, linear_beta)
+    gu = torch.cat([F.linear(x, w_gate), F.linear(x, w_up)], -1)
+    return F.linear(situ(gu, beta, linear_beta), w_down)
 
 
 def shared_expert_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):

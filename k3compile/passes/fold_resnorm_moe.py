@@ -98,8 +98,8 @@ class FoldResnormMoe(K3Pass):
             return Fail(n, "the op computes no norm (g is None)")
         x = outputs(n, 2)[1]
         readers = list(x.users)
-        rl = [u for u in readers if is_call(u, OPS["router_latent_sharded"]) and u.args[0] is x]
-        sh = [u for u in readers if is_call(u, OPS["shared_expert_async"]) and u.args[0] is x]
+        rl = [u for u in readers if is_call(u, OPS["router_latent_sharded"]) and u.args[0] is x and len(u.args) < 7]
+        sh = [u for u in readers if is_call(u, OPS["shared_expert_async"]) and u.args[0] is x and len(u.args) < 7]
         if len(readers) != 2 or len(rl) != 1 or len(sh) != 1:
             return Fail(x, f"the normed output is read by {', '.join(u.name for u in readers)}, not by one router "
                            "op and one shared-expert op alone")

@@ -100,4 +100,6 @@ class FoldRouterTopk(K3Pass):
         p, kind = got
         if kind == "router_latent_sharded" and (p.args[4] != 1 or p.args[5] is not None):
             return Fail(p, "the router op is sharded over ranks (the fold is TP=1 only)")
+        if kind == "router_latent_sharded" and len(p.args) > 6 and p.args[6]:
+            return Fail(p, "the router logits are fp32 (the folded op computes them in the model dtype)")
         return top, p, kind

@@ -3,8 +3,9 @@
 Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles; the MoE
 input is the router GEMM's input, the routed work the join waits for is the experts' results):
     s = SiTU(x @ W_gate_up.T) @ W_down.T      # x: the MoE input (the routed experts' router input)
+    s = SiTU(x @ W_gate.T, x @ W_up.T) @ W_down.T   # or two GEMMs (the gate is the one under the sigmoid)
 Emits:
-    h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta, logits)
+    h = k3::shared_expert_async(x, W_gate_up, W_down, beta, linear_beta, logits)   # (..., logits, W_up): two
     ids, w = k3::router_topk(logits, ..., after=h)   # the fused selection, when fuse_router_topk fired
     s = k3::stream_join(h, y_routed)        # right before s's first user, after the routed experts
 The fork is pinned between the router GEMM and its top-k by two ordering-only arguments (neither
@@ -68,14 +69,16 @@ class OverlapSharedExpert(K3Pass):
         for s in self.collect(anchors, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)
+            wu = [weight_out_in(graph, s["up2"], s["up"].out)] if s["up2"] is not None else []   # separate up weight
             tk = (s["topk"] if "topk" in s else _router_topk_of(s["expert"])) if opts.pin_shared_fork else None
             if tk is None:
-                anchor = last_of(graph, [s["x"], gu, dn])
-                h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"]))
+                anchor = last_of(graph, [s["x"], gu, dn, *wu])
+                h = emit(graph, anchor, OPS["shared_expert_async"],
+                         (s["x"], gu, dn, s["beta"], s["lbeta"], *((None, *wu) if wu else ())))
             else:   # pinned: router GEMM -> fork -> top-k (ordering-only arguments on both ops)
                 logits = tk.args[0]
-                anchor = last_of(graph, [s["x"], gu, dn, logits])
-                h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"], logits))
+                anchor = last_of(graph, [s["x"], gu, dn, logits, *wu])
+                h = emit(graph, anchor, OPS["shared_expert_async"], (s["x"], gu, dn, s["beta"], s["lbeta"], logits, *wu))
                 order = _order(graph)
                 if order[h] > order[tk]:
                     raise RuntimeError(f"the shared expert's fork lands after the router top-k {tk.name}")
@@ -173,30 +176,37 @@ class OverlapSharedExpert(K3Pass):
             if isinstance(down, Fail) or down.residual is not None or not is_weight_like(down.w):
                 why.append(f"{u.name}: no plain down-projection GEMM follows")
                 continue
-            act = self.situ_between(u, down.x)
+            act, up2 = self.situ_between([u], down.x), None
+            if isinstance(act, Fail) and is_call(act.node, aten.mm.default):   # separate gate and up GEMMs?
+                other = match_linear(act.node)
+                if (not isinstance(other, Fail) and is_weight_like(other.w) and other.bias is None
+                        and strip(other.x, converts=True) is strip(up.x, converts=True) and shape(other.out) == shape(u)):
+                    act = self.situ_between([u, act.node], down.x)
+                    if not isinstance(act, Fail):
+                        gate_first, act = act[2], act[:2]
+                        up, up2 = (up, other) if gate_first else (other, up)
             if isinstance(act, Fail):
-                two = is_call(act.node, aten.mm.default) and strip(match_linear(act.node).x, converts=True) is strip(x, converts=True)
-                why.append(f"{u.name}: " + ("the gate and up projections are two GEMMs on the MoE input "
-                                            "(k3::shared_expert_async takes one [gate; up] weight)" if two else act.reason))
+                why.append(f"{u.name}: {act.reason}")
                 continue
             if shape(d) is None or shape(d)[-1] != shape(x)[-1]:
                 why.append(f"{u.name}: down-projection does not return to the hidden size")
                 continue
             xs = strip(up.x)   # the shared GEMM's input, before any view of it made later in the graph
-            found = dict(x=xs if shape(xs) == shape(up.x) else up.x, up=up, down=down, beta=act[0], lbeta=act[1],
-                         expert=expert)
+            found = dict(x=xs if shape(xs) == shape(up.x) else up.x, up=up, up2=up2, down=down, beta=act[0],
+                         lbeta=act[1], expert=expert)
             if role:
                 found["topk"] = topk   # the fused selection to pin the fork before, if fuse_router_topk ran
             return found
         return Fail(x, "no shared expert (x @ W_gu.T -> SiTU -> @ W_down.T back to hidden) on the MoE input"
                        + (f" ({'; '.join(why)})" if why else ""))
 
-    def situ_between(self, start, end):
-        """(beta, linear_beta) if `end` is computed from `start` by SiTU's elementwise ops only."""
+    def situ_between(self, starts, end):
+        """(beta, linear_beta) if `end` is computed from `starts` by SiTU's elementwise ops only: one
+        [gate | up] GEMM, or the gate and up GEMMs (then (beta, linear_beta, starts[0] is the gate))."""
         region, stack = set(), [end]
         while stack:
             n = stack.pop()
-            if n is start or n in region:
+            if n in starts or n in region:
                 continue
             if not is_call(n) or n.target not in _ELEMENTWISE:
                 return Fail(n, f"shared expert activation contains {describe(n)}")
@@ -204,18 +214,25 @@ class OverlapSharedExpert(K3Pass):
             stack.extend(a for a in n.args if hasattr(a, "op"))
             if len(region) > 40:
                 return Fail(n, "shared expert activation is too large to be SiTU")
+        gate = None
+        if len(starts) == 2:   # the gate is the GEMM the sigmoid reads
+            sig = [strip(n.args[0], views=True, converts=True) for n in region if is_call(n, aten.sigmoid.default)]
+            if len(sig) != 1 or sig[0] not in starts:
+                return Fail(end, "the shared expert's two GEMMs do not meet in SiTU (one sigmoid of the gate)")
+            gate = sig[0]
         consts = {}
         for n in region:
             if is_call(n, aten.tanh.default):
                 d = n.args[0]
                 if is_call(d, aten.div.Tensor) and scalar(d.args[1]) is not None:
                     gi = strip(d.args[0], views=True, converts=True)
-                    idx = (gi.args[1] if is_call(gi, operator.getitem)   # split(gu, n)[i] or gu[:, a:b]
+                    idx = ((0 if gi is gate else 1 if gi in starts else None) if gate is not None
+                           else gi.args[1] if is_call(gi, operator.getitem)   # split(gu, n)[i] or gu[:, a:b]
                            else (0 if gi.args[2] in (0, None) else 1) if is_call(gi, aten.slice.Tensor) else None)
                     consts[idx] = scalar(d.args[1])
         if set(consts) != {0, 1}:
             return Fail(end, "shared expert activation is not SiTU (two tanh(x / c) on the gate and up halves)")
-        return consts[0], consts[1]
+        return (consts[0], consts[1]) if gate is None else (consts[0], consts[1], gate is starts[0])
 
     def place_prefetch(self, graph, budget: int) -> int:
         nodes = list(graph.nodes)

@@ -7,6 +7,9 @@ both weights, split into [logits, latent], matches too):
     lat    = x @ W_down.T   # [N, L], replicated weight, the expert op's input
 Emits:
     logits, lat = k3::router_latent_sharded(x, W_r, W_down, rank, tp, group)
+    (an fp32 router, x.float() @ W_r.float().T, keeps its fp32 logits: the op's router_fp32 argument;
+    the CUDA kernels compute bf16 logits, so that call runs the op's reference: the rank's router rows
+    in fp32, the gather in fp32)
 At TP > 1 rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, in one GEMM,
 then one all-gather; the one rank whose rows straddle both weights runs the GEMM over its rows of
 each weight in one launch (launch.mma_gemm2) where the tuned config's tile divides its router rows
@@ -26,7 +29,10 @@ from __future__ import annotations
 
 from ..ops import OPS
 import collections
+import dataclasses
 import operator
+
+import torch
 
 from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, dtype, is_call, is_weight_like, match_linear, shape,
                               strip, val, weight_out_in)
@@ -48,7 +54,7 @@ class ShardRouterLatent(K3Pass):
 
     def run(self, graph, info, opts, report):
         anchors = info.moe if info.by_role else info.experts
-        for router, latent in self.collect(anchors, lambda e: self.match(e, info), report):
+        for router, latent, *fp32 in self.collect(anchors, lambda e: self.match(e, info), report):
             if isinstance(router, tuple):   # one GEMM over [W_r; W_down], split: its rows
                 self.rewrite_split(graph, router, latent, info)
                 report.matched += 1
@@ -56,7 +62,9 @@ class ShardRouterLatent(K3Pass):
             wr = weight_out_in(graph, router, last_of(graph, [router.out, latent.out]))
             wd = weight_out_in(graph, latent, last_of(graph, [router.out, latent.out]))
             anchor = last_of(graph, [router.x, wr, wd])
-            op = emit(graph, anchor, OPS["router_latent_sharded"], (router.x, wr, wd, info.rank, info.tp, info.group))
+            flag = (True,) if fp32 and fp32[0] else ()
+            op = emit(graph, anchor, OPS["router_latent_sharded"],
+                      (router.x, wr, wd, info.rank, info.tp, info.group, *flag))
             lat = getitem(graph, op, 1)
             logits = getitem(graph, op, 0)
             replace(graph, router.out, logits)
@@ -131,9 +139,14 @@ class ShardRouterLatent(K3Pass):
             return Fail(logits, f"the router logits are not a GEMM ({router.reason})")
         if not is_weight_like(router.w) or router.bias is not None or router.residual is not None:
             return Fail(logits, "the router GEMM has a bias or a computed weight")
-        if dtype(router.x) != info.dtype:
-            return Fail(logits, f"the router GEMM runs in {dtype(router.x)} (its inputs cast up): the sharded op "
-                                f"computes the logits in {info.dtype}")
+        fp32 = dtype(router.x) != info.dtype
+        if fp32:   # x.float() @ W_r.float().T: the op's fp32 logits from the uncast input and weight
+            x16 = _uncast(router.x, info.dtype)
+            if dtype(router.x) != torch.float32 or x16 is None or dtype(strip(router.w, converts=True)) not in (
+                    info.dtype, torch.float32):
+                return Fail(logits, f"the router GEMM runs in {dtype(router.x)} on an input that is not a "
+                                    f"{info.dtype} tensor cast up: the sharded op takes a {info.dtype} input")
+            router = dataclasses.replace(router, x=x16, w=strip(router.w, converts=True))
         x = strip(router.x, converts=True)
         y = _expert_results(r)
         lats = [u for u in _readers(x) if u is not strip(logits) and is_call(u, aten.mm.default)
@@ -143,13 +156,13 @@ class ShardRouterLatent(K3Pass):
         latent = match_linear(lats[0])
         if isinstance(latent, Fail) or not is_weight_like(latent.w) or latent.bias is not None:
             return Fail(lats[0], "the latent projection has a bias or a computed weight")
-        if dtype(router.w) != dtype(latent.w):
+        if dtype(router.w) != dtype(latent.w) and not fp32:
             return Fail(lats[0], f"router weight dtype {dtype(router.w)} != latent weight dtype {dtype(latent.w)}: "
                                  "one GEMM needs one dtype")
         total = n_exp + shape(lats[0])[-1]
         if total % info.tp:
             return Fail(lats[0], f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
-        return router, latent
+        return router, latent, fp32
 
 
 def _logits(topk):
@@ -157,6 +170,15 @@ def _logits(topk):
         s = selection(topk)
         return s if isinstance(s, Fail) else s.logits
     return topk.args[0]   # k3::router_topk(logits, ...)
+
+
+def _uncast(n, dt):
+    """The tensor of dtype dt that n is a chain of casts (and views) of, nearest first; else None."""
+    while is_call(n, *CONVERT_OPS, *VIEW_OPS):
+        n = n.args[0]
+        if dtype(n) == dt:
+            return n
+    return None
 
 
 def _readers(x):

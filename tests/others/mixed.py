@@ -21,7 +21,9 @@ Spelling keys and values:
              "c10d"       torch.ops._c10d_functional.all_reduce(t, "sum", name) + wait_tensor
              "inplace"    dist.all_reduce(t, group=group), then t is used
   router     "bf16"       router GEMM in the model dtype (the layer's gemm spelling), then .float()
-             "fp32"       torch.matmul(x.float(), W.float().T)  (a known near-miss of shard_router_latent)
+             "fp32"       torch.matmul(x.float(), W.float().T)
+  shared     "fused"      one [gate; up] GEMM, SiTU over its halves
+             "split"      separate gate and up GEMMs (weights split at build), SiTU(gate, up)
   renorm     "plain"      w / w.sum(-1, keepdim=True)
              "eps"        w / (w.sum(-1, keepdim=True) + 1e-20)
              "scale"      w * (scale / (w.sum(-1, keepdim=True) + eps))
@@ -59,14 +61,26 @@ SPELLINGS = {
     "tail": ("pad", "slice_iadd", "narrow_add_"),
     "mixer": ("stack_softmax", "unrolled"),
     "router": ("bf16", "fp32"),
+    "shared": ("fused", "split"),
 }
 # functional.py's own spellings (its router is the fp32 one)
 FUNCTIONAL = dict(gemm="matmul_op", norm="rsqrt_after", residual="delta_prefix", allreduce="c10d",
-                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", router="fp32")
+                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", router="fp32", shared="fused")
 DEFAULT = dict(FUNCTIONAL, router="bf16")
 
 tiny_config = FN.tiny_config
-build = FN.build
+
+
+def build(*args, **kwargs):
+    """functional.py's weights, plus each shared expert's gate and up halves as weights of their own
+    (for the "split" spelling)."""
+    W = FN.build(*args, **kwargs)
+    for k in [k for k in W.w if k.endswith(".shared.gate_up")]:
+        gate, up = W.w[k].chunk(2, 0)
+        W.w[k.replace("gate_up", "gate")], W.w[k.replace("gate_up", "up")] = gate.contiguous(), up.contiguous()
+    return W
+
+
 new_cache = FN.new_cache
 
 
@@ -285,7 +299,13 @@ def latent_moe(x, W, p, sp):
     routed = finalize(tw, out.float(), sp).to(x.dtype)
     routed = all_reduce(routed, W, sp)
     tail = gemm(rms_norm(routed, w[f"{p}.lat_norm"], cfg.rms_norm_eps, sp), w[f"{p}.lat_up"], sp)
-    shared = gemm(FN.situ(gemm(x, w[f"{p}.shared.gate_up"], sp), cfg).to(x.dtype), w[f"{p}.shared.down"], sp)
+    if sp.get("shared", "fused") == "split":
+        g, u = gemm(x, w[f"{p}.shared.gate"], sp).float(), gemm(x, w[f"{p}.shared.up"], sp).float()
+        act = (cfg.situ_beta * torch.tanh(g / cfg.situ_beta) * torch.sigmoid(g)
+               * (cfg.situ_linear_beta * torch.tanh(u / cfg.situ_linear_beta)))
+    else:
+        act = FN.situ(gemm(x, w[f"{p}.shared.gate_up"], sp), cfg)
+    shared = gemm(act.to(x.dtype), w[f"{p}.shared.down"], sp)
     return all_reduce(tail_add(shared, tail, W, sp), W, sp)
 
 
