@@ -509,3 +509,41 @@ def test_inductor_mode_runs_the_passes_in_inductor():
     out = ok(k3c("explain", "fuse_oproj_allreduce", "--model", "layer-kda", "--tp", 1, "--inductor",
                  "--dtype", "float32"))
     assert "1/1 sites" in out and "no near-misses" in out
+
+
+# ------------------------------------------------------------------------------------------------ k3c bench
+@pytest.mark.parametrize("args, code, line", [
+    (["--layers", "2xyz"], 2, "--layers: '2xyz' is not a layer kind"),
+    (["--layers", ","], 2, "--layers: no layer given"),
+    (["--ms", "1,a"], 2, "--ms: '1,a' is not a list of integers"),
+    (["--ms", "0"], 2, "--ms: batch sizes must be >= 1"),
+    (["--tp", "0"], 2, "--tp must be >= 1"),
+    (["--tp", "5"], 1, None),   # no GPU here; on a GPU: heads do not split over 5
+])
+def test_bench_refuses_bad_input_in_one_line(args, code, line):
+    r = k3c("bench", *args)
+    assert r.exit_code == code, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("k3c: error: "), r.output
+    if line is not None:
+        assert line in lines[0], r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU refusal")
+def test_bench_without_gpu_is_one_line():
+    r = k3c("bench")
+    assert r.exit_code == 1 and r.output.strip() == (
+        "k3c: error: k3c bench needs a CUDA GPU and none is visible (torch.cuda.is_available() is False)"), r.output
+
+
+def test_bench_layer_choice_and_widths():
+    from k3compile.cli import bench as B
+    assert B.parse_layers("3kda,1mla") == ["kda"] * 3 + ["mla"] == B.parse_layers("kda, kda,kda,MLA")
+    cfg = B.config(8, 1024)
+    ids = B.layer_ids(cfg, B.parse_layers("3kda,1mla"))
+    assert ids == sorted(set(ids)) and all(not cfg.is_dense(i) for i in ids)
+    assert [cfg.is_mla(i) for i in ids] == [False, False, False, True]
+    assert (cfg.kda_heads, cfg.expert_inter) == (96 // 8, 3072 // 8)
+    with pytest.raises(B.BenchError, match="does not split"):
+        B.config(5, 1024)

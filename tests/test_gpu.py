@@ -37,6 +37,44 @@ def test_side_stream_ops_match_reference():
     torch.testing.assert_close(out, situ_mlp(x, wgu, wdn, 4.0, 25.0))
 
 
+@pytest.mark.parametrize("M", [1, 16])
+def test_shared_expert_with_separate_gate_and_up_graphed(M):
+    """k3::shared_expert_async with w_up (a model's separate gate and up weights, at real per-rank TP=8
+    widths): both GEMMs, the SiTU kernel and the down GEMM on the side stream, in a CUDA graph."""
+    from k3compile.model.functional import situ_mlp
+    torch.manual_seed(0)
+    x = torch.randn(M, 7168, device="cuda", dtype=torch.bfloat16)
+    wg, wu = (torch.randn(768, 7168, device="cuda", dtype=torch.bfloat16) / 85 for _ in range(2))
+    wdn = torch.randn(7168, 768, device="cuda", dtype=torch.bfloat16) / 28
+    after = torch.ones(1, device="cuda")
+
+    def fn():
+        return torch.ops.k3.stream_join(torch.ops.k3.shared_expert_async(x, wg, wdn, 4.0, 25.0, None, wu), after)
+    ref = situ_mlp(x, torch.cat([wg, wu]), wdn, 4.0, 25.0)
+    torch.testing.assert_close(fn(), ref, atol=2e-2, rtol=2e-2)
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_router_latent_fp32_logits_on_cuda():
+    """k3::router_latent_sharded with router_fp32 at TP=1 on CUDA: fp32 logits equal to the model's
+    x.float() @ W_r.float().T (the kernels decline the flag; the reference runs), the latent in bf16."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 7168, device="cuda", dtype=torch.bfloat16)
+    wr = torch.randn(896, 7168, device="cuda", dtype=torch.bfloat16) / 85
+    wd = torch.randn(3584, 7168, device="cuda", dtype=torch.bfloat16) / 85
+    logits, lat = torch.ops.k3.router_latent_sharded(x, wr, wd, 0, 1, None, True)
+    assert logits.dtype == torch.float32 and lat.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, x.float() @ wr.float().T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lat, x @ wd.T, atol=2e-2, rtol=2e-2)
+
+
 def _tiny(dtype="bfloat16", layers=4):
     cfg = K3Config.tiny(dtype=dtype, num_layers=layers)
     return cfg, K3Model(cfg, device="cuda")

@@ -587,3 +587,59 @@ def bisect(
 
 def main() -> None:  # `python -m k3compile.cli`
     app(prog_name="k3c")
+
+
+@app.command()
+def bench(
+    layers: Annotated[str, typer.Option("--layers", "-l", metavar="KINDS",
+                                        help="the layers of the step, in order: kda,kda,kda,mla or 3kda,1mla")] = "3kda,1mla",
+    tp: Annotated[int, typer.Option("--tp", help="per-rank widths of this TP size (one GPU, no communication)")] = 8,
+    ms: Annotated[str, typer.Option("--ms", metavar="M,M", help="batch sizes (sequences per decode step)")] = "1,16,64",
+    ctx: Annotated[int, typer.Option("--ctx", help="MLA: cached tokens attended to")] = 1024,
+    rounds: Annotated[int, typer.Option("--rounds", help="timing rounds per mode (median reported)")] = 3,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="also write the result as JSON",
+                                               show_default=False)] = None,
+):
+    """Time decode steps of real-width K3 layers on one GPU: eager, Inductor and k3 under CUDA graphs;
+    us per step and per layer, speedup over the faster baseline, kernels per step, and k3's time over
+    the bytes floor (the bytes the step must read at the measured bandwidth, experts as routed)."""
+    from . import bench as B
+    _at_least(tp, "--tp", 1)
+    _at_least(ctx, "--ctx", 1)
+    _at_least(rounds, "--rounds", 1)
+    try:
+        kinds = B.parse_layers(layers)
+        batch = [int(m) for m in ms.split(",") if m.strip()]
+    except ValueError:
+        fail(f"--ms: {ms!r} is not a list of integers (e.g. 1,16,64)", 2)
+    except B.BenchError as e:
+        fail(str(e), 2)
+    if not batch or min(batch) < 1:
+        fail("--ms: batch sizes must be >= 1", 2)
+    if out is not None and (pathlib.Path(out).is_dir() or not pathlib.Path(out).resolve().parent.is_dir()):
+        fail(f"--out: {out} is a folder or its folder does not exist", 2)
+    con = _out()
+    try:
+        res = B.run(kinds, tp, batch, ctx=ctx, rounds=rounds, progress=lambda s: con.print(Text(s, style="dim")))
+    except B.BenchError as e:
+        fail(str(e))
+    t = Table(box=box.SIMPLE_HEAD, title=f"{len(kinds)} layers ({','.join(kinds)}), TP={tp} widths, {res['gpu']}, "
+                                         f"torch {res['torch']}; us per decode step (CUDA graph, launch hidden)")
+    for c in ("M", "eager", "inductor", "k3", "k3 / layer", "speedup", "kernels e / i / k3", "k3 / floor", "experts"):
+        t.add_column(c, justify="right")
+    for r in res["rows"]:
+        us, k = r["us"], r["kernels"]
+        t.add_row(str(r["M"]), f"{us['eager']:.1f}", f"{us['inductor']:.1f}", Text(f"{us['k3']:.1f}", style="bold"),
+                  f"{r['us_per_layer']['k3']:.1f}", Text(f"{r['speedup']:.2f}x", style="green" if r["speedup"] >= 1 else "red"),
+                  f"{k['eager']} / {k['inductor']} / {k['k3']}", f"{r['k3_vs_floor']:.2f}x ({r['floor_us']:.0f} us)",
+                  "+".join(map(str, r["distinct_experts"])))
+    con.print(t)
+    con.print(f"speedup: the faster of eager and Inductor over k3. floor: bytes the step reads / "
+              f"{res['hbm_bytes_per_s'] / 1e12:.2f} TB/s measured; experts: distinct routed experts per MoE layer.")
+    for note in dict.fromkeys(n for r in res["rows"] for n in r["kernels_note"]):
+        con.print(Text(note, style="dim"))
+    errs = max(max(r["rel_err_vs_eager"].values()) for r in res["rows"])
+    con.print(f"max rel error of the step's residual vs eager (Inductor, k3): {errs:.3g}")
+    if out:
+        B.write(out, res, "k3c " + " ".join(sys.argv[1:]))
+        con.print(f"wrote {out}")
