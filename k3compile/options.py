@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 PASS_ORDER = (
     "shard_router_latent",
     "fuse_router_topk",       # after shard_router_latent: the logits may be its all-gathered ones
+    "lower_mxfp4_experts",    # after fuse_router_topk (its ids); before fold_moe_finalize (which takes its op)
     "fold_moe_finalize",
     "fuse_oproj_allreduce",
     "fuse_residual_norm",     # after fuse_oproj_allreduce: the mixers that pass leaves
@@ -144,7 +145,7 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
 # fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
 # (fold_resnorm_gemm, fold_resnorm_moe and fold_router_topk until their run of 2026-12-05, above)
-CUDA_UNMEASURED: set[str] = set()
+CUDA_UNMEASURED: set[str] = {"lower_mxfp4_experts"}
 
 
 @dataclass(frozen=True)

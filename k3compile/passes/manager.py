@@ -30,7 +30,7 @@ from .canonicalize import canonicalize
 from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
                fold_mla_prologue, fold_resnorm_gemm, fold_resnorm_moe, fold_router_topk,
                fold_moe_finalize, fold_norm_gemv, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
-               lower_decode_gemm, overlap_shared_expert, shard_router_latent)
+               lower_decode_gemm, lower_mxfp4_experts, overlap_shared_expert, shard_router_latent)
 
 log = logging.getLogger("k3compile")
 
@@ -38,6 +38,7 @@ PASSES = {
     p.name: p for p in (
         shard_router_latent.ShardRouterLatent(),
         fuse_router_topk.FuseRouterTopk(),
+        lower_mxfp4_experts.LowerMxfp4Experts(),
         fold_moe_finalize.FoldMoeFinalize(),
         fuse_oproj_allreduce.FuseOprojAllreduce(),
         fuse_residual_norm.FuseResidualNorm(),

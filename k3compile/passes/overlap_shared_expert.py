@@ -63,9 +63,9 @@ class OverlapSharedExpert(K3Pass):
 
     def run(self, graph, info, opts, report):
         pinned = 0
-        # the known expert ops where the graph has them (their latent input leads to the MoE input), else
+        # the known expert ops where every MoE has one (their latent input leads to the MoE input), else
         # the MoEs found by role (the router's input)
-        anchors = info.experts or info.moe
+        anchors = info.experts if len(info.experts) >= len(info.moe) else info.moe
         for s in self.collect(anchors, self.match, report):
             gu = weight_out_in(graph, s["up"], s["up"].out)
             dn = weight_out_in(graph, s["down"], s["up"].out)

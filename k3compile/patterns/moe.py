@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Node
 
 from . import semantic
-from .graph import CONVERT_OPS, VIEW_OPS, Fail, aten, c10d, describe, is_call, is_weight_like, shape, strip, strip_converts
+from .graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, c10d, concrete, describe, is_call, is_weight_like, scalar, shape,
+                    strip, strip_converts, val)
 from .router import RouterTopkSite, match_router_topk
 
 # ops a selection's renormalisation, or a finalize's weighting, is written with
@@ -243,3 +245,144 @@ def tail_add(up: Node, final: Node, rank: int) -> Node | Fail:
 
     return semantic.evaluate([final], [up, shared], lambda g: [semantic.random_like(up, g),
                                                                 semantic.random_like(shared, g)], check)
+
+
+# ------------------------------------------------------------------------------ plain-torch MXFP4 experts
+@dataclass
+class ExpertsSite:
+    """The routed experts written in plain torch: y [M, k, L] computed from the latent x [M, L] and the
+    selected ids [M, k] with the packed MXFP4 weights (K3-SPEC: w13 [E, 2I, L/2] codes + [E, 2I, L/32]
+    E8M0 scales, w2 [E, L, I/2] + [E, L, I/32])."""
+    y: Node
+    x: Node
+    ids: Node
+    w13: Node
+    w13_scale: Node
+    w2: Node
+    w2_scale: Node
+    beta: float
+    linear_beta: float
+
+
+# the most values of one dequantised [M, k, 2I, L] tensor the verification runs (about 256 MB in fp32;
+# M = 1 and 2 at K3's TP=8 per-rank widths)
+_VERIFY_MAX = 1 << 26
+# SiTU's (beta, linear_beta) to try: the spec's, then any pair of the region's tanh divisors
+_SITU = ((4.0, 25.0),)
+
+
+def experts(y: Node, ids: Node) -> ExpertsSite | Fail:
+    """The plain-torch routed experts behind y (the finalize's [M, k, L] input), verified by running
+    the region on random codes, scales, latent and ids against k3model::mxfp4_experts."""
+    ys, ids_s = shape(y), shape(ids)
+    if ys is None or ids_s is None or len(ys) != 3 or tuple(ys[:2]) != tuple(ids_s):
+        return Fail(y, "the expert outputs are not [M, k, L] for the selected ids")
+    m, k, L = ys
+    xs = _latent_candidates(y, ids, m, L)
+    if not xs:
+        return Fail(y, f"no [M, {L}] latent input found behind the expert outputs")
+    why = None
+    for x in xs:
+        r = semantic.region([y], [x, ids])
+        if isinstance(r, Fail):
+            why = why or r
+            continue
+        nodes, leaves = r
+        opaque = [n for n in nodes if not _is_aten(n)]
+        if opaque:
+            return Fail(opaque[0], f"the experts are computed by an opaque op ({describe(opaque[0])}): "
+                                   "only plain-torch experts are lowered")
+        got = _classify(leaves, L, y)
+        if isinstance(got, Fail):
+            return got
+        w13, s13, w2, s2 = got
+        divs = sorted({scalar(n.args[1]) for n in nodes if is_call(n, aten.div.Tensor) and scalar(n.args[1])
+                       and any(is_call(u, aten.tanh.default) for u in n.users)} - {None})
+        tries = list(_SITU) + ([(divs[0], divs[1]), (divs[1], divs[0])] if len(divs) == 2 else [])
+        # the experts as k of them: the region gathers the selected ones, so E appears only in the
+        # weights' shapes (a region that bakes E into a view does not run and is not this site)
+        E = concrete(k)
+        two_i = concrete(shape(w13)[1])
+        size = (concrete(m) or 1) * E * two_i * concrete(L)
+        if size > _VERIFY_MAX:
+            return Fail(y, f"the experts' dequantised weights ({size} values for M={m}) are too large to verify "
+                           f"when compiling (limit {_VERIFY_MAX}): compile at a smaller M, or use an expert op")
+
+        def leaf_value(n, gen):
+            v = val(n)
+            if n in (w13, w2, s13, s2):
+                lo, hi = (0, 256) if n in (w13, w2) else (119, 124)
+                return torch.randint(lo, hi, (E, *(concrete(s) for s in v.shape[1:])), generator=gen).to(torch.uint8)
+            if n.op == "get_attr":       # a constant (a value table): its own value
+                return _attr(n)
+            return Fail(n, f"the experts read {n.name} {tuple(v.shape)} {v.dtype}, a graph input whose values are "
+                           "not known when compiling (a value table passed in: make it a constant)")
+
+        def inputs(gen):
+            xv = torch.randn(m, L, generator=gen).to(val(x).dtype)
+            iv = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(m)]).to(val(ids).dtype)
+            return [xv, iv]
+
+        def check(outs, xv, lv, w13=w13, s13=s13, w2=w2, s2=s2, x=x):
+            (yv,), (xx, iv) = outs, xv
+            for beta, lb in tries:
+                ref = torch.ops.k3model.mxfp4_experts(xx, iv.long(), lv[w13], lv[s13], lv[w2], lv[s2], beta, lb)
+                if semantic.close(yv.float(), ref.float(), 3e-2, 3e-2 * float(ref.abs().max())):
+                    return ExpertsSite(y, x, ids, w13, s13, w2, s2, beta, lb)
+            return Fail(y, "the expert outputs differ from the MXFP4 experts of these codes and scales "
+                           "(another layout, value table or activation)")
+        got = semantic.evaluate([y], [x, ids], inputs, check, leaf_value=leaf_value)
+        if not isinstance(got, Fail):
+            return got
+        why = got
+    return why
+
+
+def _latent_candidates(y: Node, ids: Node, m, L) -> list[Node]:
+    """[M, L] model-dtype tensors behind y (nearest first), not through the ids."""
+    out, seen, queue = [], {y, ids}, [y]
+    while queue and len(seen) < 400:
+        n = queue.pop(0)
+        for a in n.all_input_nodes:
+            if a in seen:
+                continue
+            seen.add(a)
+            s = shape(a)
+            if s is not None and tuple(s) == (m, L) and val(a).dtype in (torch.bfloat16, torch.float16, torch.float32) \
+                    and not is_call(a, *VIEW_OPS, *CONVERT_OPS):
+                out.append(a)
+                continue
+            if a.op == "call_function":
+                queue.append(a)
+    return out
+
+
+def _classify(leaves: list[Node], L, y: Node):
+    """(w13, w13_scale, w2, w2_scale) among the region's uint8 graph inputs, by their K3 shapes."""
+    u8 = [n for n in leaves if getattr(val(n), "dtype", None) == torch.uint8 and len(shape(n) or ()) == 3]
+    if len(u8) != 4:
+        return Fail(y, f"the experts read {len(u8)} uint8 [E, N, K] weights, expected 4 (w13, its scales, w2, its "
+                       "scales)")
+    by = {tuple(shape(n)): n for n in u8}
+    for w13 in u8:
+        E, two_i, half_l = shape(w13)
+        if half_l * 2 != L or two_i % 2:
+            continue
+        i = two_i // 2
+        got = by.get((E, two_i, L // 32)), by.get((E, L, i // 2)), by.get((E, L, i // 32))
+        if all(g is not None for g in got) and len({w13, *got}) == 4:
+            return w13, got[0], got[1], got[2]
+    return Fail(y, "the uint8 weights are not w13 [E, 2I, L/2] + [E, 2I, L/32] and w2 [E, L, I/2] + [E, L, I/32]")
+
+
+def _is_aten(n: Node) -> bool:
+    t = n.target
+    return (isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and t.namespace in ("aten", "prims")) \
+        or t is operator.getitem
+
+
+def _attr(n: Node):
+    obj = n.graph.owning_module
+    for part in n.target.split("."):
+        obj = getattr(obj, part, None)
+    return obj.detach().cpu() if isinstance(obj, torch.Tensor) else Fail(n, f"constant {n.target} has no value")

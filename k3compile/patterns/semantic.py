@@ -92,10 +92,11 @@ def random_like(n: Node, gen: torch.Generator, scale: float = 1.0):
 
 
 def evaluate(outputs: list[Node], inputs: list[Node], make_inputs: Callable[[torch.Generator], list],
-             check: Callable, seed: int = 0):
+             check: Callable, seed: int = 0, leaf_value: Callable | None = None):
     """Run the region computing `outputs` from `inputs` on CPU and return
     `check(outputs' values, inputs' values, {leaf: value})` (run with real tensors too), or a Fail.
-    `make_inputs(gen)` gives the values of `inputs`; the weight-like leaves get random values."""
+    `make_inputs(gen)` gives the values of `inputs`; the weight-like leaves get random values, or
+    `leaf_value(leaf, gen)` where that gives one (a Fail from it is returned)."""
     r = region(outputs, inputs)
     if isinstance(r, Fail):
         return r
@@ -106,7 +107,12 @@ def evaluate(outputs: list[Node], inputs: list[Node], make_inputs: Callable[[tor
     with _real_tensors(), torch.no_grad():
         gen = torch.Generator().manual_seed(seed)
         xs = list(make_inputs(gen))
-        ws = [random_like(leaf, gen, 0.5) for leaf in leaves]
+        ws = []
+        for leaf in leaves:
+            w = leaf_value(leaf, gen) if leaf_value is not None else None
+            if isinstance(w, Fail):
+                return w
+            ws.append(random_like(leaf, gen, 0.5) if w is None else w)
         try:
             outs = gm(*xs, *ws)
         except Exception as e:  # noqa: BLE001 - a region that does not run is not this site

@@ -24,6 +24,9 @@ Spelling keys and values:
              "fp32"       torch.matmul(x.float(), W.float().T)
   shared     "fused"      one [gate; up] GEMM, SiTU over its halves
              "split"      separate gate and up GEMMs (weights split at build), SiTU(gate, up)
+  dequant    "table_input" E2M1 value table passed in as a weight, scale exp2(s - 127)   (functional.py)
+             "table_const" torch.tensor(E2M1 values) made in the step, scale ldexp(1, s - 127)
+             "bits"       sign / exponent / mantissa decoded by arithmetic, scale pow(2, s - 127)
   renorm     "plain"      w / w.sum(-1, keepdim=True)
              "eps"        w / (w.sum(-1, keepdim=True) + 1e-20)
              "scale"      w * (scale / (w.sum(-1, keepdim=True) + eps))
@@ -62,10 +65,12 @@ SPELLINGS = {
     "mixer": ("stack_softmax", "unrolled"),
     "router": ("bf16", "fp32"),
     "shared": ("fused", "split"),
+    "dequant": ("table_input", "table_const", "bits"),
 }
 # functional.py's own spellings (its router is the fp32 one)
 FUNCTIONAL = dict(gemm="matmul_op", norm="rsqrt_after", residual="delta_prefix", allreduce="c10d",
-                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", router="fp32", shared="fused")
+                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", router="fp32", shared="fused",
+                  dequant="table_input")
 DEFAULT = dict(FUNCTIONAL, router="bf16")
 
 tiny_config = FN.tiny_config
@@ -279,6 +284,24 @@ def tail_add(shared, tail, W, sp):
     return shared
 
 
+def dequant(codes, scales, W, sp):
+    """codes [..., N, K/2] uint8 (low nibble first), scales [..., N, K/32] uint8 -> [..., N, K] fp32."""
+    how = sp.get("dequant", "table_input")
+    if how == "table_input":
+        return FN.mxfp4_dequant(codes, scales, W.w["e2m1_lut"])
+    nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)              # [..., N, K]
+    if how == "table_const":
+        vals = torch.tensor(K3W.E2M1_VALUES, dtype=torch.float32)[nib.long()]
+        scale = torch.ldexp(torch.ones_like(scales, dtype=torch.float32), scales.int() - 127)
+    else:
+        e, m = ((nib >> 1) & 3).float(), (nib & 1).float()
+        mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * torch.exp2(e - 1.0))
+        vals = mag * (1.0 - 2.0 * (nib >> 3).float())
+        scale = torch.pow(2.0, scales.float() - 127.0)
+    vals = vals.unflatten(-1, (scales.shape[-1], -1)) * scale.unsqueeze(-1)
+    return vals.flatten(-2)
+
+
 def latent_moe(x, W, p, sp):
     cfg, w = W.cfg, W.w
     K = cfg.num_experts_per_tok
@@ -290,11 +313,10 @@ def latent_moe(x, W, p, sp):
     _, ids = torch.topk(scores + w[f"{p}.router_bias"], K, dim=-1)
     tw = renorm(torch.gather(scores, 1, ids), cfg, sp)
     lat = gemm(x, w[f"{p}.lat_down"], sp)
-    lut = w["e2m1_lut"]
-    w13 = FN.mxfp4_dequant(w[f"{p}.w13"][ids], w[f"{p}.w13_scale"][ids], lut)
+    w13 = dequant(w[f"{p}.w13"][ids], w[f"{p}.w13_scale"][ids], W, sp)
     ug = torch.einsum("ml,mknl->mkn", lat.float(), w13)
     mid = FN.situ(ug, cfg).to(x.dtype).float()
-    w2 = FN.mxfp4_dequant(w[f"{p}.w2"][ids], w[f"{p}.w2_scale"][ids], lut)
+    w2 = dequant(w[f"{p}.w2"][ids], w[f"{p}.w2_scale"][ids], W, sp)
     out = torch.einsum("mki,mkli->mkl", mid, w2).to(x.dtype)
     routed = finalize(tw, out.float(), sp).to(x.dtype)
     routed = all_reduce(routed, W, sp)
