@@ -267,7 +267,7 @@ def tiny_config(tp: int = 1) -> dict:
         intermediate_size=512, num_hidden_layers=3, num_attention_heads=4 * tp, head_dim=64, hidden_act="situ",
         activation_situ_beta=4.0, activation_situ_linear_beta=25.0, rms_norm_eps=1e-5,
         moe_intermediate_size=256, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
+        first_k_dense_replace=1, moe_layer_freq=1, min_moe_intermediate_per_partition=64, use_grouped_topk=True, num_expert_group=1, topk_group=1,
         moe_router_activation_func="sigmoid", routed_expert_hidden_size=128, latent_moe_use_norm=True,
         q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         mla_use_nope=True, mla_use_output_gate=True,
@@ -440,6 +440,8 @@ def real_model_worker(rank: int, world: int, batch: int = 2) -> dict:
         ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                         distributed_init_method="env://", backend="gloo")
         ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        # as tests/_vllm_ranks.py: the all-reduce traces as torch.ops.vllm.all_reduce(x, "tp:0"), its CUDA form
+        ps.get_tp_group().use_custom_op_call = True
     model = build_model(vc)
     ids = torch.arange(batch) * 7 + 3
     with torch.inference_mode(), eager_attn_res():

@@ -156,6 +156,8 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
                              and not is_weight_like(d) and _base(d).op != "placeholder"), None)
             if link is None and all(_base(x).op == "placeholder" for x in (a, b)):
                 link, kind = (a, b), "input"   # one layer traced: prefix + delta, both graph inputs
+            if link is None and not chains:
+                link = _reset_prefix(n, a, b)
             if link is None:
                 continue
             prefix, delta = link
@@ -176,6 +178,22 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
         elif r.kind == "attention":
             r.gemm = r.add.args[0]   # an o-proj already fused: its op
     return stream
+
+
+def _reset_prefix(add: Node, a: Node, b: Node) -> tuple[Node, Node] | None:
+    """A stream that starts at a sub-layer's output rather than at the embedding: vLLM's Kimi K3 writes
+    the running prefix as an AttnRes block and restarts it from the attention output (layer 0), so the
+    first residual add is `attn_out + mlp_out`. The prefix is the operand something else reads too
+    (the mixer after it), the delta the one only this add reads; both computed (no weight, no input)."""
+    pa, pb = _base(a), _base(b)
+    if any(x.op == "placeholder" or is_weight_like(x) for x in (pa, pb)):
+        return None
+    others = [len([u for u in x.users if u is not add]) > 0 for x in (a, b)]
+    if others == [True, False]:
+        return a, b
+    if others == [False, True]:
+        return b, a
+    return None
 
 
 def _outputs(n: Node) -> list[Node]:
