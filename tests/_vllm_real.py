@@ -462,3 +462,37 @@ def real_model_worker(rank: int, world: int, batch: int = 2) -> dict:
     out["err_vs_eager"] = (results["k3"].float() - ref.float()).abs().max().item() / scale
     out["err_rewrite"] = (results["k3"].float() - results["none"].float()).abs().max().item()
     return out
+
+
+def vllm_backend_worker(rank: int, world: int, batch: int = 2) -> dict:
+    """The plugin route, as a vLLM server takes it: K3_VLLM=1, vLLM loads its general plugins (k3compile's
+    turns the hook on and gives vLLM's Kimi K3 decoder vLLM's `support_torch_compile`), the model is built
+    under `CompilationConfig(mode=VLLM_COMPILE)` and its first call compiles through vLLM's own VllmBackend
+    (Inductor on CPU) with the K3 pass in vLLM's PostGradPassManager. Returns the pass's reports."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["K3_VLLM"] = "1"
+    cpu_triton_backend()
+    install_shims()
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    vc = vllm_config(world, CompilationConfig(mode=CompilationMode.VLLM_COMPILE))
+    pc = vc.compilation_config.pass_config
+    for flag in ("fuse_norm_quant", "fuse_act_quant"):
+        setattr(pc, flag, False)
+    k3 = vc.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
+    with set_current_vllm_config(vc):
+        ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                        distributed_init_method="env://", backend="gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = build_model(vc)
+    ids = torch.arange(batch) * 7 + 3
+    with torch.no_grad():
+        h = step(model, vc, ids, new_state(model, batch))
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    return {"pass": repr(k3), "wrapped": isinstance(model.model, TorchCompileWithNoGuardsWrapper),
+            "compiled": bool(getattr(model.model, "compiled", False)), "calls": getattr(k3, "calls", 0),
+            "report": k3.last.to_dict() if getattr(k3, "last", None) is not None else None,
+            "text": k3.last.render() if getattr(k3, "last", None) is not None else None,
+            "finite": bool(torch.isfinite(h.float()).all())}

@@ -8,7 +8,7 @@ tests/_vllm_real.py's docstring: a placeholder Triton backend (so Dynamo capture
 kernel as on CUDA), CUDA streams stubbed, `_C::fused_kda_decode` defined with its schema and a CPU
 implementation, reference experts for the MoE oracle, and the MoE runner calling its opaque op as on
 CUDA. Not covered here: the MLA layer (its core needs a CUDA attention backend and its front-end is a
-Triton kernel this CPU run cannot execute), and TP=2.
+Triton kernel this CPU run cannot execute).
 
 The compile route is the one tests/test_vllm.py takes for the look-alike model: vLLM's pre-grad
 functionalisation, AOTAutograd, vLLM's PostGradPassManager with the K3 pass, the graph run op by op.
@@ -32,6 +32,18 @@ def tp1():
         mp.setenv("VLLM_TARGET_DEVICE", "cpu")
         mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
         return _one(real_model_worker)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    """Both ranks of TP=2 on gloo (vLLM's all-reduce as torch.ops.vllm.all_reduce on its TP group)."""
+    from _vllm_real import real_model_worker
+
+    from k3compile.distributed import run_ranks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_TARGET_DEVICE", "cpu")
+        mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+        return run_ranks(real_model_worker, 2)
 
 
 def _one(fn):
@@ -85,6 +97,36 @@ def test_real_model_oproj_fuses_with_the_attn_res_residual_and_norm(tp1):
     assert p["matched"] == p["expected"] == 2 and p["error"] is None, p
 
 
+def test_plugin_makes_vllm_compile_kimi_k3_with_the_k3_pass():
+    """The plugin route: K3_VLLM=1 and vLLM's own plugin loading give vLLM's Kimi K3 decoder vLLM's
+    `support_torch_compile` and opt out of breakable CUDA graphs (which turn compilation off for Kimi K3),
+    so `CompilationConfig(mode=VLLM_COMPILE)` compiles the model through VllmBackend (Inductor on CPU),
+    and vLLM's PostGradPassManager calls the K3 pass, which fuses the o-proj sites. Without the plugin,
+    vLLM 0.33 compiles nothing of this model (no decorator; breakable CUDA graphs set mode NONE)."""
+    from _vllm_real import vllm_backend_worker
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_TARGET_DEVICE", "cpu")
+        mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+        r = _one(vllm_backend_worker)
+    assert r["wrapped"] and r["compiled"] and r["finite"]
+    assert r["pass"].startswith("K3VllmPass(") and r["calls"] >= 1
+    p = _passes(r["report"])["fuse_oproj_allreduce"]
+    # 4 here, 2 on the op-by-op route above: in VllmBackend's dynamic-M graph the TP=1 MoE output ends in
+    # the latent up-projection GEMM, so role discovery takes the two MoE deltas for attention deltas too
+    assert p["matched"] == p["expected"] >= 2 and p["error"] is None, p
+
+
+def test_real_model_tp2_oproj_allreduce_fuses(tp2):
+    """TP=2: on each rank the o-proj GEMM, its all-reduce, the AttnRes residual add and the norm after it
+    become one k3::oproj_allreduce_residual (layers 1-2), and the rewritten graph equals the unrewritten."""
+    for r in tp2:
+        p = _passes(r["k3"]["report"])["fuse_oproj_allreduce"]
+        assert p["matched"] == p["expected"] == 2 and p["error"] is None, p
+        assert r["k3"]["report"]["structure"]["tp"] == 2
+        assert r["err_rewrite"] == 0.0 and r["err_vs_eager"] <= 2e-2
+        assert r["k3"]["triton"] == r["none"]["triton"] == 0
+
+
 @pytest.mark.xfail(strict=True, reason="vllm::moe_forward_shared holds the router top-k, the experts and the "
                    "finalize: the MoE layers take no role yet, so the router + latent down projection and "
                    "the tail are not matched")
@@ -92,3 +134,21 @@ def test_real_model_moe_sites_match(tp1):
     """The router + latent down projection of the two MoE layers (shard_router_latent)."""
     p = _passes(tp1["k3"]["report"])
     assert p["shard_router_latent"]["matched"] == p["shard_router_latent"]["expected"] == 2
+
+
+def test_plugin_on_an_unsupported_vllm_is_one_error_line():
+    """K3_VLLM=1 with a vLLM whose version the hook does not support: one logged line naming the supported
+    version, no traceback, and the plugin installs nothing."""
+    import subprocess
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+            "import vllm; vllm.__version__ = '0.34.0'\n"
+            "from k3compile.integrations.vllm_plugin import register; register()\n"
+            "from vllm.config import CompilationConfig\n"
+            "print('post_grad_custom_post_pass' in CompilationConfig().inductor_compile_config)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "K3_VLLM": "1", "VLLM_TARGET_DEVICE": "cpu"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "False"
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("k3:")]
+    assert len(lines) == 1 and "supports vLLM 0.33.x" in lines[0] and "found vLLM 0.34.0" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

@@ -30,6 +30,10 @@ GEMMS = (aten.mm.default, aten.addmm.default)
 # Opaque ops that take a role, by `ns::name`. A stream op's output 0 is the updated residual:
 # (argument index of the prefix, of the delta, the delta's kind or None to classify it)
 STREAM_OPS = {"k3::oproj_allreduce_residual": (2, 0, "attention"), "k3::residual_norm": (1, 0, None)}
+# set on a Graph by the canonicalisation of vLLM's AttnRes kernel (its prefix restarts at a block write)
+RESET_MARK = "_k3_attn_res_prefix_resets"
+# vLLM's opaque MoE ops (router top-k, experts, finalize and the shared expert inside; two outputs)
+OPAQUE_MOE_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
 # ops whose output 0 is the router's expert ids (what aten.topk's output 1 is)
 TOPK_OPS = {"k3::router_topk"}
 
@@ -123,7 +127,16 @@ def hidden_width(graph: Graph) -> int | None:
 
 
 def residual_stream(graph: Graph) -> list[ResidualAdd]:
-    """The residual adds in stream order (the longest chain, when the graph holds several)."""
+    """The residual adds in stream order (the longest chain, when the graph holds several). In a graph
+    whose vLLM AttnRes kernels were canonicalised (marked `RESET_MARK`) and where no chain starts at the
+    embedding or a graph input: the chain that starts at a sub-layer's output (`_reset_prefix`)."""
+    stream = _residual_stream(graph, reset=False)
+    if not stream and getattr(graph, RESET_MARK, False):
+        stream = _residual_stream(graph, reset=True)
+    return stream
+
+
+def _residual_stream(graph: Graph, reset: bool) -> list[ResidualAdd]:
     h = hidden_width(graph)
     if h is None:
         return []
@@ -156,7 +169,7 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
                              and not is_weight_like(d) and _base(d).op != "placeholder"), None)
             if link is None and all(_base(x).op == "placeholder" for x in (a, b)):
                 link, kind = (a, b), "input"   # one layer traced: prefix + delta, both graph inputs
-            if link is None and not chains:
+            if link is None and reset and not chains:
                 link = _reset_prefix(n, a, b)
             if link is None:
                 continue
@@ -245,7 +258,12 @@ def _classify(r: ResidualAdd, lo: int, pos: dict) -> None:
         return
     g = delta_gemm(r.delta)
     if g is None:
-        r.kind, r.why = "unknown", f"the delta {r.delta.name} is not a GEMM's output (through an all-reduce)"
+        moe = next((n for n in region if op_name(n) in OPAQUE_MOE_OPS), None)
+        r.kind, r.why = "unknown", (
+            f"the delta {r.delta.name} comes from {op_name(moe)} ({moe.name}), which holds the router's top-k, "
+            "the experts and the finalize: no K3 role for it yet, so this MoE's router, latent and tail sites "
+            "are not matched" if moe is not None else
+            f"the delta {r.delta.name} is not a GEMM's output (through an all-reduce)")
         return
     r.gemm = g
     r.kind = "mlp" if _dense_mlp(g) else "attention"

@@ -152,7 +152,9 @@ def decompose_vllm_attn_res(graph, n: Node) -> bool:
             w = op(aten.mul.Tensor, f(t["norm_weight_ptr"]), f(t["qk_weight_ptr"]))
             logits = op(aten.mul.Tensor, op(aten.sum.dim_IntList, op(aten.mul.Tensor, values, w), [-1]),
                         op(aten.squeeze.dim, rms(values, eps), -1))
-            sm = op(aten._softmax.default, logits, -1, False)
+            # softmax, decomposed (a post-grad graph holds no aten._softmax for Inductor to lower)
+            e = op(aten.exp.default, op(aten.sub.Tensor, logits, op(aten.amax.default, logits, [-1], True)))
+            sm = op(aten.div.Tensor, e, op(aten.sum.dim_IntList, e, [-1], True))
             mixed = op(aten.sum.dim_IntList, op(aten.mul.Tensor, op(aten.unsqueeze.default, sm, -1), values), [1])
         out = mixed
         if apply_norm:
@@ -163,6 +165,7 @@ def decompose_vllm_attn_res(graph, n: Node) -> bool:
         u.replace_all_uses_with(new.get(u.args[1], t.get(u.args[1], u)))
         graph.erase_node(u)
     graph.erase_node(n)
+    setattr(graph, "_k3_attn_res_prefix_resets", True)   # patterns.roles.RESET_MARK: its prefix restarts at block writes
     return True
 
 
