@@ -6,22 +6,23 @@ The shims, each the least that lets the real model run without a GPU (nothing in
   Triton where exactly one driver is active; with it, `@triton.jit` kernels stay
   `JITFunction`s, so Dynamo captures the AttnRes kernel as `triton_kernel_wrapper_functional` as it does
   on CUDA (Triton's CUDA compiler still makes the kernel's TTIR, which torch reads for its mutations).
-  The uncompiled reference runs the kernel in Triton's interpreter instead (`interpreted_attn_res`).
+  No kernel can run: K3's canonicalisation rewrites the launches into ATen ops before anything runs,
+  and the uncompiled reference calls `attn_res_torch`, the kernel transcribed into PyTorch
+  (`eager_attn_res`; Triton's interpreter did not run it here: the kernel calls `tl.cdiv`, a JIT function).
 - `cuda_stubs()`: `torch.cuda.Stream()` / `Event()` need CUDA; the model only makes them for overlap.
   Under the stub they are None / inert, so every `maybe_execute_in_parallel` runs its two sides in order.
 - `fused_kda_decode`: vLLM's `_C::fused_kda_decode` (the KDA decode step on SM90+), defined with the
   schema of vLLM 0.33's `_C` and a CPU implementation of the step's math (conv update + SiLU, q/k
   L2 norm, gate, delta rule, gated RMSNorm); the support check that needs an sm_90 device is patched
   to look for the op only.
-- the MLA layer's attention core (`MultiHeadLatentAttention._attention`) reads a paged latent cache
-  through a CUDA attention backend (FlashMLA / Triton MLA) and its builder's metadata. It is replaced
-  by an opaque op `k3vllm::mla_decode` with the decode-step math over a zero-length history (the new
-  token attends to itself), so the graph keeps the core opaque as the CUDA one is.
 - routed experts: vLLM's MoE oracle has no CPU kernel for SiTU; `reference_experts_cls()` computes them in
   PyTorch and the oracle is patched to pick it. On CPU vLLM calls the MoE runner's Python directly (Dynamo
   would trace the experts); the runner is set to call `vllm::moe_forward(_shared)` as it does on CUDA,
   so the graph holds the opaque op with its two outputs.
 - `VLLM_TARGET_DEVICE=cpu` (vLLM's CPU platform, gloo) and `VLLM_KIMI_K3_GEMM_AR=0` (no CuTe GEMM-AR).
+
+No MLA layer: its front-end (`fused_q_kv_rmsnorm`) is a Triton kernel that this CPU run cannot execute,
+and its core reads a paged latent cache through a CUDA attention backend.
 """
 from __future__ import annotations
 
@@ -260,8 +261,9 @@ def reference_experts_cls():
 
 # ------------------------------------------------------------------ the tiny model
 def tiny_config(tp: int = 1) -> dict:
-    """2 KDA layers + 1 MLA layer, layer 0 dense, layers 1-2 LatentMoE (a shared expert, a latent norm);
-    AttnRes block 12 (layer 0 writes the one block). KDA heads 12 per rank (the native decode's smallest)."""
+    """3 KDA layers, layer 0 dense, layers 1-2 LatentMoE (a shared expert, a latent norm; no intermediate
+    padding at TP=2); AttnRes block 12 (layer 0 writes the one block). KDA heads 12 per rank (the native
+    decode's smallest). The MLA fields are vLLM's config's, unused (no full-attention layer)."""
     return dict(
         model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], vocab_size=512, hidden_size=256,
         intermediate_size=512, num_hidden_layers=3, num_attention_heads=4 * tp, head_dim=64, hidden_act="situ",
