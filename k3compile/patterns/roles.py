@@ -256,14 +256,16 @@ def _classify(r: ResidualAdd, lo: int, pos: dict) -> None:
     if topks:
         r.kind, r.topk = "moe", topks[-1]
         return
-    g = delta_gemm(r.delta)
-    if g is None:
-        moe = next((n for n in region if op_name(n) in OPAQUE_MOE_OPS), None)
+    moe = next((n for n in region if op_name(n) in OPAQUE_MOE_OPS), None)
+    if moe is not None:   # before the GEMM test: its up-projection (addmm into the shared partial) ends the delta
         r.kind, r.why = "unknown", (
             f"the delta {r.delta.name} comes from {op_name(moe)} ({moe.name}), which holds the router's top-k, "
             "the experts and the finalize: no K3 role for it yet, so this MoE's router, latent and tail sites "
-            "are not matched" if moe is not None else
-            f"the delta {r.delta.name} is not a GEMM's output (through an all-reduce)")
+            "are not matched")
+        return
+    g = delta_gemm(r.delta)
+    if g is None:
+        r.kind, r.why = "unknown", f"the delta {r.delta.name} is not a GEMM's output (through an all-reduce)"
         return
     r.gemm = g
     r.kind = "mlp" if _dense_mlp(g) else "attention"
