@@ -18,7 +18,8 @@ it, so a range that only overlaps gets a report that says which passes were skip
 Align vLLM's `compile_ranges_endpoints` with the passes' range bounds to get both sides fused.
 
 `vllm.general_plugins` entry point `k3compile` (`vllm_plugin.register`): with `K3_VLLM=1` every
-`CompilationConfig` made in the process gets this pass (see `install_config_hook`).
+`CompilationConfig` made in the process gets this pass (see `install_config_hook`), and vLLM's Kimi K3
+decoder gets vLLM's own `support_torch_compile` (`compile_kimi_k3`; vLLM 0.33 ships it without one).
 The other route, `CompilationConfig(mode="STOCK_TORCH_COMPILE", backend="k3")`, needs nothing from
 here: vLLM then calls the `k3` torch.compile backend, which canonicalises the same op forms.
 """
@@ -32,7 +33,7 @@ import sys
 from .vllm_version import (EXTRA, SUPPORTED_SERIES, TESTED_VERSION, UnsupportedVllmVersion, check_version,
                            require_vllm)
 
-__all__ = ["K3VllmPass", "make_pass", "install_config_hook", "uninstall_config_hook", "VLLM_VERSION",
+__all__ = ["K3VllmPass", "make_pass", "install_config_hook", "compile_kimi_k3", "uninstall_config_hook", "VLLM_VERSION",
            "TESTED_VERSION", "SUPPORTED_SERIES", "EXTRA", "UnsupportedVllmVersion", "check_version"]
 
 log = logging.getLogger("k3compile")
@@ -140,6 +141,31 @@ def install_config_hook() -> None:
     __post_init__._k3_hook = True
     __post_init__._k3_orig = orig
     CompilationConfig.__post_init__ = __post_init__
+
+
+KIMI_K3_DECODER = ("vllm.models.kimi_k3.nvidia.model", "KimiLinearModel")
+
+
+def compile_kimi_k3() -> bool:
+    """Apply vLLM's own `support_torch_compile` to vLLM 0.33's Kimi K3 decoder (`KimiLinearModel`), which
+    has no decorator: without it VLLM_COMPILE compiles nothing of Kimi K3 and the K3 pass is never called.
+    Dynamic dims are inferred by vLLM from `forward`'s annotations (dim 0 of input_ids / positions /
+    inputs_embeds); vLLM's usual rules still apply (no compile under NONE / STOCK_TORCH_COMPILE).
+    Idempotent; True when the class is compiled by vLLM from now on. An import failure (e.g. a vLLM build
+    without the model) is one warning line, and the model then runs uncompiled as before."""
+    import importlib
+    try:
+        mod = importlib.import_module(KIMI_K3_DECODER[0])
+        cls = getattr(mod, KIMI_K3_DECODER[1])
+    except Exception as e:  # noqa: BLE001 - vLLM's model import can fail in many ways off its platform
+        log.warning("k3: vLLM's Kimi K3 model not importable (%s: %s); it is left uncompiled",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    if TorchCompileWithNoGuardsWrapper not in cls.__bases__:
+        support_torch_compile(cls)
+    return True
 
 
 def uninstall_config_hook() -> None:

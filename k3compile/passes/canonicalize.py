@@ -17,6 +17,8 @@
   to the model dtype; its native IR implementation normalises the fp32 sum, a rounding-level
   difference within vLLM's own tolerance between providers.)
 - `_C.rms_norm(result!, input, weight, epsilon)` in `auto_functionalized` -> the ATen RMSNorm.
+- vLLM's Kimi K3 AttnRes Triton kernel (`triton_kernel_wrapper_functional(_attn_res_kernel)`) -> its
+  residual add, block write, mixer and output RMSNorm as ATen ops (`patterns/vllm_forms.py`).
 Forms it cannot rewrite exactly (a variance over a sub-range, mixed dtypes, a mutated argument that
 is a view of another tensor, a donated input still read afterwards) are left as they are.
 Returns how many nodes it rewrote.
@@ -31,6 +33,7 @@ from torch.fx import Graph, Node
 
 from ..patterns.graph import aten, c10d, dtype, is_call, prims, shape, val
 from ..patterns.structure import op_name
+from ..patterns.vllm_forms import decompose_vllm_attn_res, is_vllm_attn_res
 
 _AF = torch.ops.higher_order.auto_functionalized
 _AF2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
@@ -233,5 +236,7 @@ def canonicalize(graph: Graph) -> int:
         elif op_name(n) == "vllm_ir::rms_norm" and _decompose_rms_norm(graph, n):
             changed += 1
         elif _rewrite_norm_call(graph, n):
+            changed += 1
+        elif is_vllm_attn_res(n) and decompose_vllm_attn_res(graph, n):
             changed += 1
     return changed

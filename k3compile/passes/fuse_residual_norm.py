@@ -61,6 +61,10 @@ class FuseResidualNorm(K3Pass):
                                     "fused the add and the norm only")
             self.rewrite(graph, s)
             report.matched += 1
+        if report.matched < report.expected and not report.near_misses:
+            report.notes.append(f"{report.expected - report.matched} expected layer input(s) unmatched: no norm after "
+                                "their residual add was read as a residual add + RMSNorm / AttnRes mixer site, "
+                                "so there is no near-miss to show")
 
     def match(self, norm, oproj, stream=None):
         """A site dict; None where the norm is not a residual add's (not this pass's business)."""

@@ -27,6 +27,7 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
+from ..patterns.vllm_forms import has_vllm_attn_res
 from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
                fold_mla_prologue, fold_resnorm_gemm, fold_resnorm_moe, fold_router_topk,
                fold_moe_finalize, fold_norm_gemv, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
@@ -139,7 +140,8 @@ class PassManager(CustomGraphPass):
         t0 = time.perf_counter()
         self._observe("input", None, graph)
         info = analyze(graph)
-        if (info.stream or info.attention or info.experts) and canonicalize(graph):
+        # vLLM's AttnRes kernel holds the residual stream's adds: no stream is visible before canonicalising
+        if (info.stream or info.attention or info.experts or has_vllm_attn_res(graph)) and canonicalize(graph):
             info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
         report = CompileReport(graph=self.name, structure=info.summary())
         found = info   # the structure as found before any pass: every pass's expected sites derive from it

@@ -30,6 +30,10 @@ GEMMS = (aten.mm.default, aten.addmm.default)
 # Opaque ops that take a role, by `ns::name`. A stream op's output 0 is the updated residual:
 # (argument index of the prefix, of the delta, the delta's kind or None to classify it)
 STREAM_OPS = {"k3::oproj_allreduce_residual": (2, 0, "attention"), "k3::residual_norm": (1, 0, None)}
+# set on a Graph by the canonicalisation of vLLM's AttnRes kernel (its prefix restarts at a block write)
+RESET_MARK = "_k3_attn_res_prefix_resets"
+# vLLM's opaque MoE ops (router top-k, experts, finalize and the shared expert inside; two outputs)
+OPAQUE_MOE_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
 # ops whose output 0 is the router's expert ids (what aten.topk's output 1 is)
 TOPK_OPS = {"k3::router_topk"}
 
@@ -123,7 +127,16 @@ def hidden_width(graph: Graph) -> int | None:
 
 
 def residual_stream(graph: Graph) -> list[ResidualAdd]:
-    """The residual adds in stream order (the longest chain, when the graph holds several)."""
+    """The residual adds in stream order (the longest chain, when the graph holds several). In a graph
+    whose vLLM AttnRes kernels were canonicalised (marked `RESET_MARK`) and where no chain starts at the
+    embedding or a graph input: the chain that starts at a sub-layer's output (`_reset_prefix`)."""
+    stream = _residual_stream(graph, reset=False)
+    if not stream and getattr(graph, RESET_MARK, False):
+        stream = _residual_stream(graph, reset=True)
+    return stream
+
+
+def _residual_stream(graph: Graph, reset: bool) -> list[ResidualAdd]:
     h = hidden_width(graph)
     if h is None:
         return []
@@ -156,6 +169,8 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
                              and not is_weight_like(d) and _base(d).op != "placeholder"), None)
             if link is None and all(_base(x).op == "placeholder" for x in (a, b)):
                 link, kind = (a, b), "input"   # one layer traced: prefix + delta, both graph inputs
+            if link is None and reset and not chains:
+                link = _reset_prefix(n, a, b)
             if link is None:
                 continue
             prefix, delta = link
@@ -176,6 +191,22 @@ def residual_stream(graph: Graph) -> list[ResidualAdd]:
         elif r.kind == "attention":
             r.gemm = r.add.args[0]   # an o-proj already fused: its op
     return stream
+
+
+def _reset_prefix(add: Node, a: Node, b: Node) -> tuple[Node, Node] | None:
+    """A stream that starts at a sub-layer's output rather than at the embedding: vLLM's Kimi K3 writes
+    the running prefix as an AttnRes block and restarts it from the attention output (layer 0), so the
+    first residual add is `attn_out + mlp_out`. The prefix is the operand something else reads too
+    (the mixer after it), the delta the one only this add reads; both computed (no weight, no input)."""
+    pa, pb = _base(a), _base(b)
+    if any(x.op == "placeholder" or is_weight_like(x) for x in (pa, pb)):
+        return None
+    others = [len([u for u in x.users if u is not add]) > 0 for x in (a, b)]
+    if others == [True, False]:
+        return a, b
+    if others == [False, True]:
+        return b, a
+    return None
 
 
 def _outputs(n: Node) -> list[Node]:
@@ -224,6 +255,13 @@ def _classify(r: ResidualAdd, lo: int, pos: dict) -> None:
     topks = [n for n in region if is_topk(n)]
     if topks:
         r.kind, r.topk = "moe", topks[-1]
+        return
+    moe = next((n for n in region if op_name(n) in OPAQUE_MOE_OPS), None)
+    if moe is not None:   # before the GEMM test: its up-projection (addmm into the shared partial) ends the delta
+        r.kind, r.why = "unknown", (
+            f"the delta {r.delta.name} comes from {op_name(moe)} ({moe.name}), which holds the router's top-k, "
+            "the experts and the finalize: no K3 role for it yet, so this MoE's router, latent and tail sites "
+            "are not matched")
         return
     g = delta_gemm(r.delta)
     if g is None:
