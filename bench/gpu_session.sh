@@ -121,10 +121,9 @@ for st in "$@"; do
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
-    # the GPU tests of the fold modules (the norm folds, the latent tail GEMM, the KDA folds, the norm GEMV)
-    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA --durations=10 tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
-                 tests/test_router_topk_fold.py tests/test_kda_step.py tests/test_kda_onorm.py tests/test_kda_fb.py \
-                 tests/test_kda_conv.py tests/test_norm_gemv.py ;;
+    # the GPU tests of the fold modules (the KDA folds)
+    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA --durations=10 tests/test_kda_step.py \
+                 tests/test_kda_onorm.py tests/test_kda_fb.py tests/test_kda_conv.py ;;
     resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_mla_prologue.py \
                  tests/test_vllm.py ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
@@ -223,61 +222,24 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                 --env comb0:K3_MLA_COMBINE_BL=0 --env comb64:K3_MLA_COMBINE_BL=64 --env nobmm:K3_DECODE_BMM=0 \
                 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mlaout.json"
             done ;;
-    # the shared expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1; off by default: slower) and the MLA
-    # combine's column split by M (K3_MLA_COMBINE_BL=0: never): GPU tests, then both layers
-    situ) step situ_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "shared or mla or tp1 or overlaps or mma"
-          for L in mla kda; do
-            step layer_${L}_tp8_w1_situ 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-              --env situ:K3_SITU_IN_DOWN=1 --env comb0:K3_MLA_COMBINE_BL=0 \
-              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_situ.json"
-          done ;;
     # the MLA kv_a norm (and the q_rope copy) in the attention kernel (fold_mla_prologue): its GPU tests
-    # and the MLA ones, then the MLA layer with the pass's ablation rows, both layers with the shared
-    # expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1, off by default) as an env variant
+    # and the MLA ones, then the MLA layer with the pass's ablation rows
     mlapro) step mlapro_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_gpu.py \
               -k "mla or tp1 or overlaps or shared"
             step layer_mla_tp8_w1_pro 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
-              --ablate-passes fold_mla_prologue --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer mla --shapes tp8 \
-              --out "$R/layer_mla_tp8_w1_pro.json"
-            step layer_kda_tp8_w1_situ 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-              --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_situ.json" ;;
-    # the MLA q_a norm in the q_b GEMV's x loads (fold_norm_gemv) beside fold_mla_prologue: both passes'
-    # GPU tests, then the MLA layer with their ablation rows
-    normgemv) step normgemv_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
-              step layer_mla_tp8_w1_norm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
-                --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv --world 1 --layer mla \
-                --shapes tp8 --out "$R/layer_mla_tp8_w1_norm.json" ;;
-    # the three MLA folds (fold_mla_prologue, fold_norm_gemv, fold_mla_output): their GPU tests, then the
+              --ablate-passes fold_mla_prologue --world 1 --layer mla --shapes tp8 \
+              --out "$R/layer_mla_tp8_w1_pro.json" ;;
+    # the MLA folds (fold_mla_prologue, fold_mla_output): their GPU tests, then the
     # MLA layer with their ablation rows, the combine + up-projection kernel with 32 value columns as a variant
-    mlafold) step mlafold_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
+    mlafold) step mlafold_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py
              step layer_mla_tp8_w1_fold 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
-               --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv,fold_mla_output \
+               --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_mla_output \
                --env uvbv32:K3_MLA_UV_BV=32 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_fold.json" ;;
-    # the MLA split kernel's PIPE form and the combine + up-projection with a constant split count
-    # (launch.MLA_PIPE / MLA_UV_FLAT): their GPU tests with both on, the op alone in the layer's form with
-    # each variant, then the MLA layer with them as --env rows
-    mlapipe) step mlapipe_tests 200 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA \
-               tests/test_mla_prologue.py tests/test_gpu.py -k "mla or tp1"
-             step mla_uv 200 python3 bench/mla_bench.py --uv --chs "" --ms ${K3_MS:-1,4,16} --variants \
-               "pipe:MLA_PIPE=1;flat:MLA_UV_FLAT=1;pf:MLA_PIPE=1,MLA_UV_FLAT=1;pfw8:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_WARPS=8;pf64:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_MIN_CH=64;pfbv32:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_BV=32;ch64:MLA_MIN_CH=64" \
-               --out "$R/mla_uv.json"
-             step layer_mla_tp8_w1_pipe 360 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-               --env pipe:K3_MLA_PIPE=1 --env flat:K3_MLA_UV_FLAT=1 --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 \
-               --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_pipe.json" ;;
     # the KDA conv state updated in place (fold_kda_conv's k3::kda_conv_decode_, Inductor reinplacing it):
     # the conv kernel tests, then the KDA layer with the functional op (K3_CONV_INPLACE=0) as a row
     convip) step convip_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
              step layer_kda_tp8_w1_convip 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
                --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
-    # mlapipe + convip in less device time: their GPU tests in one run (the MLA kernels with PIPE and FLAT
-    # on), then the MLA layer with both as a row (pf) and the KDA layer with the functional conv (conv0)
-    ipf) step ipf_tests 220 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py \
-           tests/test_mla_prologue.py tests/test_gpu.py -k "kda_conv or mla_decode or uv"
-         step layer_mla_tp8_w1_pipe 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-           --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 --env flat:K3_MLA_UV_FLAT=1 --world 1 --layer mla --shapes tp8 \
-           --out "$R/layer_mla_tp8_w1_pipe.json"
-         step layer_kda_tp8_w1_convip 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-           --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
     # the column-split all-reduce / norm and latent-tail kernels (triton_cols, launch.COLS): their GPU tests
     # (every form against the reference, eager and graphed; the grid barrier over 200 replays), the ops
     # with simulated peers (k3 = columns, k3_rows = the row kernels, k3_cNN = NN columns per program), and
@@ -460,22 +422,6 @@ torch.cuda.synchronize()" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
     # one GPU: the layers at TP=8 per-rank widths with no communication (world 1): the compute-side
     # passes and kernels (K3_LB_EXTRA="--ablate-passes lower_decode_gemm" for their rows only)
-    # the layer-input residual + AttnRes norm in the input projection's GEMM (fold_resnorm_gemm, TP=1) and the
-    # post-attention one in the MoE input's GEMMs (fold_resnorm_moe): their GPU tests, then both layers with
-    # the first let through the gate (rg) and both (rg2) beside the default
-    # the TP=1 folds of the norms into the GEMMs (fold_resnorm_gemm, fold_resnorm_moe, the latent tail's
-    # launch.tail_gemm): their GPU tests, then both layers with rows rg (the first), rg2 (both passes), tg
-    # (the tail alone) and rg3 (all three)
-    resgemm) step resgemm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
-               tests/test_gpu.py -k "resnorm or tail or mma_gemm or router"
-             for L in kda mla; do
-               step layer_${L}_tp8_w1_rg 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,2,4} --ablate 0 \
-                 --env rg:K3_UNGATED=fold_resnorm_gemm --env rg2:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe \
-                 --env tg:K3_TAIL_GEMM=1 --env rg3:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,K3_TAIL_GEMM=1 \
-                 --env rt4:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,fold_router_topk,K3_TAIL_GEMM=1 \
-                 --world 1 --layer $L --shapes tp8 \
-                 --out "$R/layer_${L}_tp8_w1_rg.json"
-             done ;;
     # K3_GEMV_PDL (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
     # both layers at M=1: k3 (the default; no PDL before 843c313) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj
@@ -495,16 +441,6 @@ torch.cuda.synchronize()" ;;
               --env off:K3_GEMV_PDL=off --env "rl0:K3_GEMV_PDL_PF=3648x7168=16384;6284x7168=16384" \
               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl1.json"
           done ;;
-    # K3_MMA_PDL (launch.mma_pdl, off by default, not yet measured): the MMA GEMM after the TP=1 norm / latent tail as
-    # their PDL secondary. Its GPU tests, then both layers at M=1: k3 beside mma (on), off (no PDL at all) and lz
-    # (qkv_a / in_proj on the H100's lazy GEMV configs, with the default GEMV PDL: the H200's question)
-    mmapdl) step mmapdl_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or mma_pdl"
-            for L in mla kda; do
-              step layer_${L}_tp8_w1_mmapdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
-                --env mma:K3_MMA_PDL=on --env off:K3_GEMV_PDL=off \
-                --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
-                --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mmapdl.json"
-            done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
     mla1) step layer_mla_tp8_w1 300 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
     mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;

@@ -26,11 +26,7 @@ PASS_ORDER = (
     "fold_mla_prologue",
     "overlap_shared_expert",  # it also fills the prefetch lists of the fused ops
     "lower_decode_gemm",      # the GEMMs every other pass left (overlap_shared_expert matches mm)
-    "fold_norm_gemv",         # after lower_decode_gemm: it takes that pass's k3::decode_gemm nodes
     "fold_mla_output",        # after lower_decode_gemm and fold_mla_prologue: it takes their ops
-    "fold_resnorm_gemm",      # after fuse_residual_norm and lower_decode_gemm: it takes their ops
-    "fold_resnorm_moe",       # after fuse_oproj_allreduce, shard_router_latent, overlap_shared_expert: their ops
-    "fold_router_topk",       # after fuse_router_topk and fold_resnorm_moe: their ops
 )
 # Batch (M = tokens per step) ranges where each pass pays, [lo, hi] inclusive, from the per-op
 # benchmark (bench/ops_bench.py on 2 x H200, bench/results/ops_bench_h200x2.json): the fused
@@ -40,8 +36,7 @@ PASS_ORDER = (
 # (kernels/cuda.py ONESHOT_M) to their NCCL paths (the router: the replicated GEMMs).
 DEFAULT_M_RANGES = {p: (1, 1 << 30) for p in PASS_ORDER}
 DEFAULT_M_RANGES.update(shard_router_latent=(1, 16), lower_decode_gemm=(1, 16),  # the latter: one MMA tile
-                        fold_norm_gemv=(1, 16), fold_mla_output=(1, 16), fold_resnorm_gemm=(1, 16),
-                        fold_resnorm_moe=(1, 16), fold_router_topk=(1, 16))
+                        fold_mla_output=(1, 16))
 
 # Where each pass made a whole decoder layer faster than Inductor on the GPU, [lo, hi] inclusive:
 # the per-layer benchmark (bench/layer_bench.py on 2 x H200, KDA and MLA layers with LatentMoE at
@@ -120,30 +115,13 @@ CUDA_PROFITABLE_M: dict[str, tuple[int, int]] = {
     # M = 64 / 256 (70fb2a7, `--ablate 64,256`, bench/results/layer_{kda,mla}_tp8_w1_h200_70fb2a7_ablate.json),
     # every pass vs every pass but this one: -7.6 / -5.6 us
     "fold_mla_prologue": (1, 256),
-    # the q_a norm folded into the q_b GEMV (M=1; at 4 and 16 a norm kernel + cuBLAS, as before): -0.1 /
-    # +0.1 / -0.4 (0cdc747), -0.4 / +0.3 / -5.3 (ad84e26): nothing beyond the rounds' noise (the GEMV
-    # takes 6.1-6.3 us with the norm instead of 4.8, the norm kernel's 1.7 us go). So off on CUDA with
-    # Inductor; gate="off" applies it
-    "fold_norm_gemv": (1, 0),
     # the split combine + value up-projection (+ gate) in one kernel: -1.3 / -1.6 / -8.0 (ad84e26; the
     # kernel 5.5 us where the combine and head_bmm took 3.1 + 3.3)
     "fold_mla_output": (1, 16),
-    # The TP=1 folds, measured slower (0c51138, ONE H100, layers at TP=8 widths, M=1, launch hidden, us,
-    # bench/results/layer_{kda,mla}_tp8_w1_h100_0c51138_{rg,rt}.json; BENCHMARKS.md "thirty-third session"):
-    # the layer-input norm in the input projection's GEMM: KDA 142.3 -> 168.8, MLA 143.7 -> 165.7 (the fused
-    # kernel 65 / 49 us where the norm kernel + GEMM took 5.9 + 33.9 / 5.3 + 21.8)
-    "fold_resnorm_gemm": (1, 0),
-    # the same for the post-attention norm, into the router + latent and shared gate-up GEMMs: with the first,
-    # KDA 296.8, MLA 296.7 (the router GEMM 65 us, and the side-stream op ran its PyTorch reference)
-    "fold_resnorm_moe": (1, 0),
-    # the router's top-k run by the router + latent GEMM's last router program: KDA 142.3 -> 148.7 at M=1,
-    # 177.7 -> 195.8 at 4; MLA 143.4 -> 150.5, 186.0 -> 204.6
-    "fold_router_topk": (1, 0),
 }
 # passes with no per-layer GPU run yet: the gate's reason says so (fold_kda_fb and fold_kda_step were
 # here from 2026-12-03 until their first GPU run, 2026-12-04: bench/gpu_session.sh kdafb).
 # fold_kda_onorm only until its run the same day (bench/gpu_session.sh onorm)
-# (fold_resnorm_gemm, fold_resnorm_moe and fold_router_topk until their run of 2026-12-05, above)
 CUDA_UNMEASURED: set[str] = set()
 
 

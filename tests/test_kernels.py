@@ -610,26 +610,6 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
                                atol=2e-2, rtol=1e-2)
 
 
-def test_mma_pdl_is_off_by_default_and_cuda_only(monkeypatch):
-    """launch.mma_pdl (K3_MMA_PDL): off unless asked for (MMA_PDL_DEFAULT, unmeasured), then MMA_PDL_PF's bytes
-    per weight shape or the number given; None off CUDA or before Hopper. On CPU the MMA GEMM is unchanged."""
-    monkeypatch.delenv("K3_MMA_PDL", raising=False)
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    shape, pf = next(iter(launch.MMA_PDL_PF.items()))
-    assert not launch.MMA_PDL_DEFAULT and launch.mma_pdl(cuda, shape) is None and launch.mma_pdl(cuda) is None
-    monkeypatch.setenv("K3_MMA_PDL", "on")
-    assert launch.mma_pdl(cuda, shape) == pf and launch.mma_pdl(cuda, (5, 7)) is None and launch.mma_pdl(cuda) == 0
-    assert launch.mma_pdl(torch.device("cpu"), shape) is None
-    monkeypatch.setenv("K3_MMA_PDL", "2048")
-    assert launch.mma_pdl(cuda, (5, 7)) == 2048
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert launch.mma_pdl(cuda, shape) is None
-    x, w = torch.randn(2, 64), torch.randn(32, 64)
-    torch.testing.assert_close(launch.mma_gemm(x, w, launch.MmaCfg.parse("mma 16/32/2/4/2")), x @ w.t(),
-                               atol=1e-4, rtol=1e-4)
-
-
 def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
     """The norm kernel's mark (launch._note_trigger) goes to the first decode GEMM launched after it on the same
     stream, and makes it a PDL secondary only if that GEMM reads the norm's output: a GEMV after a kernel that
@@ -1004,18 +984,15 @@ def _mla_case(M, H, L, R, S, dt, lens, seed=0):
     (2, 16, 32, 16, 40, [5, 38], torch.float16),
     (2, 4, 16, 16, 600, [599, 1], torch.float32),              # splits longer than a tile; most splits empty
 ])
-@pytest.mark.parametrize("bl, pipe", [(0, False), (16, False), (0, True)])
-def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, pipe, monkeypatch):
+@pytest.mark.parametrize("bl", [0, 16])
+def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, monkeypatch):
     """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
     output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
     the same cache after the write, and nothing from the NaN slots past each row's end. Splits as
-    short as one tile (MLA_MIN_CH=32), so that these small caches take several, or (pipe) of 4 tiles. bl: the combine's
-    columns per program (0: one program per token and head). pipe: the split kernel's PIPE form (each
-    next tile loaded ahead, the cache write last)."""
+    short as one tile (MLA_MIN_CH=32), so that these small caches take several. bl: the combine's
+    columns per program (0: one program per token and head)."""
     from k3compile.model import attention_ops as A
-    monkeypatch.delenv("K3_MLA_PIPE", raising=False)
-    monkeypatch.setattr(launch, "MLA_PIPE", pipe)
-    monkeypatch.setattr(launch, "MLA_MIN_CH", 128 if pipe else 32)   # pipe: splits of up to 4 tiles
+    monkeypatch.setattr(launch, "MLA_MIN_CH", 32)
     monkeypatch.setattr(launch, "MLA_COMBINE_BL", bl)
     ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
     c1, c2 = cache.clone(), cache.clone()
@@ -1146,50 +1123,6 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
     want = situ_mlp(x, wgu, wd, 4.0, 25.0)
     torch.testing.assert_close(launch.situ_mlp(x, wgu, wd, 4.0, 25.0), want,
                                atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])
-
-
-@pytest.mark.parametrize("M, I, N, cfg, dt", [
-    (1, 96, 40, launch.MmaCfg(16, 32, 1, 4, 2, True), torch.float16),     # swapped, K = 3 BK steps
-    (5, 100, 33, launch.MmaCfg(16, 32, 2, 4, 2, False), torch.float32),   # ragged K, split in 2, ragged N
-])
-def test_mma_gemm_with_situ_in_its_x_loads(M, I, N, cfg, dt, monkeypatch):
-    """launch.mma_gemm(situ=(beta, lbeta)): the shared expert's down GEMM taking the [M, 2I] gate|up
-    output and making SiTU(gate, up) itself equals situ(gu) @ w.t() (situ rounded to the dtype first,
-    as the separate kernel stores it); launch.situ_mlp takes that path with K3_SITU_IN_DOWN=1 where the
-    table gives the down weight an MMA config (forced here through choose.gemv_plan), not by default;
-    a wrong gate|up width is refused."""
-    from k3compile.kernels import choose
-    from k3compile.model.functional import situ, situ_mlp
-    g = torch.Generator().manual_seed(M * 7 + I)
-    gu = (torch.randn(M, 2 * I, generator=g) * 6).to(dt)
-    w = (torch.randn(N, I, generator=g) / 8).to(dt)
-    want = situ(gu, 4.0, 25.0).float() @ w.float().t()
-    tol = dict(atol=2e-3 * want.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(launch.mma_gemm(gu, w, cfg, situ=(4.0, 25.0)).float(), want, **tol)
-    with pytest.raises(ValueError, match="must be"):
-        launch.mma_gemm(gu[:, 1:], w, cfg, situ=(4.0, 25.0))
-    H = 48
-    x = torch.randn(M, H, generator=g).to(dt)
-    wgu = (torch.randn(2 * I, H, generator=g) / 4).to(dt)
-    calls = []
-    real = launch.mma_gemm
-    monkeypatch.setattr(choose, "gemv_plan", lambda a, b, *r, **k: cfg if b is w else None)
-    monkeypatch.setattr(launch, "mma_gemm", lambda *a, **k: calls.append(k.get("situ")) or real(*a, **k))
-    ref = situ_mlp(x, wgu, w, 4.0, 25.0)
-    monkeypatch.delenv("K3_SITU_IN_DOWN", raising=False)
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [None]   # off by default (measured slower): the SiTU kernel, then the plain GEMM
-    calls.clear()
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "1")
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [(4.0, 25.0)]
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "0")
-    calls.clear()
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [None]   # the SiTU kernel, then the plain GEMM
 
 
 def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):

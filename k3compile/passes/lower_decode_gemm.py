@@ -1,6 +1,6 @@
 """lower_decode_gemm: the decode GEMMs the other passes leave in the graph, onto k3's decode GEMM.
 
-Runs after the other rewrites (only fold_norm_gemv and fold_mla_output, which take the ops it emits,
+Runs after the other rewrites (only fold_mla_output, which takes the ops it emits,
 come after it), over what they left: the attention input projections (KDA in_proj and
 f_b, MLA qkv_a and q_b), the dense MLP, the LM head, and the MoE GEMMs of any MoE pass that did
 not apply. Inductor hands these to cuBLAS, whose kernels read a decode weight at 1.3-3.9 TB/s on

@@ -28,8 +28,7 @@ from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
 from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
-               fold_mla_prologue, fold_resnorm_gemm, fold_resnorm_moe, fold_router_topk,
-               fold_moe_finalize, fold_norm_gemv, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
+               fold_mla_prologue, fold_moe_finalize, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
                lower_decode_gemm, overlap_shared_expert, shard_router_latent)
 
 log = logging.getLogger("k3compile")
@@ -49,11 +48,7 @@ PASSES = {
         fold_mla_prologue.FoldMlaPrologue(),
         overlap_shared_expert.OverlapSharedExpert(),
         lower_decode_gemm.LowerDecodeGemm(),
-        fold_norm_gemv.FoldNormGemv(),
         fold_mla_output.FoldMlaOutput(),
-        fold_resnorm_gemm.FoldResnormGemm(),
-        fold_resnorm_moe.FoldResnormMoe(),
-        fold_router_topk.FoldRouterTopk(),
     )
 }
 
