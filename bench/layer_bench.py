@@ -11,7 +11,7 @@ step of that layer, CUDA-graphed, for:
               kernels/model_ops.py, or with K3_MLA_TRITON=0 its PyTorch reference; `mla_decode` says which)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3"), default options: the passes the profitability gate
-              (options.CUDA_PROFITABLE_M) applies at this M
+              (passes/pipeline.py) applies at this M
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
               k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`

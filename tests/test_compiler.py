@@ -476,7 +476,7 @@ def test_env_switches(monkeypatch):
 
 
 def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(monkeypatch):
-    """On CUDA with Inductor a pass applies only at the M where options.CUDA_PROFITABLE_M says the
+    """On CUDA with Inductor a pass applies only at the M where its pipeline row (cuda_m) says the
     per-layer benchmark measured it faster, with the reason in the report otherwise; a dynamic M
     gets every pass with a non-empty range; gate="off", mode="eager" and CPU graphs are not gated."""
     import dataclasses
@@ -530,7 +530,8 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
 def test_shipped_gate_table_matches_the_passes():
     """Every gate entry names a pass or "prefetch", and lies inside the pass's own batch range."""
     from k3compile.options import CUDA_PROFITABLE_M, DEFAULT_M_RANGES
-    assert set(CUDA_PROFITABLE_M) <= set(DEFAULT_M_RANGES) | {"prefetch"}
+    from k3compile.passes.pipeline import FEATURES
+    assert set(CUDA_PROFITABLE_M) <= set(DEFAULT_M_RANGES) | set(FEATURES)
     for name, (lo, hi) in CUDA_PROFITABLE_M.items():
         dlo, dhi = DEFAULT_M_RANGES.get(name, (1, 1 << 30))
         assert lo > hi or dlo <= lo <= hi <= dhi, (name, lo, hi)

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(autouse=True)
 def _passes_on(monkeypatch):
     """These tests check what the passes and kernels do on the GPU, so the profitability gate (which
-    skips passes and the prefetch on CUDA + Inductor outside options.CUDA_PROFITABLE_M) is off."""
+    skips passes and the prefetch on CUDA + Inductor outside their pipeline rows' CUDA ranges) is off."""
     monkeypatch.setenv("K3_GATE", "off")
 
 

@@ -21,7 +21,7 @@ write-back; its reference is the model's math (ops/reference.kda_conv_decode_), 
 on CPU. (K3_CONV_INPLACE=0 emits the functional k3::kda_conv_decode instead, whose new state the
 graph writes back.)
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16: at M=1 with the other passes 3.4 us faster per
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16: at M=1 with the other passes 3.4 us faster per
 KDA layer step on an H200, 4 kernels fewer; slower alone; at M = 4, 16 faster with fold_kda_gate and
 fold_kda_fb; without fb, 02711a2: +1.2 / +0.2 us). Near-miss: a core whose v is not a slice of such a
 conv (the step where the chain differs: not SiLU, not a sum over the window, more than one new
@@ -37,6 +37,7 @@ from ..ops import OPS
 from ..patterns.kda import match_kda_conv
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, emit_functionalized, getitem, last_of, replace
 
 _CORES = ("k3model::kda_decode", "k3::kda_decode_gated", "k3::kda_decode_fb")
@@ -44,6 +45,7 @@ _CORES = ("k3model::kda_decode", "k3::kda_decode_gated", "k3::kda_decode_fb")
 INPLACE = True
 
 
+@register
 class FoldKdaConv(K3Pass):
     name = "fold_kda_conv"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it

@@ -1,4 +1,4 @@
-"""Runs the K3 passes in a fixed order over a post-grad graph and writes the match report.
+"""Runs the K3 passes in the order of passes/pipeline.py over a post-grad graph and writes the match report.
 
 Used as Inductor's `post_grad_custom_post_pass` (a `CustomGraphPass`, so the FX graph cache
 keys on `uuid()`), or directly on a graph in the backend's "eager" mode and in the CLI.
@@ -27,30 +27,12 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
-from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
-               fold_mla_prologue, fold_moe_finalize, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
-               lower_decode_gemm, overlap_shared_expert, shard_router_latent)
+from .pipeline import passes as _pipeline_passes
 
 log = logging.getLogger("k3compile")
 
-PASSES = {
-    p.name: p for p in (
-        shard_router_latent.ShardRouterLatent(),
-        fuse_router_topk.FuseRouterTopk(),
-        fold_moe_finalize.FoldMoeFinalize(),
-        fuse_oproj_allreduce.FuseOprojAllreduce(),
-        fuse_residual_norm.FuseResidualNorm(),
-        fold_kda_gate.FoldKdaGate(),
-        fold_kda_conv.FoldKdaConv(),
-        fold_kda_fb.FoldKdaFb(),
-        fold_kda_step.FoldKdaStep(),
-        fold_kda_onorm.FoldKdaOnorm(),
-        fold_mla_prologue.FoldMlaPrologue(),
-        overlap_shared_expert.OverlapSharedExpert(),
-        lower_decode_gemm.LowerDecodeGemm(),
-        fold_mla_output.FoldMlaOutput(),
-    )
-}
+# every pass of the pipeline table (passes/pipeline.py), in its order
+PASSES = _pipeline_passes()
 
 
 class K3StrictError(RuntimeError):
