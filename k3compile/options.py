@@ -1,16 +1,17 @@
-"""Backend options: one place for every switch (like AutoDeploy's transform config).
+"""Backend options (like AutoDeploy's transform config).
 
 Options come from `k3compile.backend(**options)` / `torch.compile(..., options={...})`, then the
-environment: K3_PASSES=a,b (only these), K3_SKIP=a,b, K3_STRICT=1, K3_MODE=inductor|eager,
-K3_GATE=measured|off, K3_UNGATED=a,b (these passes past the gate: A/B runs of one pass), K3_PDL=auto|on|off,
-K3_PIN_FORK=0|1.
+user switches of the environment (config.SWITCHES): K3_PASSES=a,b (only these), K3_SKIP=a,b,
+K3_STRICT=1, K3_MODE=inductor|eager, K3_GATE=measured|off, K3_UNGATED=a,b (these passes past the
+gate: A/B runs of one pass), K3_PDL=auto|on|off; and the knob pin_fork (K3_KNOBS=pin_fork=0).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
+
+from .config import env, knob
 
 # the pass table (passes/pipeline.py) is the only list of passes, their batch ranges and CUDA gate
 from .passes.pipeline import CUDA_PROFITABLE_M, CUDA_UNMEASURED, DEFAULT_M_RANGES, PASS_ORDER  # noqa: E402,F401
@@ -39,7 +40,7 @@ class K3Options:
     pdl: str = "auto"
     # overlap_shared_expert pins the side-stream fork between the router GEMM and its top-k (ordering-only
     # arguments); False leaves it right after the MoE input, where Inductor's scheduler picks its
-    # neighbour (K3_PIN_FORK=0; kept to measure the pin against)
+    # neighbour (K3_KNOBS=pin_fork=0; kept to measure the pin against)
     pin_shared_fork: bool = True
     verbose: bool = False  # print the match report after each compile
 
@@ -48,14 +49,13 @@ class K3Options:
         """Options from keywords, then the environment. A sequence option (passes, skip, dtypes,
         tp_sizes, ungated) takes one value or a list of them: `skip="fuse_oproj_allreduce"` is one
         pass, `dtypes=torch.float32` one dtype. Unknown names raise ValueError listing the valid ones."""
-        env = os.environ
-        if "passes" not in kw and env.get("K3_PASSES"):
-            kw["passes"] = tuple(p for p in env["K3_PASSES"].split(",") if p)
-        skip = _seq(kw.pop("skip", None)) or tuple(p for p in env.get("K3_SKIP", "").split(",") if p)
-        if "strict" not in kw and env.get("K3_STRICT"):
-            kw["strict"] = env["K3_STRICT"] not in ("0", "")
-        if "mode" not in kw and env.get("K3_MODE"):
-            kw["mode"] = env["K3_MODE"]
+        if "passes" not in kw and env("K3_PASSES"):
+            kw["passes"] = tuple(p for p in env("K3_PASSES").split(",") if p)
+        skip = _seq(kw.pop("skip", None)) or tuple(p for p in env("K3_SKIP").split(",") if p)
+        if "strict" not in kw and env("K3_STRICT"):
+            kw["strict"] = env("K3_STRICT") != "0"
+        if "mode" not in kw and env("K3_MODE"):
+            kw["mode"] = env("K3_MODE")
         unknown = set(kw) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown k3 backend option(s) {sorted(unknown)}; valid: "
@@ -74,20 +74,20 @@ class K3Options:
                 raise ValueError(f"tp_sizes must be positive ints (e.g. tp_sizes=(1, 2, 4, 8)), got {bad}")
         if kw.get("mode", "inductor") not in ("inductor", "eager"):
             raise ValueError(f"mode must be 'inductor' or 'eager', got {kw['mode']!r}")
-        if os.environ.get("K3_GATE") and "gate" not in kw:
-            kw["gate"] = os.environ["K3_GATE"]
-        if "ungated" not in kw and env.get("K3_UNGATED"):
-            kw["ungated"] = tuple(p for p in env["K3_UNGATED"].split(",") if p)
+        if env("K3_GATE") and "gate" not in kw:
+            kw["gate"] = env("K3_GATE")
+        if "ungated" not in kw and env("K3_UNGATED"):
+            kw["ungated"] = tuple(p for p in env("K3_UNGATED").split(",") if p)
         kw["ungated"] = _seq(kw.get("ungated", ()))
         bad = [p for p in kw["ungated"] if p not in (*PASS_ORDER, "prefetch")]
         if bad:
             raise ValueError(f"unknown pass(es) {bad} in ungated; valid: {list(PASS_ORDER)} and 'prefetch'")
         if kw.get("gate", "measured") not in ("measured", "off"):
             raise ValueError(f"gate must be 'measured' or 'off', got {kw['gate']!r}")
-        if env.get("K3_PIN_FORK") and "pin_shared_fork" not in kw:
-            kw["pin_shared_fork"] = env["K3_PIN_FORK"] not in ("0", "")
-        if os.environ.get("K3_PDL") and "pdl" not in kw:
-            kw["pdl"] = os.environ["K3_PDL"]
+        if knob("pin_fork") and "pin_shared_fork" not in kw:
+            kw["pin_shared_fork"] = knob("pin_fork") != "0"
+        if env("K3_PDL") and "pdl" not in kw:
+            kw["pdl"] = env("K3_PDL")
         if kw.get("pdl", "auto") not in ("auto", "on", "off"):
             raise ValueError(f"pdl must be 'auto', 'on' or 'off', got {kw['pdl']!r}")
         m_ranges = dict(DEFAULT_M_RANGES)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -572,7 +574,7 @@ def test_uuid_stable_across_processes_and_covers_options(monkeypatch):
     monkeypatch.setenv("SOMETHING_ELSE", "1")
     monkeypatch.setenv("K3_VLLM", "1")
     assert PassManager().uuid() == base
-    monkeypatch.setenv("K3_CONV_INPLACE", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(conv_inplace="0"))
     assert PassManager().uuid() != base
 
 

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 
 import k3compile
@@ -157,7 +159,7 @@ def test_kernels_match_reference_tp2_symmetric_memory():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_oproj_push_gemm_matches_reference_tp2():
-    """The CuTe push-epilogue GEMM + flag-waiting all-reduce kernel (K3_CUTE_PUSH=1) equals the
+    """The CuTe push-epilogue GEMM + flag-waiting all-reduce kernel (K3_KNOBS=cute_push=1) equals the
     o-proj reference at TP=2, eagerly, graphed, and over several calls replayed from one graph;
     every shape must have taken the push path (no fallback)."""
     import os
@@ -249,10 +251,10 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
 def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch):
     """The MXFP4 expert kernels through k3::mxfp4_experts (bf16, K3's per-rank TP=8 expert
     width) equal the model op's reference, eagerly and replayed from a CUDA graph; each variant
-    (K3_MXFP4, read at every call) - v3 is the only check of its bf16 MMA path (subnormal +-0.5
+    (K3_KNOBS mxfp4, read at every call) - v3 is the only check of its bf16 MMA path (subnormal +-0.5
     operands included: random codes); 16 tokens on 32 experts share experts (v3g's tiles of
     several pairs)."""
-    monkeypatch.setenv("K3_MXFP4", variant)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=variant))
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -419,7 +421,7 @@ def test_gemv_two_weights_bf16_graphed():
 
 def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
     """For each M: `chain(inputs, outs)` run eagerly and captured in a CUDA graph once as it is and once with the
-    environment variable `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
+    knob `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
     given widths eagerly, and after new inputs are copied in, replayed (three times, each output changed)."""
     for M in ms:
         t = inputs(M)
@@ -427,13 +429,13 @@ def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
         graphs = {}
         for k in ("off", "on"):
             if k == "on":
-                monkeypatch.setenv(var, value)
+                monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: value}))
             chain(t, outs[k])   # eager (and compiled before the capture)
             torch.cuda.synchronize()
             graphs[k] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[k]):
                 chain(t, outs[k])
-            monkeypatch.delenv(var, raising=False)
+            monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: ""}))
         for a, b in zip(outs["off"], outs["on"]):
             assert torch.equal(a, b), (M, "eager")
         for _ in range(3):
@@ -450,7 +452,7 @@ def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
 
 @pytest.mark.parametrize("pf", ["0", "16384", "65536"])
 def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
-    """K3_GEMV_PDL: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
+    """K3_KNOBS gemv_pdl: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
     CUDA-core GEMV launched with PDL (its weight rows' first `pf` bytes requested into L2 before the
     wait): plain, lazy and stacked (TWO) forms, M = 1 / 2, eagerly and replayed from a CUDA graph
     with new inputs, bit-equal to the same chain launched without PDL (the same sums in the same
@@ -476,7 +478,7 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
         _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
         launch.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
 
-    _pdl_chain_bit_equal(monkeypatch, "K3_GEMV_PDL", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
+    _pdl_chain_bit_equal(monkeypatch, "gemv_pdl", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])
@@ -525,7 +527,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
 
 @pytest.mark.parametrize("M, H", [(1, 12), (4, 12), (2, 48)])
 def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
-    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_MLA_TRITON=0)
+    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_KNOBS=mla_triton=0)
     at K3's latent widths (L 512, rope 64), bf16, a 1032-slot cache with NaN past each row's end:
     eagerly against the op's reference (2e-2 relative: bf16 and the softmax weights rounded to bf16),
     then captured in a CUDA graph and replayed with new queries and lengths, the cache written at each

@@ -265,11 +265,11 @@ print(rows)
 
 
 _UV_FORMS = {   # launch flags, split rows / tile rows, cache slots, the 3 rows' lengths
-    "default": dict(K3_MLA_UV_FLAT="0", K3_TEST_MIN_CH="32", K3_TEST_BS="32", K3_TEST_S="40",
+    "default": dict(K3_KNOBS="mla_uv_flat=0", K3_TEST_MIN_CH="32", K3_TEST_BS="32", K3_TEST_S="40",
                     K3_TEST_LENS="3,17,30"),
     # 13 splits of one tile: the constant split count's unrolled loop over 2 groups of 8, the last one part
     # masked; the first row's splits mostly empty
-    "flat": dict(K3_MLA_UV_FLAT="1", K3_TEST_MIN_CH="16", K3_TEST_BS="16", K3_TEST_S="200",
+    "flat": dict(K3_KNOBS="mla_uv_flat=1", K3_TEST_MIN_CH="16", K3_TEST_BS="16", K3_TEST_S="200",
                  K3_TEST_LENS="3,150,199"),
 }
 

@@ -60,7 +60,7 @@ def variants():
                 out.append((f"ar_residual_norm w{world} nb{nb} res{has_res} norm{has_norm}", K.ar_residual_norm_kernel,
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
                                        BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
-        if world == 1:   # K3_GEMV_PDL: the layer-input op at TP=1 letting the GEMV after it launch at once
+        if world == 1:   # K3_KNOBS gemv_pdl: the layer-input op at TP=1 letting the GEMV after it launch at once
             out.append(("trigger ar_residual_norm w1 nb3", K.ar_residual_norm_kernel, ints,
                         dict(RANK=0, WORLD=1, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                              TRIGGER=1)))
@@ -87,17 +87,17 @@ def variants():
     out.append(("loop ar_residual_norm w8", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
     # seven blocks (four loaded together, launch.AR_PRELOAD), and each block row loaded just before its
-    # reduction (K3_AR_PRELOAD=0)
+    # reduction (K3_KNOBS=ar_preload=0)
     for nb, pre in ((7, 1), (3, 0), (8, 1)):
         out.append((f"preload{pre} ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=8, NB=nb, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PRELOAD=pre)))
-    # the AttnRes sources one after another (K3_AR_JOINT=0), at group sizes 1 and 8
+    # the AttnRes sources one after another (K3_KNOBS=ar_joint=0), at group sizes 1 and 8
     for world in (1, 8):
         out.append((f"seq ar_residual_norm w{world} nb3", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          JOINT=0)))
-    # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
+    # the CAS-handshake barrier (K3_KNOBS=barrier_seq=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
     out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
@@ -117,7 +117,7 @@ def variants():
     out.append(("gemv lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, LAZY=1)))
     out.append(("gemv lazy MP2 ragged", KG.gemv_kernel, gv, dict(MP=2, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=0, LAZY=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
-    # K3_GEMV_PDL: the lazy and stacked (TWO) forms with the weight slice's L2 prefetch before the wait
+    # K3_KNOBS gemv_pdl: the lazy and stacked (TWO) forms with the weight slice's L2 prefetch before the wait
     out.append(("gemv pdl pf lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,
                                                              GDC=1, LAZY=1, PF=16384, LANES=128)))
     out.append(("gemv pdl pf two", KG.gemv_kernel, dict(gv, N1="i32", swn2="i32", som2="i32"), dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,

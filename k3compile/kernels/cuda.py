@@ -29,7 +29,7 @@
 - kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
   short conv + SiLU of one token.
 - mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
-  split kernel, where launch.mla_decode_fits takes the shapes (and K3_MLA_TRITON is not 0).
+  split kernel, where launch.mla_decode_fits takes the shapes (and K3_KNOBS mla_triton is not 0).
 - mla_decode_uv: the same split kernel, then one kernel combining the splits and applying the
   value up-projection (and the sigmoid output gate) per (token, head, value block).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
@@ -47,7 +47,7 @@ K3_KERNELS=0 turns every kernel off.
 """
 from __future__ import annotations
 
-import os
+from ..config import knob
 
 import torch
 
@@ -314,7 +314,7 @@ def _decode_gemm(x, w):
 
 
 def _ok_bmm(x, w, w_nk, gate=None):
-    return (os.environ.get("K3_DECODE_BMM", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
+    return (knob("decode_bmm", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
             and w.dtype == x.dtype and x.shape[1] <= 16 and x.shape[0] == w.shape[0]
             and x.shape[2] == (w.shape[2] if w_nk else w.shape[1])
             and (gate is None or (gate.dtype == x.dtype
@@ -323,7 +323,7 @@ def _ok_bmm(x, w, w_nk, gate=None):
 
 @register("decode_bmm", "cuda", "triton_head_bmm", _ok_bmm)
 def _decode_bmm(x, w, w_nk, gate=None):
-    return launch.head_bmm(x, w, w_nk, gate)   # K3_DECODE_BMM=0: the op's reference (torch.bmm) instead
+    return launch.head_bmm(x, w, w_nk, gate)   # K3_KNOBS=decode_bmm=0: the op's reference (torch.bmm) instead
 
 
 @register("shared_expert_async", "cuda", "side_stream")

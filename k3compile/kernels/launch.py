@@ -6,7 +6,6 @@ CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the o
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,32 +16,33 @@ from . import choose
 from . import triton_cols as KC
 from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
+from ..config import knob, knob_flag
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # the barrier protocol of the communication kernels (triton_comm's docstring): 1 = sequence flags
 # (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
 # process must use the same one (the two leave different values in the signal slots).
-SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
+SEQ_BARRIER = int(knob("barrier_seq", "1"))
 # bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, the
-# twenty-seventh session's run "96a1ab8", where K3_AR_WARPS was read at each launch for layer_bench's env
+# twenty-seventh session's run "96a1ab8", where K3_KNOBS ar_warps was read at each launch for layer_bench's env
 # variants; layer_*_tp8_w1_h200_96a1ab8_warps.json, BENCHMARKS.md)
 # 16 warps were equal to the 8 of _warps and 32 slower (+1.5-4 us per layer step at M = 1 / 4 / 16)
-AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))
+AR_WARPS = int(knob("ar_warps", "0"))
 # bench A/B only (read at launch): COMM_EARLY=0 puts the communication kernels' peer-independent
 # reads back after the barrier wait; COMM_VEC=0 signals and polls the peers one after another
 # instead of in one vector atomic each (triton_comm._signal / _wait)
-COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
-COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
+COMM_EARLY = knob("comm_early", "1") == "1"
+COMM_VEC = knob("comm_vec", "1") == "1"
 # AR_PRELOAD: the all-reduce / norm kernel loads the first four AttnRes block rows together before
 # reducing them (triton_comm._ar_pre; the same values, errors 0 against the reference on the H200).
 # One H200, simulated peers, 9a1fa9c (bench/results/comm_sim_resnorm_b{3,7}_h200_9a1fa9c.json): the
 # layer-input op with 3 blocks 6.5-6.8 vs 6.7-7.0 us at world 1, M = 1..16; at group size 8 27.2 /
-# 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_AR_PRELOAD=0: the
+# 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_KNOBS=ar_preload=0: the
 # kernel before (each block row loaded just before it is reduced).
-AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
+AR_PRELOAD = knob("ar_preload", "1") == "1"
 # AR_LEAN: the same kernel holding fewer fp32 rows in registers (triton_comm.ar_residual_norm_kernel's
 # LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype); None = by
-# group size (_ar_form), True / False = always / never (K3_AR_LEAN=1 / 0). ptxas (sm_90a, 8 warps, 3
+# group size (_ar_form), True / False = always / never (K3_KNOBS=ar_lean=1 / 0). ptxas (sm_90a, 8 warps, 3
 # AttnRes blocks): spills per thread at group size 8 3.2 KB -> 0.7 KB, at 2 108 -> 56 bytes. One H200,
 # simulated peers, 3 blocks, e6cb7a8 (bench/comm_sim_bench.py AR_VARIANTS; BENCHMARKS.md, seventeenth
 # session), us, lean / not: group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
@@ -50,10 +50,10 @@ AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 # AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
 # layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4). Since
 # a57f020 32, with the joint reductions (AR_JOINT below).
-AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
+AR_LEAN = {"1": True, "0": False}.get(knob("ar_lean"))
 # AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
 # their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
-# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_AR_JOINT=1 /
+# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_KNOBS=ar_joint=1 /
 # 0: always / never. One H200, simulated peers, 3 AttnRes blocks, 679bc84 (comm_sim_bench AR_VARIANTS k3_seq;
 # bench/results/comm_sim_ar_joint_h200_679bc84.json), us, joint / one by one: group size 1, layer-input op
 # M = 1 / 4 / 16: 5.47 / 6.63, 5.77 / 6.77, 5.81 / 6.76; o-proj op 13.25 / 14.60 at M=1. Group size 8 (lean):
@@ -62,12 +62,12 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # (comm_sim_ar_w8_h200_a57f020.json), us, layer-input op / o-proj op: 15.5 / 23.7 against 22.4 / 31.3 (lean,
 # 16 warps, one by one: the form before), 23.3 / 31.2 one by one with 32 warps, 22.5 / 31.2 joint with 16;
 # the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
-AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
+AR_JOINT = {"1": True, "0": False}.get(knob("ar_joint"))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # COLS: the column-split forms of the all-reduce / norm and latent-tail kernels (triton_cols) at
 # M <= COLS_MAX_M and group size >= COLS_MIN_WORLD: each program takes COLS_W columns of every row and
 # the rows' reductions are exchanged once between the programs. Read at launch, for bench variants:
-# K3_COLS=0 / 1 (the row kernels / this form at any group size), K3_COLS_MAX_M, K3_COLS_W.
+# K3_KNOBS=cols=0 / 1 (the row kernels / this form at any group size), K3_KNOBS cols_max_m, K3_KNOBS cols_w.
 # COLS_MAX_PROGRAMS keeps the grid barrier's programs all resident. One H200, simulated peers
 # (f1f0e95, `bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
 # rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
@@ -142,16 +142,16 @@ class ColsPlan:
 
 def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan | None:
     """The column-split form for M rows of width N with `sources` AttnRes sources per row (1: a
-    plain norm), or None where the row kernels run: K3_COLS=0, a group smaller than COLS_MIN_WORLD
-    (unless K3_COLS=1), M > COLS_MAX_M, more than 8 sources, a row too narrow to split, or one that
+    plain norm), or None where the row kernels run: K3_KNOBS=cols=0, a group smaller than COLS_MIN_WORLD
+    (unless K3_KNOBS=cols=1), M > COLS_MAX_M, more than 8 sources, a row too narrow to split, or one that
     would need more than COLS_MAX_PROGRAMS programs (or barrier slots) at COLS_MAX_TILE."""
-    on = _env_flag("K3_COLS", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
-    if not on or M < 1 or M > int(os.environ.get("K3_COLS_MAX_M", "") or COLS_MAX_M) or sources > 8 or N < 64:
+    on = knob_flag("cols", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
+    if not on or M < 1 or M > int(knob("cols_max_m") or COLS_MAX_M) or sources > 8 or N < 64:
         return None
     rows = triton.next_power_of_2(M)
     s_pad = max(2, triton.next_power_of_2(sources))
     cap = min(COLS_MAX_PROGRAMS, peers.programs if peers is not None else COLS_MAX_PROGRAMS)
-    w = max(32, triton.next_power_of_2(int(os.environ.get("K3_COLS_W", "") or COLS_W)))
+    w = max(32, triton.next_power_of_2(int(knob("cols_w") or COLS_W)))
     while w > 32 and rows * s_pad * w > COLS_MAX_TILE:   # the [rows, sources, w] tile a program holds
         w //= 2
     programs = triton.cdiv(N, w)
@@ -600,22 +600,22 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 # latent at 8 KiB too (843c313, layer_*_h100_843c313_pdl1.json; no PDL / without that entry / this table): KDA
 # 139.0 / 135.2 / 132.4, MLA 139.4 / 134.9 / 132.5; M = 4 and 16 (MMA GEMMs there) unchanged within 0.4 us.
 GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192}
-GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_GEMV_PDL unset
+GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_KNOBS gemv_pdl unset
 _TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
 
 
 def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
-    """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_GEMV_PDL (read at
+    """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_KNOBS gemv_pdl (read at
     each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; "on" =
     GEMV_PDL_PF's bytes for this weight shape (none for a shape not in it); a number = that many bytes for every
     shape; unset = "on" if GEMV_PDL_DEFAULT else "off". CUDA on Hopper or later only. With shape=None: whether
     PDL is on at all (the norm kernel's TRIGGER)."""
-    return _pdl_choice("K3_GEMV_PDL", GEMV_PDL_DEFAULT, _pdl_table(os.environ.get("K3_GEMV_PDL_PF", "")), device, shape)
+    return _pdl_choice("gemv_pdl", GEMV_PDL_DEFAULT, _pdl_table(knob("gemv_pdl_pf")), device, shape)
 
 
 def _pdl_choice(var: str, default_on: bool, table: dict, device: torch.device, shape) -> int | None:
     """gemv_pdl: the switch `var` ("off" / "on" / bytes; unset: default_on) over a table by shape."""
-    v = os.environ.get(var, "") or ("on" if default_on else "off")
+    v = knob(var) or ("on" if default_on else "off")
     if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
     if v != "on":
@@ -626,7 +626,7 @@ def _pdl_choice(var: str, default_on: bool, table: dict, device: torch.device, s
 
 
 def _pdl_table(text: str) -> dict:
-    """GEMV_PDL_PF, or K3_GEMV_PDL_PF="NxK=bytes;..." in its place (bench A/B rows)."""
+    """GEMV_PDL_PF, or K3_KNOBS=gemv_pdl_pf="NxK=bytes;..." in its place (bench A/B rows)."""
     if not text:
         return GEMV_PDL_PF
     out = {}
@@ -769,7 +769,7 @@ ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
 # the router top-k's selection: Triton's bitonic top-k (tl.topk over the packed keys, one pass, 8 warps)
-# instead of k max-reduction rounds (4 warps); K3_ROUTER_SORT=0/1 overrides. One H200, E = 896, top-16
+# instead of k max-reduction rounds (4 warps); K3_KNOBS=router_sort=0/1 overrides. One H200, E = 896, top-16
 # (bench/router_bench.py at 82d2ce6, bench/results/router_topk_h200_82d2ce6.json), us at M = 1 / 4 / 16:
 # rounds 4 warps 5.24 / 5.24 / 5.27; bitonic 4 warps 4.75 / 4.77 / 4.79, 8 warps 3.79 / 3.84 / 3.86,
 # 16 warps 4.09 / 4.09 / 4.13. (E > 1024 not measured; those take 16 warps bitonic, 8 by rounds.)
@@ -777,7 +777,7 @@ ROUTER_SORT = True
 
 
 def _router_sort() -> bool:
-    return os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
+    return knob_flag("router_sort", ROUTER_SORT)
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64,
@@ -810,7 +810,7 @@ MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
 # 0: one program per row. MLA layer at TP=8 widths, one H200, replay timeline, combine kernel us at M = 1 /
 # 4 / 16 with 0 / 64 / 128 columns: 4.16 / 3.10 / 4.61, 4.42 / 4.19 / 5.50, 1.98 / 4.06 / 3.68 (5854264,
 # bench/results/layer_mla_tp8_w1_h200_5854264_mlaout.json; M=16 has 192 rows: split there it is slower).
-# K3_MLA_COMBINE_BL overrides at every M (0: never split)
+# K3_KNOBS mla_combine_bl overrides at every M (0: never split)
 MLA_COMBINE_BL = 64
 
 
@@ -827,21 +827,16 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
             and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-# value columns per program of the MLA combine + value up-projection kernel (K3_MLA_UV_BV overrides).
+# value columns per program of the MLA combine + value up-projection kernel (K3_KNOBS mla_uv_bv overrides).
 # MLA layer at TP=8 widths, one H200, 16 vs 32 columns, us at M = 1 / 4 / 16: 122.8 / 162.7 / 268.8 vs
 # 122.0 / 161.0 / 270.1 (ad84e26, bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
 MLA_UV_BV = 16
 # the combine + value up-projection with the split count a constant (triton_mla._combine_splits_flat;
-# warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens. K3_MLA_UV_FLAT (at every M) / K3_MLA_UV_WARPS
+# warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens. K3_KNOBS mla_uv_flat (at every M) / K3_KNOBS mla_uv_warps
 # override. MLA layer at TP=8 widths, one H200, us at M = 1 / 4 / 16 (a867659,
 # bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 / 158.8 / 267.0, FLAT 123.6 /
 # 159.0 / 267.9 (combine kernel 5.15 -> 4.29 us at M=1)
 MLA_UV_FLAT, MLA_UV_FLAT_MAX_M, MLA_UV_WARPS = True, 1, 4
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name, "")
-    return default if v == "" else v == "1"
 
 
 def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, uv=None) -> torch.Tensor:
@@ -883,15 +878,15 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
     if uv is not None:
         swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
         g = gate if gate is not None else out
-        bv = int(os.environ.get("K3_MLA_UV_BV", "") or MLA_UV_BV)
-        flat = _env_flag("K3_MLA_UV_FLAT", MLA_UV_FLAT and M <= MLA_UV_FLAT_MAX_M)
+        bv = int(knob("mla_uv_bv") or MLA_UV_BV)
+        flat = knob_flag("mla_uv_flat", MLA_UV_FLAT and M <= MLA_UV_FLAT_MAX_M)
         KA.mla_combine_uv_kernel[(M, H, triton.cdiv(V, bv))](
             part_o, part_ml, w, g, out, H, ns, V, w.stride(0), swl, swv, g.stride(0), g.stride(1), g.stride(2),
             L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None,
             NSC=ns if flat else 0, NSP=triton.next_power_of_2(ns) if flat else 1,
-            num_warps=int(os.environ.get("K3_MLA_UV_WARPS", "") or MLA_UV_WARPS))
+            num_warps=int(knob("mla_uv_warps") or MLA_UV_WARPS))
         return out.permute(1, 0, 2)
-    flag = os.environ.get("K3_MLA_COMBINE_BL", "")
+    flag = knob("mla_combine_bl")
     bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)
     bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0
     KA.mla_combine_kernel[(M, H, L // bl if bl else 1)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
@@ -899,7 +894,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
     return out
 
 
-# channels per program of the KDA short conv (K3_CONV_BLOCK overrides; a power of two >= 32). KDA layer
+# channels per program of the KDA short conv (K3_KNOBS conv_block overrides; a power of two >= 32). KDA layer
 # at TP=8 widths on one H200, k3 with 1024 / 256 / 128, us at M=1: 139.5 / 137.1 / 138.2 (5f8936e),
 # 141.6 / 138.7 / 138.7 (6d00e84); M=4, 16 within 1 us (bench/results/layer_kda_tp8_w1_h200_*_{onegemm,tl}.json).
 # 1024 gave a TP=8 rank's 4608 channels 5 programs at M=1, 256 gives 18
@@ -927,7 +922,7 @@ def kda_conv_decode(xq, xk, xv, state, w, inplace: bool = False):
     kw = w.shape[1]
     q, k, v = (torch.empty(M, cq, dtype=xq.dtype, device=xq.device) for _ in range(3))
     new_state = state if inplace else torch.empty(state.shape, dtype=state.dtype, device=state.device)
-    BLOCK = int(os.environ.get("K3_CONV_BLOCK", CONV_BLOCK))
+    BLOCK = int(knob("conv_block") or CONV_BLOCK)
     if M:
         KC.kda_conv_decode_kernel[(M, triton.cdiv(3 * cq, BLOCK))](
             xq, xk, xv, state, w, q, k, v, new_state, cq, xq.stride(0), xk.stride(0), xv.stride(0),
@@ -979,7 +974,7 @@ def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower: float, s
     M, H, K = q.shape
     V, R = v.shape[-1], fa.shape[-1]
     o = torch.empty(M, H, V, dtype=v.dtype, device=v.device)
-    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
+    bv = min(int(knob("kda_fb_bv") or KDA_FB_BV), V)
     KK.kda_decode_fb_kernel[(M * H * (V // bv),)](
         q, k, v, fa, f_b, beta, a_log, dt_bias, state, o, H, q.stride(0), k.stride(0), v.stride(0), fa.stride(0),
         beta.stride(0), float(lower), float(scale), float(eps), K=K, V=V, R=R, BV=bv, BR=min(32, R & -R),
@@ -1027,8 +1022,8 @@ def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, st
     K = V = xq.shape[1] // H
     R = fa.shape[-1]
     o = torch.empty(M, H, V, dtype=xv.dtype, device=xv.device)
-    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
-    p = max(1, min(int(os.environ.get("K3_KDA_STEP_P", KDA_STEP_P)), V // bv))
+    bv = min(int(knob("kda_fb_bv") or KDA_FB_BV), V)
+    p = max(1, min(int(knob("kda_step_p") or KDA_STEP_P), V // bv))
     while (V // bv) % p:
         p -= 1
     cnt = split_counters(xq.device) if p > 1 and M * H <= SPLIT_SLOTS else None
@@ -1091,14 +1086,14 @@ MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages"
 
 def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: int | None = None,
                   N: int | None = None) -> str:
-    """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: for bf16
+    """The expert-kernel variant: the argument, else env K3_KNOBS mxfp4, else the default: for bf16
     activations where v3's tiles fit the shapes, "cute_h2" (the CuTe f16x2 GEMVs) on CUDA at the
     batch sizes choose.CUTE_M measured it faster (it falls back to v3 / v4g, with the reason, where
     no artifact fits), else "v3", or "v4g" from MXFP4_GROUPED_MIN_N tokens (v3 with the pairs
     grouped by expert) (v3: 1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
     activations and the SiTU output to bf16 / fp16, which a bf16 model does anyway); other
     activations and shapes "v2b" (fp32 products of the exact activations)."""
-    v = variant or os.environ.get("K3_MXFP4")
+    v = variant or knob("mxfp4") or None
     if v is None:
         v = "v3" if x is None else default_mxfp4_variant(x.dtype == torch.bfloat16, x.shape[1], I, x.is_cuda, N)
     if v not in MXFP4_VARIANTS:
@@ -1199,7 +1194,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_MXFP4, else
+    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_KNOBS mxfp4, else
     mxfp4_variant's choice; see triton_moe's docstring and kernels/cute/mxfp4_experts.py);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""

@@ -23,7 +23,7 @@ Ops (all return a fresh tensor; the cache / state argument is mutated in place):
     ``S' *= decay; S' += beta * (v - S' k) (x) k; o = S' q``.)
 
     On CUDA it runs fla-core's ``fused_recurrent_kda`` when importable (equal to the reference on
-    the H200 and in Triton's CPU interpreter; K3_FLA_DECODE=0 or K3_DISABLE_FLA=1 turn it off).
+    the H200 and in Triton's CPU interpreter; K3_KNOBS=fla_decode=0 or K3_KNOBS=disable_fla=1 turn it off).
 
 ``k3model::kda_prefill(q, k, v, g, beta, state) -> Tensor``  mutates ``state``
     q, k, g [M, T, H, K]; v [M, T, H, V]; beta [M, T, H]. The recurrence over T,
@@ -189,8 +189,9 @@ _FLA_KWARGS = {"scale", "initial_state", "output_final_state", "use_qk_l2norm_in
 
 def _fla_kda(name: str, needed: set):
     """fla-core's ``fla.ops.kda.<name>`` if importable with the keywords we pass; None if not, or
-    with K3_DISABLE_FLA set."""
-    if os.environ.get("K3_DISABLE_FLA", "0") not in ("", "0"):
+    with K3_KNOBS disable_fla set."""
+    from ..config import knob
+    if knob("disable_fla", "0") != "0":
         return None
     try:
         import fla.ops.kda  # noqa: PLC0415
@@ -288,9 +289,10 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _fla_fused_recurrent_kda():
     """Import fla-core's decode kernel ``fused_recurrent_kda`` and check its keyword API; None if
-    not, or with K3_FLA_DECODE=0 (decode only) / K3_DISABLE_FLA=1 (prefill too). Checked against the
+    not, or with K3_KNOBS=fla_decode=0 (decode only) / K3_KNOBS=disable_fla=1 (prefill too). Checked against the
     reference on the H200 (eagerly and graphed, fp32 and bf16) and in Triton's CPU interpreter."""
-    if os.environ.get("K3_FLA_DECODE", "1") in ("", "0"):
+    from ..config import knob
+    if knob("fla_decode", "1") == "0":
         return None
     return _fla_kda("fused_recurrent_kda", _FLA_KWARGS)
 

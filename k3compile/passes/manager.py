@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import os
 import pathlib
 import time
 import warnings
@@ -22,6 +21,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from ..ops import describe_kernels
+from ..config import knobs
 from ..options import K3Options
 from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
@@ -64,10 +64,6 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-# environment variables the passes and patterns read while they rewrite a graph (part of the uuid)
-REWRITE_ENV = ("K3_ATTENTION_OPS", "K3_EXPERT_OPS", "K3_CONV_INPLACE")
-
-
 class PassManager(CustomGraphPass):
     def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
                  dump: bool = False, observer=None, compile_range: tuple[int, int] | None = None):
@@ -91,10 +87,9 @@ class PassManager(CustomGraphPass):
         import torch.distributed as dist
         rank = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         # the rewrite bakes in this rank's shard offsets, so the rank is part of the key; so are the
-        # environment switches read while rewriting (the options read theirs when made: in opts.key()),
-        # so that a changed switch never reuses a graph Inductor's cache holds from before
-        env = ",".join(f"{k}={os.environ[k]}" for k in REWRITE_ENV if k in os.environ)
-        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{env}"
+        # options (the user switches read when they were made) and every experiment knob (config.Knobs),
+        # so that a changed setting never reuses a graph Inductor's cache holds from before
+        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{knobs().key()}"
 
     def __call__(self, graph: Graph) -> None:
         register_inductor_fallbacks()
