@@ -295,7 +295,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     colsprobe) step cols_probe 240 python3 bench/cols_probe.py --out "$R/cols_probe.json" ;;
     colsncu) step cols_ncu 120 env K3_KNOBS=cols=1,cols_max_m=4 ncu --kernel-name regex:cols --launch-skip 2 --launch-count 1 \
                --section LaunchStats --section Occupancy --section SpeedOfLight python3 -c "import torch
-from k3compile.kernels import simpeers
+from tests import simpeers
 run = simpeers.residual_norm_case(1, 4, 3, seed=1)[0]
 [run() for _ in range(4)]
 torch.cuda.synchronize()" ;;
@@ -413,7 +413,7 @@ torch.cuda.synchronize()" ;;
             tests/test_gpu.py -k "kernels_match or push"
           step ops_comm 300 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --comm --cold 8 \
             --ms ${K3_MS:-1,4,16,64} --shapes tp8 --out "$R/ops_comm.json" ;;
-    # the same on one GPU with simulated peers (kernels/simpeers): their GPU test, then every option
+    # the same on one GPU with simulated peers (tests/simpeers.py): their GPU test, then every option
     # timed at TP=2 and TP=8 group sizes without NVLink
     commsim) step commsim_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k simulated_peers
              step comm_sim 300 python3 bench/comm_sim_bench.py --ms ${K3_MS:-1,4,16,64} --out "$R/comm_sim.json" ;;

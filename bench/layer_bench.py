@@ -296,11 +296,11 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                      f"{row['err_vs_eager_clear_rows']}" if "near_tie_rows" in row else ""), flush=True)
     # ablation_base: the row the `without` ablation rows are compared with (report.py)
     from k3compile.model import attention_ops
-    kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops._fla_fused_recurrent_kda()
+    kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops.fla_fused_recurrent_kda()
                   else "PyTorch reference recurrence")  # what every mode's KDA decode op ran
     from k3compile.kernels import model_ops   # every mode's MLA decode op on Triton unless K3_KNOBS=mla_triton=0
     mla_decode = ("Triton (kernels/triton_mla.py)" if dev.type == "cuda" and model_ops._DONE
-                  else "PyTorch reference (attention_ops._mla_core)")
+                  else "PyTorch reference (attention_ops.mla_core)")
     return dict(rows=rows, ablation_base="k3-prefetch", hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
                 kda_decode=kda_decode, mla_decode=mla_decode,
                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)

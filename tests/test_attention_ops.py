@@ -447,7 +447,7 @@ sys.path.insert(0, os.environ["K3_TESTS"])
 from test_attention_ops import kda_inputs
 from k3compile.model import attention_ops as ops
 worst = 0.0
-assert ops._fla_fused_recurrent_kda_fwd() is not None  # fla 0.6: the in-place step
+assert ops.fla_fused_recurrent_kda_fwd() is not None  # fla 0.6: the in-place step
 for dtype, K, V in ((torch.float32, 16, 16), (torch.float32, 32, 8), (torch.float16, 16, 16)):
     q, k, v, g, beta, state = kda_inputs(M=3, H=2, K=K, V=V, dtype=dtype, seed=K + V, k_scale=0.8)
     st_ref = state.clone()
@@ -486,9 +486,9 @@ def test_fla_decode_matches_reference_on_cuda(dtype, monkeypatch):
     """K3_KNOBS=fla_decode=1 on CUDA: the decode op runs fla's fused_recurrent_kda, equal to the
     reference (output and state), also when replayed from a CUDA graph."""
     monkeypatch.setenv("K3_KNOBS", knobs_text(fla_decode="1"))
-    ops._fla_fused_recurrent_kda.cache_clear()
+    ops.fla_fused_recurrent_kda.cache_clear()
     try:
-        if ops._fla_fused_recurrent_kda() is None:
+        if ops.fla_fused_recurrent_kda() is None:
             msg = "fla-core (fla.ops.kda.fused_recurrent_kda) is not importable / has an unexpected API"
             if os.environ.get("K3_REQUIRE_FLA", "0") not in ("", "0"):
                 pytest.fail(msg)
@@ -510,7 +510,7 @@ def test_fla_decode_matches_reference_on_cuda(dtype, monkeypatch):
         torch.cuda.synchronize()
         assert _rel_err(o_g, o_ref) < tol and _rel_err(st_g, st_ref) < tol
     finally:
-        ops._fla_fused_recurrent_kda.cache_clear()
+        ops.fla_fused_recurrent_kda.cache_clear()
 
 
 @pytest.mark.gpu
@@ -559,8 +559,8 @@ def test_fla_decode_is_on_by_default_when_importable(monkeypatch):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        ops._fla_fused_recurrent_kda.cache_clear()
+        ops.fla_fused_recurrent_kda.cache_clear()
         try:
-            assert (ops._fla_fused_recurrent_kda() is fused_recurrent_kda) == want, env
+            assert (ops.fla_fused_recurrent_kda() is fused_recurrent_kda) == want, env
         finally:
-            ops._fla_fused_recurrent_kda.cache_clear()
+            ops.fla_fused_recurrent_kda.cache_clear()

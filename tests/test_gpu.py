@@ -189,7 +189,7 @@ def _check_kernel_results(res):
                                    {"COLS_MIN_WORLD": 1, "COLS_MAX_M": 4}])
 def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeypatch):
     """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
-    (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before;
+    (tests/simpeers.py: the peers' partials in ordinary buffers, their barrier signals set before;
     world 1: no peers), bf16, eager and replayed from a CUDA graph, with the communication kernels'
     options (launch: the vector signal/poll and the early reads, or the 45ff89b kernels' order; the
     column-split forms where launch.cols_plan takes them, at every group size up to 4 rows, or never)."""
@@ -197,7 +197,8 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import _graphed, rel
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    import simpeers
     for k, v in knobs.items():
         monkeypatch.setattr(launch, k, v)
     errs = {}
@@ -222,7 +223,8 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import rel
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    import simpeers
     monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
     assert launch.cols_plan(1, 7168, 4, None) is not None
     for world in (1, 8):

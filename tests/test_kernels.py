@@ -26,7 +26,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from k3compile.config import knobs_text  # noqa: E402
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
-from k3compile.kernels.simpeers import SimGroup  # noqa: E402
+from simpeers import SimGroup  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}

@@ -224,7 +224,7 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
     from ..model import attention_ops as A
     # fla's in-kernel L2 norm adds 1e-6 under the square root: the same as clamping at eps <= 1e-6
     # for any vector whose norm is not tiny
-    return (A._fla_fused_recurrent_kda() is not None and A._fla_fused_recurrent_kda_fwd() is not None
+    return (A.fla_fused_recurrent_kda() is not None and A.fla_fused_recurrent_kda_fwd() is not None
             and q.dim() == 3 and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
             and state.is_contiguous() and eps <= 1e-6)
 
@@ -267,8 +267,8 @@ def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scal
 @register("mla_decode_normed", "cuda", "triton_mla", _ok_mla_normed)
 def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     from ..model import attention_ops as A
-    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
-    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
     return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps))
 
 
@@ -284,8 +284,8 @@ def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w
 @register("mla_decode_uv", "cuda", "triton_mla_uv", _ok_mla_uv)
 def _mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
     from ..model import attention_ops as A
-    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
-    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
     return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps),
                              uv=(w_uv, w_nk, gate))
 

@@ -843,7 +843,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
     """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m]
     (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
     their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
-    (attention_ops._validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
+    (attention_ops.validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
     row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed). uv=(W, w_nk,
     gate): the result is k3::decode_bmm(o.permute(1, 0, 2), W, w_nk, gate) instead of o ([H, M, V],
     stored token-major), the combine and the value up-projection in one kernel (k3::mla_decode_uv)."""
@@ -1279,11 +1279,11 @@ def kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower: float, 
     """k3::kda_decode_gated as one fla-core ``fused_recurrent_kda`` kernel (T = 1): q and k
     L2-normalised in the kernel (x / sqrt(sum(x^2) + 1e-6)), q scaled, the decay lower *
     sigmoid(exp(A_log) * (f + dt_bias)) and beta's sigmoid in the kernel; the K-major fp32 state
-    updated in place, the output written into an empty buffer (attention_ops._fla_decode_in_place).
-    The caller checked `attention_ops._fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
-    from ..model.attention_ops import _fla_decode_in_place, _fla_qkv
-    args = tuple(x.unsqueeze(1) for x in (*_fla_qkv(q, k, v), f.contiguous(), beta.contiguous()))  # T = 1
-    return _fla_decode_in_place(args, dict(A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
+    updated in place, the output written into an empty buffer (attention_ops.fla_decode_in_place).
+    The caller checked `attention_ops.fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
+    from ..model.attention_ops import fla_decode_in_place, fla_qkv
+    args = tuple(x.unsqueeze(1) for x in (*fla_qkv(q, k, v), f.contiguous(), beta.contiguous()))  # T = 1
+    return fla_decode_in_place(args, dict(A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
                                            scale=float(scale), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, lower_bound=float(lower)),
                                 state, v.dtype)

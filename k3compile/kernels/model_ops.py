@@ -25,9 +25,9 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     reference (which also mutates the cache)."""
     from ..model import attention_ops as A
     from . import launch
-    A._validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
+    A.validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
     if launch.mla_decode_fits(q_lat, q_rope, kv_new, kv_cache):
-        A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+        A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
         return launch.mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
     return A.mla_decode_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 

@@ -1,6 +1,6 @@
 """Triton MLA decode attention over the latent KV cache (the `k3model::mla_decode` op's CUDA path).
 
-The op's reference (model/attention_ops._mla_core) writes the new token's latent + rope key into
+The op's reference (model/attention_ops.mla_core) writes the new token's latent + rope key into
 the cache, then attends in fp32 over the whole cache slice it needs: it casts the slice to fp32,
 zeroes the slots past each sequence, and runs two batched GEMMs and a softmax on them. On an H200
 that is most of an MLA layer's attention time at decode (one MLA step at TP=8 widths, context 1024:

@@ -1,7 +1,7 @@
 """Compile the Triton kernels for sm_90 on a machine without a GPU (catches compile errors that
 the CPU interpreter does not see, and lets tests inspect the PTX).
 
-    python -m k3compile.kernels.aot_check [--quick]
+    python -m bench.aot_check [--quick]   (from the repository root)
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import triton_comm as K
-from . import triton_cols as KL
-from . import triton_moe as KM
-from . import triton_gemv as KG
-from . import triton_router as KR
-from . import triton_conv as KC
-from . import triton_kda as KK
-from . import triton_mla as KA
+from k3compile.kernels import triton_comm as K
+from k3compile.kernels import triton_cols as KL
+from k3compile.kernels import triton_moe as KM
+from k3compile.kernels import triton_gemv as KG
+from k3compile.kernels import triton_router as KR
+from k3compile.kernels import triton_conv as KC
+from k3compile.kernels import triton_kda as KK
+from k3compile.kernels import triton_mla as KA
 
 TARGET = GPUTarget("cuda", 90, 32)
 
