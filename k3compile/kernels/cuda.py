@@ -84,7 +84,7 @@ def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int
     ws = symm.workspace(group, device)
     if ws is None or not ws.fits(nbytes):
         if ws is not None:
-            symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
+            symm.note_unavailable(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
         return False, None
     return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.data_bytes, ws.programs, ws.flag_off)
 

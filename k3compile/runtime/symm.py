@@ -64,6 +64,12 @@ _WS: dict[tuple[str, int], Workspace] = {}
 _WHY: dict[str, str] = {}  # group -> why it has no workspace
 
 
+def note_unavailable(key: str, why: str) -> None:
+    """Record why symmetric memory could not serve a call (`key`: the group, or "group/what"); the first
+    reason for a key is kept (status() lists them)."""
+    _WHY.setdefault(key, why)
+
+
 def unavailable_reason(group: str | None) -> str | None:
     """Why symmetric memory cannot serve `group` (None: it can, or may once allocated)."""
     if not group:
