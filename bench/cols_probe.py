@@ -25,7 +25,8 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    from tests import simpeers
     from k3compile.kernels import triton_cols as KC
     t0 = time.time()
     rows = []

@@ -1,5 +1,5 @@
 """The o-proj and latent-tail ops' kernels on ONE GPU, as rank 0 of a simulated TP group
-(kernels/simpeers: the peers' partials in ordinary buffers on this GPU, their barrier signals set
+(tests/simpeers.py: the peers' partials in ordinary buffers on this GPU, their barrier signals set
 before), each option of the communication kernels side by side: what the kernels themselves cost
 without NVLink and without a peer's skew. Not a substitute for bench/ops_bench.py on two GPUs
 (the one-shot all-reduce's NVLink trips and the baselines are there); it separates the local part.
@@ -68,7 +68,8 @@ def main():
     import torch
     import torch.nn.functional as F
 
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    from tests import simpeers
 
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
@@ -116,7 +117,7 @@ def main():
                 del timers
                 torch.cuda.empty_cache()
     save(a.out, dict(rows=rows, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                     note="one GPU, simulated peers (kernels/simpeers): no NVLink"), t0)
+                     note="one GPU, simulated peers (tests/simpeers.py): no NVLink"), t0)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ routed to random distinct experts; M in {1, 4, 16, 64, 256}. Times (CUDA graph, 
                      artifacts in K3_CUTE_DIR, launched by the driver-only loader; no tiles; a
                      missing artifact is reported as an error, not timed as its v3 fallback);
                      "cute_nopdl" / "cute_h2_nopdl": the same, down launched without Programmatic
-                     Dependent Launch (K3_CUTE_PDL=0; the plain names run it, K3_CUTE_PDL=1);
+                     Dependent Launch (K3_KNOBS=cute_pdl=0; the plain names run it, K3_KNOBS=cute_pdl=1);
                      "cute_h2@TAG": a variant of the f16x2 kernels (build.MXFP4_TAGS, alternates
                      built with --alt; "@none": the untagged kernels at every batch);
   reference        - the model op's capture-safe PyTorch path (dequantise each pair's expert + bmm).
@@ -34,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+
+from k3compile.config import knobs_text  # noqa: E402
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -130,11 +132,11 @@ def main():
                 # "<cute variant>_nopdl": the same artifacts launched without Programmatic Dependent Launch;
                 # "cute_h2@TAG": a variant of the f16x2 kernels (build.MXFP4_TAGS; "none": untagged)
                 v, _, tag = v.partition("@")
-                os.environ["K3_CUTE_PDL"] = "0" if v.endswith("_nopdl") else "1"
+                os.environ["K3_KNOBS"] = knobs_text(cute_pdl="0" if v.endswith("_nopdl") else "1")
                 if tag:
-                    os.environ["K3_CUTE_MXFP4_TAG"] = tag
+                    os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag=tag)
                 else:                       # dispatch's own choice (choose.mxfp4_tag)
-                    os.environ.pop("K3_CUTE_MXFP4_TAG", None)
+                    os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag="")
                 v = v.removesuffix("_nopdl")
                 try:
                     if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
+
+from k3compile.config import knobs_text  # noqa: E402
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +61,7 @@ def main():
 
     from k3compile.kernels import choose
     from k3compile.kernels.cute import build, loader
-    os.environ["K3_CUTE_PROBE"] = "1"         # find_mxfp4 serves the probe tags
+    os.environ["K3_KNOBS"] = knobs_text(cute_probe="1")         # find_mxfp4 serves the probe tags
     read_rows = _read_kernel()
     torch.manual_seed(0)
     bw = hbm_bandwidth()

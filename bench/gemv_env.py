@@ -1,7 +1,7 @@
 """layer_bench --env specs from a gemv_bench sweep run with --dispatch-column: for each swept shape
 at M=1 (or --m) whose best config of a kind (--kind, default "gemvl": the LAZY CUDA-core GEMV) beat
 what k3 dispatches (the sweep's "k3" column) by at least --margin, one variant forcing that config
-(K3_GEMV_CFG), plus one ("all") forcing every such shape at once. One spec per line, for
+(K3_KNOBS gemv_cfg), plus one ("all") forcing every such shape at once. One spec per line, for
 `mapfile -t SPECS < <(python3 bench/gemv_env.py SWEEP.json)`; none if nothing beat the dispatch.
 
     python3 bench/gemv_env.py r/gemv_lazy.json [--kind gemvl] [--m 1] [--margin 0.01] [--name lz]
@@ -25,9 +25,9 @@ def specs(rows: list[dict], kind: str, m: int, margin: float, name: str) -> list
         if mine[best] <= us["k3"] * (1 - margin):
             picks.append((f"{r['N']}x{r['K']}", best, us["k3"] - mine[best]))
     picks.sort(key=lambda p: -p[2])
-    out = [f"{name}{i}:K3_GEMV_CFG={shape}={cfg}" for i, (shape, cfg, _) in enumerate(picks)]
+    out = [f"{name}{i}:K3_KNOBS=gemv_cfg={shape}={cfg}" for i, (shape, cfg, _) in enumerate(picks)]
     if len(picks) > 1:
-        out.append(f"{name}all:K3_GEMV_CFG=" + ";".join(f"{shape}={cfg}" for shape, cfg, _ in picks))
+        out.append(f"{name}all:K3_KNOBS=gemv_cfg=" + ";".join(f"{shape}={cfg}" for shape, cfg, _ in picks))
     return out
 
 

@@ -5,7 +5,7 @@
 The script prints, for each swept shape and M, how long kernels/choose.GEMV_TABLE's config (tuned on
 the H200) took in the sweep, against the sweep's best config and cuBLAS.
 
-It then writes TABLE.json in the sweep's row format, so that `K3_GEMV_TABLE=TABLE.json` reads it
+It then writes TABLE.json in the sweep's row format, so that `K3_KNOBS=gemv_table=TABLE.json` reads it
 (choose.gemv_table_from). Each entry is the sweep's best config where it beat cuBLAS, else cuBLAS.
 The shapes named in --keep, and the shapes not swept, keep GEMV_TABLE's entries instead. The shared gate-up is one of them: its
 config was picked for the side stream beside the router top-k, not for the GEMM alone.

@@ -54,7 +54,7 @@ for st in "$@"; do
     # after it in this invocation import it and run the decode on it
     fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla build/fla/*.whl > "$R/fla_install.log" 2>&1
          echo "fla install rc=$?" | tee -a "$R/summary.txt"
-         export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} K3_FLA_DECODE=1 K3_REQUIRE_FLA=1 ;;
+         export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} K3_KNOBS=fla_decode=1 K3_REQUIRE_FLA=1 ;;
     gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
                  --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
@@ -64,10 +64,10 @@ for st in "$@"; do
     # the TP=1 shapes of the world-1 layers (router, latent down and up, whole) through the MMA sweep
     w1gemv) step gemv_w1 200 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
               --shapes "w1 router,w1 latent,w1 latent_up" --out "$R/gemv_w1.json" ;;
-    # the all-reduce + residual + norm kernel's warps (K3_AR_WARPS; 0 = by width) at group sizes 2 and 8,
+    # the all-reduce + residual + norm kernel's warps (K3_KNOBS ar_warps; 0 = by width) at group sizes 2 and 8,
     # one GPU with simulated peers: the layer-input op and the o-proj op
     arwarps) for w in 0 16 32; do
-               step "arwarps$w" 120 env K3_AR_WARPS=$w python3 bench/comm_sim_bench.py --ops resnorm,oproj \
+               step "arwarps$w" 120 env K3_KNOBS=ar_warps=$w python3 bench/comm_sim_bench.py --ops resnorm,oproj \
                  --worlds 2,8 --ms ${K3_MS:-1,16} --blocks 3 --out "$R/arwarps$w.json"
              done ;;
     # the all-reduce + norm kernel's LEAN form and warps (comm_sim_bench's AR_VARIANTS), both ops with 3
@@ -77,9 +77,9 @@ for st in "$@"; do
             step ar_lean_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py \
               -k "kernels_match_reference_tp1 or simulated_peers" ;;
     # the MLA layer at TP=8 widths on one GPU with the op's PyTorch reference in every mode instead of the
-    # Triton MLA decode (K3_MLA_TRITON=0; compare with an mla1 step of the same call), after its GPU test
+    # Triton MLA decode (K3_KNOBS=mla_triton=0; compare with an mla1 step of the same call), after its GPU test
     mlaref) step mla_triton_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k mla_decode
-            step layer_mla_tp8_w1_ref 300 env K3_MLA_TRITON=0 $LB --world 1 --layer mla --shapes tp8 \
+            step layer_mla_tp8_w1_ref 300 env K3_KNOBS=mla_triton=0 $LB --world 1 --layer mla --shapes tp8 \
               --out "$R/layer_mla_tp8_w1_ref.json" ;;
     # the all-reduce / norm kernel's joint AttnRes reductions (AR_VARIANTS k3_seq: one source after another)
     # and the latent tail at group sizes 1 and 8 (simulated peers), 3 blocks on both ops; then the GPU
@@ -121,10 +121,9 @@ for st in "$@"; do
     # the rest of the GPU suite in steps that fit one call each (the whole suite in one step ran past
     # 420 s, fla's chunk kernels autotuning): the CuTe tests, and the small modules (flatests: attention)
     cutetests) step gpu_tests_cute 300 python3 -m pytest -m gpu -q -rA tests/test_gpu_cute.py ;;
-    # the GPU tests of the fold modules (the norm folds, the latent tail GEMM, the KDA folds, the norm GEMV)
-    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA --durations=10 tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
-                 tests/test_router_topk_fold.py tests/test_kda_step.py tests/test_kda_onorm.py tests/test_kda_fb.py \
-                 tests/test_kda_conv.py tests/test_norm_gemv.py ;;
+    # the GPU tests of the fold modules (the KDA folds)
+    foldtests) step gpu_tests_folds 300 python3 -m pytest -m gpu -q -rA --durations=10 tests/test_kda_step.py \
+                 tests/test_kda_onorm.py tests/test_kda_fb.py tests/test_kda_conv.py ;;
     resttests) step gpu_tests_rest 200 python3 -m pytest -m gpu -q -rA tests/test_kda_gate.py tests/test_mla_prologue.py \
                  tests/test_vllm.py ;;
     # the tensor-core split-K decode GEMM: its GPU test, then the sweep (every MMA config of every
@@ -139,10 +138,10 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
               step gemv_table 30 python3 bench/gemv_table.py "$R/gemv_tune.json" --keep 1536x7168 --out "$R/gemv_table.json"
               for L in kda mla; do
                 step layer_${L}_tp8_w1_tab 200 python3 bench/layer_bench.py --ms 1,4 --ablate 0 \
-                  --env tab:K3_GEMV_TABLE="$R/gemv_table.json" --world 1 --layer $L --shapes tp8 \
+                  --env tab:K3_KNOBS=gemv_table="$R/gemv_table.json" --world 1 --layer $L --shapes tp8 \
                   --out "$R/layer_${L}_tp8_w1_tab.json"
               done ;;
-    # the gemvtune sweep's M=1 winners for the two in_proj shapes one at a time inside the layer (K3_GEMV_CFG forces that
+    # the gemvtune sweep's M=1 winners for the two in_proj shapes one at a time inside the layer (K3_KNOBS gemv_cfg forces that
     # shape's config at every M, so M=1 only); in the other layer a shape it lacks is a control row
     # tab2: the H100 sweep's table with the stacked router + latent kept on an MMA config (gemv_table.py --mma-only)
     # bench/layout_probe.py: the same Triton read / GEMV over the row-major weight and over a tiled copy
@@ -150,7 +149,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     layout) step layout_probe 320 python3 bench/layout_probe.py --out "$R/layout_probe.json" ;;
     # choose.GEMV_TABLE_BY_CARD (the H100's in_proj rows at M=1): both layers at M=1, k3 against a row without them
     cardrows) for L in kda mla; do
-                step layer_${L}_tp8_w1_card 150 python3 bench/layer_bench.py --ms 1 --ablate 0 --env nocard:K3_GEMV_CARD=none \
+                step layer_${L}_tp8_w1_card 150 python3 bench/layer_bench.py --ms 1 --ablate 0 --env nocard:K3_KNOBS=gemv_card=none \
                   --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_card.json"
               done ;;
     # the stacked router + latent (4480 x 7168) on the CUDA-core GEMV in one launch (mma_gemm2's TWO form; the
@@ -159,25 +158,25 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     rlgemv) step rlgemv_tests 150 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "two_weights or gemv_matches"
             for L in kda mla; do
               step layer_${L}_tp8_w1_rlgemv 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
-                --env "rl:K3_GEMV_CFG=4480x7168=gemv 4/1024/4/3" --env "rl2:K3_GEMV_CFG=4480x7168=gemv 8/512/4/3" \
-                --env "sgu:K3_GEMV_CFG=1536x7168=gemv 2/1024/4/4" \
-                --env "rlsgu:K3_GEMV_CFG=4480x7168=gemv 4/1024/4/3;1536x7168=gemv 2/1024/4/4" \
+                --env "rl:K3_KNOBS=gemv_cfg=4480x7168=gemv 4/1024/4/3" --env "rl2:K3_KNOBS=gemv_cfg=4480x7168=gemv 8/512/4/3" \
+                --env "sgu:K3_KNOBS=gemv_cfg=1536x7168=gemv 2/1024/4/4" \
+                --env "rlsgu:K3_KNOBS=gemv_cfg=4480x7168=gemv 4/1024/4/3;1536x7168=gemv 2/1024/4/4" \
                 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_rlgemv.json"
             done ;;
     # the shared expert's GEMM configs beside the routed kernels (on the H100 the shared path ends last
     # before the latent tail): gate-up with 48 / 192 programs, shared down split in two
     sharedcfg) for L in kda mla; do
                  step layer_${L}_tp8_w1_sharedcfg 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
-                   --env "sg2:K3_GEMV_CFG=1536x7168=mmas 64/128/2/4/4" --env "sg8:K3_GEMV_CFG=1536x7168=mmas 64/128/8/4/4" \
-                   --env "sg32:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --env "sd2:K3_GEMV_CFG=7168x768=mmas 64/128/2/4/4" \
+                   --env "sg2:K3_KNOBS=gemv_cfg=1536x7168=mmas 64/128/2/4/4" --env "sg8:K3_KNOBS=gemv_cfg=1536x7168=mmas 64/128/8/4/4" \
+                   --env "sg32:K3_KNOBS=gemv_cfg=1536x7168=mma 32/128/4/4/6" --env "sd2:K3_KNOBS=gemv_cfg=7168x768=mmas 64/128/2/4/4" \
                    --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_sharedcfg.json"
                done ;;
     # the MXFP4 expert kernels' dispatch (tuned on the H200) on this card: the CuTe tags xf / untagged
     # against ldgd, the down kernel without PDL, and the Triton v3 kernels; both layers at M=1
     mxtags) for L in kda mla; do
               step layer_${L}_tp8_w1_mxtags 240 python3 bench/layer_bench.py --ms 1 --ablate 0 \
-                --env xf:K3_CUTE_MXFP4_TAG=xf --env untag:K3_CUTE_MXFP4_TAG=none --env nopdl:K3_CUTE_PDL=0 \
-                --env tv3:K3_MXFP4=v3 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mxtags.json"
+                --env xf:K3_KNOBS=cute_mxfp4_tag=xf --env untag:K3_KNOBS=cute_mxfp4_tag=none --env nopdl:K3_KNOBS=cute_pdl=0 \
+                --env tv3:K3_KNOBS=mxfp4=v3 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mxtags.json"
             done ;;
     # gemv_kernel's LAZY form (one K sum after the loop): its GPU tests, a sweep of every CUDA-core config
     # plain and lazy beside what k3 dispatches at M=1 (no MMA configs), then both layers with each shape whose
@@ -200,84 +199,47 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     lazyx) LX="4480x7168=gemvl 2/1024/4/4;3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3;2304x1536=gemvl 2/1024/4/4"
            for L in kda mla; do
              step layer_${L}_tp8_w1_lazyx 240 python3 bench/layer_bench.py --ms 1 --ablate 0 --rounds 5 \
-               --env "lzx:K3_GEMV_CFG=$LX" --env "lz1:K3_GEMV_CFG=4480x7168=gemvl 2/1024/4/4" \
+               --env "lzx:K3_KNOBS=gemv_cfg=$LX" --env "lz1:K3_KNOBS=gemv_cfg=4480x7168=gemvl 2/1024/4/4" \
                --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_lazyx.json"
            done ;;
     gemvrows) T2=bench/results/gemv_table_h100_b8043ff_mma.json
               for L in kda mla; do
                 step layer_${L}_tp8_w1_cfg 200 python3 bench/layer_bench.py --ms 1 --ablate 0 \
-                  --env "kin:K3_GEMV_CFG=6284x7168=gemv 2/1024/4/4" --env "qkv:K3_GEMV_CFG=3648x7168=gemv 4/1024/4/3" \
-                  --env tab2:K3_GEMV_TABLE=$T2 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_cfg.json"
-                step layer_${L}_tp8_w1_cfg4 200 python3 bench/layer_bench.py --ms 4 --ablate 0 --env tab2:K3_GEMV_TABLE=$T2 \
+                  --env "kin:K3_KNOBS=gemv_cfg=6284x7168=gemv 2/1024/4/4" --env "qkv:K3_KNOBS=gemv_cfg=3648x7168=gemv 4/1024/4/3" \
+                  --env tab2:K3_KNOBS=gemv_table=$T2 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_cfg.json"
+                step layer_${L}_tp8_w1_cfg4 200 python3 bench/layer_bench.py --ms 4 --ablate 0 --env tab2:K3_KNOBS=gemv_table=$T2 \
                   --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_cfg4.json"
               done ;;
     router) step router 90 python3 bench/router_bench.py --out "$R/router.json" ;;
-    # the MLA per-head bmm's on k3's Triton kernel (k3::decode_bmm; K3_DECODE_BMM=0: torch.bmm), the
-    # router top-k's rounds form (K3_ROUTER_SORT=0), and the shared gate-up's config now that the top-k
+    # the MLA per-head bmm's on k3's Triton kernel (k3::decode_bmm; K3_KNOBS=decode_bmm=0: torch.bmm), the
+    # router top-k's rounds form (K3_KNOBS=router_sort=0), and the shared gate-up's config now that the top-k
     # beside it is shorter (192 programs, cuBLAS): GPU tests, then both layers with those variants
-    # the MLA combine split over the latent's columns (K3_MLA_COMBINE_BL, 0 = one program per head) and
+    # the MLA combine split over the latent's columns (K3_KNOBS mla_combine_bl, 0 = one program per head) and
     # k3::decode_bmm with the output gate folded in (token-major output): GPU tests, then both layers
     mlaout) step mlaout_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or mla or tp1 or overlaps"
             for L in mla kda; do
               step layer_${L}_tp8_w1_mlaout 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-                --env comb0:K3_MLA_COMBINE_BL=0 --env comb64:K3_MLA_COMBINE_BL=64 --env nobmm:K3_DECODE_BMM=0 \
+                --env comb0:K3_KNOBS=mla_combine_bl=0 --env comb64:K3_KNOBS=mla_combine_bl=64 --env nobmm:K3_KNOBS=decode_bmm=0 \
                 --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mlaout.json"
             done ;;
-    # the shared expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1; off by default: slower) and the MLA
-    # combine's column split by M (K3_MLA_COMBINE_BL=0: never): GPU tests, then both layers
-    situ) step situ_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "shared or mla or tp1 or overlaps or mma"
-          for L in mla kda; do
-            step layer_${L}_tp8_w1_situ 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-              --env situ:K3_SITU_IN_DOWN=1 --env comb0:K3_MLA_COMBINE_BL=0 \
-              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_situ.json"
-          done ;;
     # the MLA kv_a norm (and the q_rope copy) in the attention kernel (fold_mla_prologue): its GPU tests
-    # and the MLA ones, then the MLA layer with the pass's ablation rows, both layers with the shared
-    # expert's SiTU inside its down GEMM (K3_SITU_IN_DOWN=1, off by default) as an env variant
+    # and the MLA ones, then the MLA layer with the pass's ablation rows
     mlapro) step mlapro_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_gpu.py \
               -k "mla or tp1 or overlaps or shared"
             step layer_mla_tp8_w1_pro 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
-              --ablate-passes fold_mla_prologue --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer mla --shapes tp8 \
-              --out "$R/layer_mla_tp8_w1_pro.json"
-            step layer_kda_tp8_w1_situ 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-              --env situ:K3_SITU_IN_DOWN=1 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_situ.json" ;;
-    # the MLA q_a norm in the q_b GEMV's x loads (fold_norm_gemv) beside fold_mla_prologue: both passes'
-    # GPU tests, then the MLA layer with their ablation rows
-    normgemv) step normgemv_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
-              step layer_mla_tp8_w1_norm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
-                --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv --world 1 --layer mla \
-                --shapes tp8 --out "$R/layer_mla_tp8_w1_norm.json" ;;
-    # the three MLA folds (fold_mla_prologue, fold_norm_gemv, fold_mla_output): their GPU tests, then the
+              --ablate-passes fold_mla_prologue --world 1 --layer mla --shapes tp8 \
+              --out "$R/layer_mla_tp8_w1_pro.json" ;;
+    # the MLA folds (fold_mla_prologue, fold_mla_output): their GPU tests, then the
     # MLA layer with their ablation rows, the combine + up-projection kernel with 32 value columns as a variant
-    mlafold) step mlafold_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py tests/test_norm_gemv.py
+    mlafold) step mlafold_tests 240 python3 -m pytest -m gpu -q -rA tests/test_mla_prologue.py
              step layer_mla_tp8_w1_fold 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
-               --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_norm_gemv,fold_mla_output \
-               --env uvbv32:K3_MLA_UV_BV=32 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_fold.json" ;;
-    # the MLA split kernel's PIPE form and the combine + up-projection with a constant split count
-    # (launch.MLA_PIPE / MLA_UV_FLAT): their GPU tests with both on, the op alone in the layer's form with
-    # each variant, then the MLA layer with them as --env rows
-    mlapipe) step mlapipe_tests 200 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA \
-               tests/test_mla_prologue.py tests/test_gpu.py -k "mla or tp1"
-             step mla_uv 200 python3 bench/mla_bench.py --uv --chs "" --ms ${K3_MS:-1,4,16} --variants \
-               "pipe:MLA_PIPE=1;flat:MLA_UV_FLAT=1;pf:MLA_PIPE=1,MLA_UV_FLAT=1;pfw8:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_WARPS=8;pf64:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_MIN_CH=64;pfbv32:MLA_PIPE=1,MLA_UV_FLAT=1,MLA_UV_BV=32;ch64:MLA_MIN_CH=64" \
-               --out "$R/mla_uv.json"
-             step layer_mla_tp8_w1_pipe 360 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-               --env pipe:K3_MLA_PIPE=1 --env flat:K3_MLA_UV_FLAT=1 --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 \
-               --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_pipe.json" ;;
+               --ablate ${K3_ABLATE:-1,4,16} --ablate-passes fold_mla_prologue,fold_mla_output \
+               --env uvbv32:K3_KNOBS=mla_uv_bv=32 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_fold.json" ;;
     # the KDA conv state updated in place (fold_kda_conv's k3::kda_conv_decode_, Inductor reinplacing it):
-    # the conv kernel tests, then the KDA layer with the functional op (K3_CONV_INPLACE=0) as a row
+    # the conv kernel tests, then the KDA layer with the functional op (K3_KNOBS=conv_inplace=0) as a row
     convip) step convip_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
              step layer_kda_tp8_w1_convip 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-               --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
-    # mlapipe + convip in less device time: their GPU tests in one run (the MLA kernels with PIPE and FLAT
-    # on), then the MLA layer with both as a row (pf) and the KDA layer with the functional conv (conv0)
-    ipf) step ipf_tests 220 env K3_MLA_PIPE=1 K3_MLA_UV_FLAT=1 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py \
-           tests/test_mla_prologue.py tests/test_gpu.py -k "kda_conv or mla_decode or uv"
-         step layer_mla_tp8_w1_pipe 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-           --env pf:K3_MLA_PIPE=1,K3_MLA_UV_FLAT=1 --env flat:K3_MLA_UV_FLAT=1 --world 1 --layer mla --shapes tp8 \
-           --out "$R/layer_mla_tp8_w1_pipe.json"
-         step layer_kda_tp8_w1_convip 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-           --env conv0:K3_CONV_INPLACE=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
+               --env conv0:K3_KNOBS=conv_inplace=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
     # the column-split all-reduce / norm and latent-tail kernels (triton_cols, launch.COLS): their GPU tests
     # (every form against the reference, eager and graphed; the grid barrier over 200 replays), the ops
     # with simulated peers (k3 = columns, k3_rows = the row kernels, k3_cNN = NN columns per program), and
@@ -301,7 +263,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     # (fold_kda_step), both gated off until measured: their GPU tests at real widths and the KDA ones, then
     # the KDA layer with them let through the gate: fb (fold_kda_fb), step (both); at M > 1 fold_kda_gate
     # and fold_kda_conv are gated off too: kda3 lets them and fold_kda_fb through, stepg all four.
-    # (K3_KDA_STEP_P=1 in an --env: one program per head.) Both steps fit one 600 s call: run it after `fla`
+    # (K3_KNOBS=kda_step_p=1 in an --env: one program per head.) Both steps fit one 600 s call: run it after `fla`
     kdafb) step kdafb_tests 150 python3 -m pytest -m gpu -q -rA tests/test_kda_fb.py tests/test_kda_step.py \
              tests/test_kda_gate.py tests/test_kda_conv.py tests/test_gpu.py -k "kda or tp1"
            step layer_kda_tp8_w1_fb 420 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
@@ -324,16 +286,16 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
           step comm_sim_cols 240 python3 bench/comm_sim_bench.py --ops resnorm,oproj,tail --worlds 1,8 \
             --ms ${K3_MS:-1,4,16} --oproj-blocks 3 --variants k3,k3_rows,k3_c64,k3_c256 --out "$R/comm_sim_cols.json"
           step layer_kda_tp8_w1_cols 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-            --env rows:K3_COLS=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_cols.json"
+            --env rows:K3_KNOBS=cols=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_cols.json"
           step layer_mla_tp8_w1_cols 200 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-            --env rows:K3_COLS=0 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_cols.json" ;;
+            --env rows:K3_KNOBS=cols=0 --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_cols.json" ;;
     # the column-split kernels' GPU tests alone; where their time goes (bench/cols_probe.py); Nsight Compute's
     # launch statistics, occupancy and speed of light of the AttnRes form at M=4 (forced at group size 1)
     colstests) step cols_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "simulated_peers or grid_barrier" ;;
     colsprobe) step cols_probe 240 python3 bench/cols_probe.py --out "$R/cols_probe.json" ;;
-    colsncu) step cols_ncu 120 env K3_COLS=1 K3_COLS_MAX_M=4 ncu --kernel-name regex:cols --launch-skip 2 --launch-count 1 \
+    colsncu) step cols_ncu 120 env K3_KNOBS=cols=1,cols_max_m=4 ncu --kernel-name regex:cols --launch-skip 2 --launch-count 1 \
                --section LaunchStats --section Occupancy --section SpeedOfLight python3 -c "import torch
-from k3compile.kernels import simpeers
+from tests import simpeers
 run = simpeers.residual_norm_case(1, 4, 3, seed=1)[0]
 [run() for _ in range(4)]
 torch.cuda.synchronize()" ;;
@@ -342,12 +304,12 @@ torch.cuda.synchronize()" ;;
     bmm) step bmm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "head_bmm or tp1 or overlaps"
          for L in mla kda; do
            step layer_${L}_tp8_w1_bmm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-             --env nobmm:K3_DECODE_BMM=0 --env rounds:K3_ROUTER_SORT=0 \
-             --env "sgu192:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --env "sgucublas:K3_GEMV_CFG=1536x7168=cublas" \
+             --env nobmm:K3_KNOBS=decode_bmm=0 --env rounds:K3_KNOBS=router_sort=0 \
+             --env "sgu192:K3_KNOBS=gemv_cfg=1536x7168=mma 32/128/4/4/6" --env "sgucublas:K3_KNOBS=gemv_cfg=1536x7168=cublas" \
              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_bmm.json"
          done ;;
     # the side-stream fork pinned between the router GEMM and its top-k (the default) against unpinned
-    # (K3_PIN_FORK=0), and the router top-k's bitonic form (K3_ROUTER_SORT=1): the GPU tests of the ops
+    # (K3_KNOBS=pin_fork=0), and the router top-k's bitonic form (K3_KNOBS=router_sort=1): the GPU tests of the ops
     # touched, the top-k alone, the all-reduce / norm kernels at group size 1, then both layers
     pin) step pin_tests 300 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "tp1 or side_stream or overlaps"
          step router 90 python3 bench/router_bench.py --ms 1,4,16 --out "$R/router.json"
@@ -355,7 +317,7 @@ torch.cuda.synchronize()" ;;
            --blocks 3 --oproj-blocks 3 --out "$R/ar_w1.json"
          for L in kda mla; do
            step layer_${L}_tp8_w1_pin 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-             --env nopin:K3_PIN_FORK=0 --env sort:K3_ROUTER_SORT=1 --world 1 --layer $L --shapes tp8 \
+             --env nopin:K3_KNOBS=pin_fork=0 --env sort:K3_KNOBS=router_sort=1 --world 1 --layer $L --shapes tp8 \
              --out "$R/layer_${L}_tp8_w1_pin.json"
          done ;;
     # the shared expert beside the routed path at M=1: inline (the ablation row without
@@ -364,14 +326,14 @@ torch.cuda.synchronize()" ;;
     sharedmma) for L in kda mla; do
                  step layer_${L}_tp8_w1_sharedmma 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} \
                    --ablate ${K3_ABLATE:-1} --ablate-passes overlap_shared_expert \
-                   --env "sgu96:K3_GEMV_CFG=1536x7168=mmas 64/128/4/4/4" \
-                   --env "sgu192:K3_GEMV_CFG=1536x7168=mma 32/128/4/4/6" --world 1 --layer $L --shapes tp8 \
+                   --env "sgu96:K3_KNOBS=gemv_cfg=1536x7168=mmas 64/128/4/4/4" \
+                   --env "sgu192:K3_KNOBS=gemv_cfg=1536x7168=mma 32/128/4/4/6" --world 1 --layer $L --shapes tp8 \
                    --out "$R/layer_${L}_tp8_w1_sharedmma.json"
                done ;;
     # both layers at M = 1..16 with k3's replay timeline (layer_bench rows' "timeline"), the KDA conv's
     # block as env variants
     timeline) step layer_kda_tp8_w1_tl 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
-                --env conv256:K3_CONV_BLOCK=256 --env conv128:K3_CONV_BLOCK=128 --world 1 --layer kda --shapes tp8 \
+                --env conv256:K3_KNOBS=conv_block=256 --env conv128:K3_KNOBS=conv_block=128 --world 1 --layer kda --shapes tp8 \
                 --out "$R/layer_kda_tp8_w1_tl.json"
               step layer_mla_tp8_w1_tl 240 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 --world 1 \
                 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1_tl.json" ;;
@@ -382,7 +344,7 @@ torch.cuda.synchronize()" ;;
              step gemv_w1_stacked 240 python3 bench/gemv_bench.py --precompile 12 --ms ${K3_MS:-1,4,16} \
                --shapes "w1 router_latent,w1 router,w1 latent" --out "$R/gemv_w1_stacked.json"
              step layer_kda_tp8_w1_onegemm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
-               --ablate-passes shard_router_latent --env conv128:K3_CONV_BLOCK=128 --env conv256:K3_CONV_BLOCK=256 \
+               --ablate-passes shard_router_latent --env conv128:K3_KNOBS=conv_block=128 --env conv256:K3_KNOBS=conv_block=256 \
                --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_onegemm.json"
              step layer_mla_tp8_w1_onegemm 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate ${K3_ABLATE:-1,4,16} \
                --ablate-passes shard_router_latent --world 1 --layer mla --shapes tp8 \
@@ -390,7 +352,7 @@ torch.cuda.synchronize()" ;;
     sass) step sass 120 python3 bench/sass_count.py mxfp4_v2b mxfp4_v3 ;;  # this machine's Triton
     ops) step ops_seq 120 python3 bench/ops_bench.py --out "$R/ops_seq.json" ;;
     ops_cold) step ops_cold 80 python3 bench/ops_bench.py --cold 8 --out "$R/ops_cold8.json" ;;
-    ops_cas) step ops_cas 120 env K3_BARRIER_SEQ=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
+    ops_cas) step ops_cas 120 env K3_KNOBS=barrier_seq=0 python3 bench/ops_bench.py --out "$R/ops_cas.json" ;;
     cutemoe) step cute_moe_tests 150 python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k mxfp4
              step cute_moe8 150 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-v3,cute,cute_h2} \
                --no-reference-time --shapes tp8 --ms 1,4,16,64 --out "$R/experts_cute_tp8.json" ;;
@@ -447,11 +409,11 @@ torch.cuda.synchronize()" ;;
     # the communication kernels' options (early reads, vector signal/poll, w_up prefetch) on two GPUs:
     # their GPU tests with the defaults and with the 45ff89b order, then every option timed in one run
     comm) step comm_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k "kernels_match or push"
-          step comm_tests_before 300 env K3_COMM_VEC=0 K3_COMM_EARLY=0 python3 -m pytest -m gpu -q -rA -s \
+          step comm_tests_before 300 env K3_KNOBS=comm_vec=0,comm_early=0 python3 -m pytest -m gpu -q -rA -s \
             tests/test_gpu.py -k "kernels_match or push"
           step ops_comm 300 python3 bench/ops_bench.py --ops oproj_ar_norm,latent_tail --comm --cold 8 \
             --ms ${K3_MS:-1,4,16,64} --shapes tp8 --out "$R/ops_comm.json" ;;
-    # the same on one GPU with simulated peers (kernels/simpeers): their GPU test, then every option
+    # the same on one GPU with simulated peers (tests/simpeers.py): their GPU test, then every option
     # timed at TP=2 and TP=8 group sizes without NVLink
     commsim) step commsim_tests 300 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k simulated_peers
              step comm_sim 300 python3 bench/comm_sim_bench.py --ms ${K3_MS:-1,4,16,64} --out "$R/comm_sim.json" ;;
@@ -460,23 +422,7 @@ torch.cuda.synchronize()" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
     # one GPU: the layers at TP=8 per-rank widths with no communication (world 1): the compute-side
     # passes and kernels (K3_LB_EXTRA="--ablate-passes lower_decode_gemm" for their rows only)
-    # the layer-input residual + AttnRes norm in the input projection's GEMM (fold_resnorm_gemm, TP=1) and the
-    # post-attention one in the MoE input's GEMMs (fold_resnorm_moe): their GPU tests, then both layers with
-    # the first let through the gate (rg) and both (rg2) beside the default
-    # the TP=1 folds of the norms into the GEMMs (fold_resnorm_gemm, fold_resnorm_moe, the latent tail's
-    # launch.tail_gemm): their GPU tests, then both layers with rows rg (the first), rg2 (both passes), tg
-    # (the tail alone) and rg3 (all three)
-    resgemm) step resgemm_tests 200 python3 -m pytest -m gpu -q -rA tests/test_resnorm_gemm.py tests/test_tail_gemm.py \
-               tests/test_gpu.py -k "resnorm or tail or mma_gemm or router"
-             for L in kda mla; do
-               step layer_${L}_tp8_w1_rg 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,2,4} --ablate 0 \
-                 --env rg:K3_UNGATED=fold_resnorm_gemm --env rg2:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe \
-                 --env tg:K3_TAIL_GEMM=1 --env rg3:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,K3_TAIL_GEMM=1 \
-                 --env rt4:K3_UNGATED=fold_resnorm_gemm,fold_resnorm_moe,fold_router_topk,K3_TAIL_GEMM=1 \
-                 --world 1 --layer $L --shapes tp8 \
-                 --out "$R/layer_${L}_tp8_w1_rg.json"
-             done ;;
-    # K3_GEMV_PDL (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
+    # K3_KNOBS gemv_pdl (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
     # both layers at M=1: k3 (the default; no PDL before 843c313) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj
     # forced onto the H100's lazy GEMV configs; the H200 runs them on the MMA GEMM) and lzon (lz with PDL)
@@ -484,27 +430,17 @@ torch.cuda.synchronize()" ;;
          step pdl_probe 200 python3 bench/pdl_probe.py --out "$R/pdl_probe.json"
          for L in mla kda; do
            step layer_${L}_tp8_w1_pdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
-             --env on:K3_GEMV_PDL=on --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
-             --env "lzon:K3_GEMV_PDL=on,K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
+             --env on:K3_KNOBS=gemv_pdl=on --env "lz:K3_KNOBS=gemv_cfg=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
+             --env "lzon:K3_KNOBS=gemv_pdl=on,K3_KNOBS=gemv_cfg=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
              --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl.json"
          done ;;
-    # the layers with the default (K3_GEMV_PDL on) beside no PDL (off) and PDL without the router + latent's entry
+    # the layers with the default (K3_KNOBS gemv_pdl on) beside no PDL (off) and PDL without the router + latent's entry
     # (rl0), M = 1..256 (K3_MS)
     pdl1) for L in mla kda; do
             step layer_${L}_tp8_w1_pdl1 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate 0 \
-              --env off:K3_GEMV_PDL=off --env "rl0:K3_GEMV_PDL_PF=3648x7168=16384;6284x7168=16384" \
+              --env off:K3_KNOBS=gemv_pdl=off --env "rl0:K3_KNOBS=gemv_pdl_pf=3648x7168=16384;6284x7168=16384" \
               --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_pdl1.json"
           done ;;
-    # K3_MMA_PDL (launch.mma_pdl, off by default, not yet measured): the MMA GEMM after the TP=1 norm / latent tail as
-    # their PDL secondary. Its GPU tests, then both layers at M=1: k3 beside mma (on), off (no PDL at all) and lz
-    # (qkv_a / in_proj on the H100's lazy GEMV configs, with the default GEMV PDL: the H200's question)
-    mmapdl) step mmapdl_tests 240 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or mma_pdl"
-            for L in mla kda; do
-              step layer_${L}_tp8_w1_mmapdl 300 python3 bench/layer_bench.py --ms ${K3_MS:-1} --ablate 0 --rounds 5 \
-                --env mma:K3_MMA_PDL=on --env off:K3_GEMV_PDL=off \
-                --env "lz:K3_GEMV_CFG=3648x7168=gemvl 4/1024/4/3;6284x7168=gemvl 8/512/4/3" \
-                --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_mmapdl.json"
-            done ;;
     kda1) step layer_kda_tp8_w1 300 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json" ;;
     mla1) step layer_mla_tp8_w1 300 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
     mla8) step layer_mla_tp8 300 $LB --layer mla --shapes tp8 --out "$R/layer_mla_tp8.json" ;;

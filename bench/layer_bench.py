@@ -8,22 +8,22 @@ step of that layer, CUDA-graphed, for:
   eager     - the layer as written (cuBLAS, NCCL, the model's expert op running our Triton MXFP4
               kernel, the model's KDA decode op: fla-core's kernel where importable, else PyTorch;
               the result's `kda_decode` says which; the MLA decode op: the Triton kernel of
-              kernels/model_ops.py, or with K3_MLA_TRITON=0 its PyTorch reference; `mla_decode` says which)
+              kernels/model_ops.py, or with K3_KNOBS=mla_triton=0 its PyTorch reference; `mla_decode` says which)
   inductor  - torch.compile(backend="inductor")
   k3        - torch.compile(backend="k3"), default options: the passes the profitability gate
-              (options.CUDA_PROFITABLE_M) applies at this M
+              (passes/pipeline.py) applies at this M
   k3all     - every pass in its batch range, with the L2 prefetch (gate="off")
   k3-<pass> / k3+<pass> - ablations: all passes but one / that pass alone (--ablate), with
               k3none (no pass), k3-prefetch (every pass, no L2 prefetch: the base the `without`
               rows compare with), k3-cute (every pass, the experts on Triton v3 rather than the CuTe
               GEMVs), k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
-              between gate-up and down, K3_CUTE_PDL=0) and k3-gemv (every GEMM on cuBLAS: no tuned
-              decode GEMM in the ops or in lower_decode_gemm's op, K3_GEMV=0); all of them without
+              between gate-up and down, K3_KNOBS=cute_pdl=0) and k3-gemv (every GEMM on cuBLAS: no tuned
+              decode GEMM in the ops or in lower_decode_gemm's op, K3_KNOBS=gemv=0); all of them without
               the L2 prefetch, which the gate applies nowhere (until
               commit d4e7aeb they had it, which mixed its cost into every pass's row);
               --ablate-passes P,Q keeps only those passes' rows (with k3none, k3-prefetch, k3-gemv)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
-  k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_CUTE_PUSH=1:
+  k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_KNOBS=cute_push=1:
               partials stored into every rank's buffer, flags instead of a barrier)
   k3_gemv   - (--gemv-table J) k3 with the Triton GEMV in its ops wherever the sweep J (from
               bench/gemv_bench.py) found it faster than cuBLAS, with that sweep's best configs
@@ -63,8 +63,8 @@ from k3compile.options import PASS_ORDER as PASSES  # noqa: E402  (an ablation r
 # environment of a variant while it compiles, runs and is captured: k3-cute runs the routed experts
 # on Triton v3 instead of the CuTe f16x2 GEMVs, k3-cute_pdl those without PDL (the baselines and the
 # other variants take the default)
-ENV = {"k3-cute": {"K3_CUTE": "0"}, "k3-cute_pdl": {"K3_CUTE_PDL": "0"}, "k3_push": {"K3_CUTE_PUSH": "1"},
-       "k3-gemv": {"K3_GEMV": "0"}}
+ENV = {"k3-cute": {"K3_KNOBS": "cute=0"}, "k3-cute_pdl": {"K3_KNOBS": "cute_pdl=0"}, "k3_push": {"K3_KNOBS": "cute_push=1"},
+       "k3-gemv": {"K3_KNOBS": "gemv=0"}}
 # Inductor config of a variant (--pdl): its Triton kernels wait for the previous kernel with
 # griddepcontrol and are launched with the programmatic-serialization attribute (Hopper), so a
 # kernel's launch and prologue overlap the tail of the one before it
@@ -151,7 +151,7 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
     if pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         pdl = False
         print(f"--pdl: this torch ({torch.__version__}) has no inductor config triton.enable_pdl", flush=True)
-    env = dict(ENV, k3_gemv={"K3_GEMV_TABLE": gemv_table}) if gemv_table else dict(ENV)
+    env = dict(ENV, k3_gemv={"K3_KNOBS": f"gemv_table={gemv_table}"}) if gemv_table else dict(ENV)
     env.update(envs or {})
 
     for M in ms:
@@ -296,11 +296,11 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
                      f"{row['err_vs_eager_clear_rows']}" if "near_tie_rows" in row else ""), flush=True)
     # ablation_base: the row the `without` ablation rows are compared with (report.py)
     from k3compile.model import attention_ops
-    kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops._fla_fused_recurrent_kda()
+    kda_decode = ("fla-core fused_recurrent_kda" if dev.type == "cuda" and attention_ops.fla_fused_recurrent_kda()
                   else "PyTorch reference recurrence")  # what every mode's KDA decode op ran
-    from k3compile.kernels import model_ops   # every mode's MLA decode op on Triton unless K3_MLA_TRITON=0
+    from k3compile.kernels import model_ops   # every mode's MLA decode op on Triton unless K3_KNOBS=mla_triton=0
     mla_decode = ("Triton (kernels/triton_mla.py)" if dev.type == "cuda" and model_ops._DONE
-                  else "PyTorch reference (attention_ops._mla_core)")
+                  else "PyTorch reference (attention_ops.mla_core)")
     return dict(rows=rows, ablation_base="k3-prefetch", hbm_bytes_per_s=bw, bw_seen=BW_SEEN, symm=symm.status(),
                 kda_decode=kda_decode, mla_decode=mla_decode,
                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__)
@@ -456,17 +456,20 @@ def _span_per_call(fn, reps: int = 10) -> dict:
 
 
 def parse_env(spec: str) -> tuple:
-    """--env NAME:K=V[,K=V] -> (NAME, {K: V}); a comma-separated piece without "=" continues the value
-    before it (K3_UNGATED=a,b,K3_X=1: {K3_UNGATED: "a,b", K3_X: "1"}). (None, None) if malformed."""
+    """--env NAME:K=V[,K=V] -> (NAME, {K: V}); a comma-separated piece without "=", or whose name is not an
+    upper-case variable, continues the value before it, and K3_KNOBS given twice joins its values
+    (K3_UNGATED=a,b,K3_KNOBS=cute=0,mxfp4=v3: {K3_UNGATED: "a,b", K3_KNOBS: "cute=0,mxfp4=v3"}). (None, None)
+    if malformed."""
     name, _, kvs = spec.partition(":")
     env = {}
     last = None
     for piece in kvs.split(","):
-        if "=" in piece:
+        key = piece.split("=", 1)[0]
+        if "=" in piece and key.isupper():   # a variable (K3_KNOBS twice: its values joined)
             last, v = piece.split("=", 1)
-            if not last:
-                return None, None
-            env[last] = v
+            env[last] = env[last] + "," + v if last in env else v
+        elif "=" in piece and last is not None:   # K3_KNOBS=a=1,b=2: the knob b continues K3_KNOBS
+            env[last] += "," + piece
         elif last is not None and piece:
             env[last] += "," + piece
         else:

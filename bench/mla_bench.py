@@ -5,7 +5,7 @@ the reference (output and the cache after the write). TP=8 per-rank heads (12), 
 cache of --ctx positions + 8 free slots, every row at the full context (the layer bench's case).
 
     python bench/mla_bench.py [--ms 1,4,16] [--ctx 1024] [--out F]
-    python bench/mla_bench.py --uv [--variants "pf:MLA_PIPE=1,MLA_UV_FLAT=1;..."] [--chs ""]
+    python bench/mla_bench.py --uv [--variants "flat:MLA_UV_FLAT=1;..."] [--chs ""]
 
 A variant named chCH_bsBS_wW runs MLA_MIN_CH=CH, MLA_BS=BS, MLA_WARPS=W; "triton" the defaults; each
 --variants entry NAME:ATTR=V,... those launch attributes (integers). --uv times the layer's form instead

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+
+from k3compile.config import knobs_text  # noqa: E402
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,7 +31,7 @@ def main():
     from k3compile.kernels import choose, launch
     v, _, tag = a.variant.partition("@")       # "cute_h2@TAG": an alternate (build --alt)
     if tag:
-        os.environ["K3_CUTE_MXFP4_TAG"] = tag
+        os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag=tag)
     torch.manual_seed(0)
     w13, s13, w2, s2 = expert_weights(SHAPES[a.shape])
     x = torch.randn(a.m, L, device="cuda").to(torch.bfloat16)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+
+from k3compile.config import knob  # noqa: E402
 import sys
 import time
 
@@ -106,8 +108,8 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
         if op == "oproj_ar_norm" and cute_variants:
             # the CuTe skinny GEMM before the pull all-reduce kernel, and the CuTe GEMM with the
             # push epilogue (every rank's partial stored into every buffer, flags instead of a barrier)
-            variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_CUTE="1", K3_CUTE_PUSH="0")
-            variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_CUTE_PUSH="1")
+            variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_KNOBS="cute=1,cute_push=0")
+            variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_KNOBS="cute_push=1")
         if comm_variants and op in ("oproj_ar_norm", "latent_tail"):
             # the communication kernel's ordering options (launch.COMM_*), each against the default
             one = forced(kop[op], k3, True)
@@ -129,7 +131,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
         from k3compile.kernels import choose
         why_not = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
         row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
-                   ar_warps=os.environ.get("K3_AR_WARPS"), us=res, err_vs_eager=errs, bytes=nbytes,
+                   ar_warps=knob("ar_warps") or None, us=res, err_vs_eager=errs, bytes=nbytes,
                    floor_us=nbytes / bw * 1e6, cute_fallbacks=why_not, parts_us=part_us)
         base = min(res["eager"], res["inductor"])
         lo, hi = kcuda.ONESHOT_M[kop[op]]

@@ -16,7 +16,7 @@ near-tie may flip an expert). Cuts (--cuts):
   model  (ref_model / others_model) a one-layer model's whole step: embedding, the layer (no blocks),
          final mixer, LM head [256, H]: what k3 sees of a whole model, where it finds others' layers by role.
 Experts: ref's k3model::mxfp4_experts on launch.mxfp4_experts (layer_bench's _best_standalone_experts;
-K3_MXFP4=v3 forces Triton v3); others' fusedk3::mxfp4_grouped_mm (CPU-only as written) on
+K3_KNOBS=mxfp4=v3 forces Triton v3); others' fusedk3::mxfp4_grouped_mm (CPU-only as written) on
 `grouped_mm_triton`, Triton v3's per-pair MXFP4 GEMV, W13 then W2 with SiTU between (k3 keeps the op).
 Timing as layer_bench: 10 steps per CUDA graph, median of 20 replays, `--rounds` rounds in turn, median
 (`us`; `us_hidden_launch`: the replay's launch hidden). Others' layer-cut step adds into its input in place.
@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+
+from k3compile.config import knob  # noqa: E402
 import sys
 import time
 
@@ -231,7 +233,7 @@ def run(ms, rounds, smoke, cuts):
             print(f"M={M} {key}: {rep and rep['structure']}\n  " + (rep and " ".join(
                 f"{n}={m}/{e}" + ("-" if s else "") for n, (m, e, s) in rep["passes"].items())), flush=True)
     from k3compile.kernels import launch
-    ref_exp = {M: os.environ.get("K3_MXFP4") or launch.default_mxfp4_variant(True, cfg.latent, cfg.expert_inter,
+    ref_exp = {M: knob("mxfp4") or launch.default_mxfp4_variant(True, cfg.latent, cfg.expert_inter,
                                                                               not smoke, M) for M in ms}
     return dict(rows=rows, checks=checks, cuts=sorted(cuts), shapes="tp8", world=1, ref_config=cfg.to_json(),
                 others_config=repr(fcfg), ref_experts="CPU" if smoke else f"launch.mxfp4_experts, variant per M {ref_exp}",

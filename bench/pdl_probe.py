@@ -3,7 +3,7 @@
 The question (issue 5, MLA at M=1 is 1.6x its floor on an H100): at TP=1 the AttnRes norm before the
 MLA qkv_a / KDA in_proj GEMV, and the one before the stacked router + latent GEMV, are one-program
 kernels of about 5 us that read almost nothing, and the GEMV after each cannot start streaming its
-52-90 MB weight until the norm ends. With K3_GEMV_PDL (launch.gemv_pdl) the norm lets its dependent
+52-90 MB weight until the norm ends. With K3_KNOBS gemv_pdl (launch.gemv_pdl) the norm lets its dependent
 launch at its start and the GEMV, launched with Programmatic Dependent Launch, requests the first PF
 bytes of its programs' weight rows into L2 before it waits for the norm. How much of the norm's time
 does that win back?
@@ -13,10 +13,10 @@ GEMV starts cold. Per shape, us per step (median of rounds, graphed, launch hidd
   norm      the all-reduce / norm kernel alone (TP=1, 3 AttnRes blocks, M=1)
   gemv      the GEMV alone (the config named, cold weights)
   dispatch  norm, then what choose.gemv_plan picks for this shape on this GPU (the layer's GEMM), no PDL
-  base      norm, then GEMV (no PDL: K3_GEMV_PDL=off)
-  table     K3_GEMV_PDL=on: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
-  pdl0      K3_GEMV_PDL=0: the trigger and the PDL GEMV (its first weight tile before the wait)
-  pf<KB>    K3_GEMV_PDL=<KB * 1024>: and the first KB KiB of each program's rows into L2 before it
+  base      norm, then GEMV (no PDL: K3_KNOBS=gemv_pdl=off)
+  table     K3_KNOBS=gemv_pdl=on: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
+  pdl0      K3_KNOBS=gemv_pdl=0: the trigger and the PDL GEMV (its first weight tile before the wait)
+  pf<KB>    K3_KNOBS=gemv_pdl=<KB * 1024>: and the first KB KiB of each program's rows into L2 before it
 Every variant's GEMV output is compared with base's (the same sums in the same order: equal).
 
     python bench/pdl_probe.py [--pfs 8,16,32,64] [--shapes ...] [--out r.json]
@@ -59,8 +59,8 @@ def main(argv=None):
     g = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_norm = torch.rand(H, device=dev, dtype=bf) + 0.5
     w_qk = torch.randn(H, device=dev, dtype=bf) * 0.05
-    variants = {"base": {"K3_GEMV_PDL": "off"}, "table": {"K3_GEMV_PDL": "on"}, "pdl0": {"K3_GEMV_PDL": "0"}}
-    variants.update({f"pf{kb}": {"K3_GEMV_PDL": str(int(kb) * 1024)} for kb in a.pfs.split(",") if kb})
+    variants = {"base": {"K3_KNOBS": "gemv_pdl=off"}, "table": {"K3_KNOBS": "gemv_pdl=on"}, "pdl0": {"K3_KNOBS": "gemv_pdl=0"}}
+    variants.update({f"pf{kb}": {"K3_KNOBS": f"gemv_pdl={int(kb) * 1024}"} for kb in a.pfs.split(",") if kb})
     rows = []
     for name in a.shapes.split(","):
         N, K, cfg_name = SHAPES[name]
@@ -97,7 +97,7 @@ def main(argv=None):
 
         timers = {"norm": GraphTimer(lambda: [norm_only() for _ in range(a.reps)], reps=1),
                   "gemv": GraphTimer(gemv_only, reps=1)}
-        with env({"K3_GEMV_PDL": "off"}):
+        with env({"K3_KNOBS": "gemv_pdl=off"}):
             timers["dispatch"] = GraphTimer(dispatch, reps=1)
         for v, e in variants.items():
             with env(e):

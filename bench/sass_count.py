@@ -1,6 +1,6 @@
 """SASS instruction counts of the Triton kernels compiled for sm_90, on a machine without a GPU.
 
-Compiles each `k3compile.kernels.aot_check` variant whose name starts with one of the given
+Compiles each `bench.aot_check` variant whose name starts with one of the given
 prefixes (Triton's bundled ptxas), disassembles it with the bundled cuobjdump, and prints the total
 instruction count, the most frequent opcodes and the local-memory traffic (LDL/STL: register
 spills). Per-thread counts divided by the bytes a thread streams give a cost per byte that can be
@@ -53,7 +53,7 @@ def loop_body(text: str) -> collections.Counter:
 
 
 def main(argv=None) -> int:
-    from k3compile.kernels import aot_check as A
+    from bench import aot_check as A
     prefixes = tuple(argv if argv is not None else sys.argv[1:]) or ("mxfp4",)
     for name, fn, types, consts in A.variants():
         if name.startswith(prefixes):

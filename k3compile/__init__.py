@@ -5,11 +5,11 @@
                                                      # model's decode() / prefill() (they call model(...)) run compiled
     import k3compile; k3compile.backend(strict=True)  # a configured backend
 """
-import os as _os
+from . import config as _config
 
 from .report import clear_reports, last_report, reports
 
-if _os.environ.get("K3_MLA_TRITON", "1") != "0":   # the model's MLA decode on Triton (kernels/model_ops.py)
+if _config.knob("mla_triton", "1") != "0":   # the model's MLA decode on Triton (kernels/model_ops.py)
     from .kernels import model_ops as _model_ops  # noqa: F401
 
 __version__ = "0.1.0"

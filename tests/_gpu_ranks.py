@@ -110,7 +110,7 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
 
 
 def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
-    """The o-proj op with the CuTe push GEMM forced (K3_CUTE_PUSH=1) vs the op's reference (NCCL),
+    """The o-proj op with the CuTe push GEMM forced (K3_KNOBS=cute_push=1) vs the op's reference (NCCL),
     eager and graphed, at both per-rank K of the build; then three calls with a plain all-reduce
     between each (alternating buffer halves, rising sequence numbers) captured in one CUDA graph
     and replayed three times, each output checked. Returns errors, which shapes pushed and the
@@ -123,7 +123,7 @@ def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
     from k3compile.kernels import choose
     from k3compile.ops import reference as ref
 
-    os.environ["K3_CUTE_PUSH"] = "1"
+    os.environ["K3_KNOBS"] = "cute_push=1"
     dev = torch.device("cuda", rank)
     group = dist.group.WORLD.group_name
     H = 7168

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn.functional as F
 
@@ -445,7 +447,7 @@ sys.path.insert(0, os.environ["K3_TESTS"])
 from test_attention_ops import kda_inputs
 from k3compile.model import attention_ops as ops
 worst = 0.0
-assert ops._fla_fused_recurrent_kda_fwd() is not None  # fla 0.6: the in-place step
+assert ops.fla_fused_recurrent_kda_fwd() is not None  # fla 0.6: the in-place step
 for dtype, K, V in ((torch.float32, 16, 16), (torch.float32, 32, 8), (torch.float16, 16, 16)):
     q, k, v, g, beta, state = kda_inputs(M=3, H=2, K=K, V=V, dtype=dtype, seed=K + V, k_scale=0.8)
     st_ref = state.clone()
@@ -462,14 +464,13 @@ print(worst)
 
 
 def test_fla_decode_matches_reference_in_the_triton_interpreter():
-    """The decode path on CUDA (K3_FLA_DECODE=1, the default): fla-core's fused_recurrent_kda with our
+    """The decode path on CUDA (K3_KNOBS=fla_decode=1, the default): fla-core's fused_recurrent_kda with our
     conventions (layout, K-major state, log decay, scale 1, no in-kernel norms) equals the
     reference recurrence, output and state, run by Triton's CPU interpreter. Skipped where fla-core
     is not installed (CI); `pip install fla-core einops` runs it."""
     import subprocess
     import sys
-    env = dict(os.environ, K3_FLA_DECODE="1", K3_TESTS=os.path.dirname(os.path.abspath(__file__)))
-    env.pop("K3_DISABLE_FLA", None)
+    env = dict(os.environ, K3_KNOBS="fla_decode=1", K3_TESTS=os.path.dirname(os.path.abspath(__file__)))
     probe = subprocess.run([sys.executable, "-c", "import fla.ops.kda, einops"], env=env, capture_output=True)
     if probe.returncode:
         pytest.skip("fla-core (and einops) not installed")
@@ -482,12 +483,12 @@ def test_fla_decode_matches_reference_in_the_triton_interpreter():
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fla_decode_matches_reference_on_cuda(dtype, monkeypatch):
-    """K3_FLA_DECODE=1 on CUDA: the decode op runs fla's fused_recurrent_kda, equal to the
+    """K3_KNOBS=fla_decode=1 on CUDA: the decode op runs fla's fused_recurrent_kda, equal to the
     reference (output and state), also when replayed from a CUDA graph."""
-    monkeypatch.setenv("K3_FLA_DECODE", "1")
-    ops._fla_fused_recurrent_kda.cache_clear()
+    monkeypatch.setenv("K3_KNOBS", knobs_text(fla_decode="1"))
+    ops.fla_fused_recurrent_kda.cache_clear()
     try:
-        if ops._fla_fused_recurrent_kda() is None:
+        if ops.fla_fused_recurrent_kda() is None:
             msg = "fla-core (fla.ops.kda.fused_recurrent_kda) is not importable / has an unexpected API"
             if os.environ.get("K3_REQUIRE_FLA", "0") not in ("", "0"):
                 pytest.fail(msg)
@@ -509,7 +510,7 @@ def test_fla_decode_matches_reference_on_cuda(dtype, monkeypatch):
         torch.cuda.synchronize()
         assert _rel_err(o_g, o_ref) < tol and _rel_err(st_g, st_ref) < tol
     finally:
-        ops._fla_fused_recurrent_kda.cache_clear()
+        ops.fla_fused_recurrent_kda.cache_clear()
 
 
 @pytest.mark.gpu
@@ -539,7 +540,7 @@ def test_ops_on_cuda_match_cpu(dtype):
 
 def test_fla_decode_is_on_by_default_when_importable(monkeypatch):
     """fla's decode kernel is used wherever fla-core imports with the keyword API we pass (checked
-    on the H200); K3_FLA_DECODE=0 turns the decode one off, K3_DISABLE_FLA=1 both."""
+    on the H200); K3_KNOBS=fla_decode=0 turns the decode one off, K3_KNOBS=disable_fla=1 both."""
     import sys
     import types
 
@@ -553,13 +554,13 @@ def test_fla_decode_is_on_by_default_when_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", fla)
     monkeypatch.setitem(sys.modules, "fla.ops", fops)
     monkeypatch.setitem(sys.modules, "fla.ops.kda", fkda)
-    for env, want in (({}, True), ({"K3_FLA_DECODE": "0"}, False), ({"K3_DISABLE_FLA": "1"}, False)):
-        for k in ("K3_FLA_DECODE", "K3_DISABLE_FLA"):
+    for env, want in (({}, True), ({"K3_KNOBS": "fla_decode=0"}, False), ({"K3_KNOBS": "disable_fla=1"}, False)):
+        for k in ("K3_KNOBS",):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        ops._fla_fused_recurrent_kda.cache_clear()
+        ops.fla_fused_recurrent_kda.cache_clear()
         try:
-            assert (ops._fla_fused_recurrent_kda() is fused_recurrent_kda) == want, env
+            assert (ops.fla_fused_recurrent_kda() is fused_recurrent_kda) == want, env
         finally:
-            ops._fla_fused_recurrent_kda.cache_clear()
+            ops.fla_fused_recurrent_kda.cache_clear()

@@ -14,7 +14,7 @@ def test_layer_bench_smoke_runs_every_variant(tmp_path):
     differently); the ablation rows include the fused top-k (its own pass) and the CuTe experts (k3-cute)."""
     out = tmp_path / "smoke.json"
     env = dict(os.environ)
-    env.pop("K3_CUTE", None)
+    env.pop("K3_KNOBS", None)
     subprocess.run([sys.executable, "bench/layer_bench.py", "--smoke", "--ms", "1", "--ablate", "1", "--out",
                     str(out)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     row = json.loads(out.read_text())["rows"][0]
@@ -30,23 +30,23 @@ def test_layer_bench_env_specs_take_comma_lists():
     """--env NAME:K=V,...: a value may be a comma list (K3_UNGATED's passes)."""
     sys.path.insert(0, ROOT)
     from bench.layer_bench import parse_env
-    assert parse_env("fb:K3_UNGATED=fold_kda_gate,fold_kda_fb,K3_KDA_FB_BV=16") == \
-        ("fb", {"K3_UNGATED": "fold_kda_gate,fold_kda_fb", "K3_KDA_FB_BV": "16"})
+    assert parse_env("fb:K3_UNGATED=fold_kda_gate,fold_kda_fb,K3_KNOBS=kda_fb_bv=16") == \
+        ("fb", {"K3_UNGATED": "fold_kda_gate,fold_kda_fb", "K3_KNOBS": "kda_fb_bv=16"})
     assert parse_env("a:K=1") == ("a", {"K": "1"})
     for bad in ("a", "a:", ":K=1", "a:x,K=1", "a:=1", "a:K=1,,"):
         assert parse_env(bad) == (None, None), bad
 
 
 def test_bench_env_context_restores_values(monkeypatch):
-    """A variant's environment (k3-cute's K3_CUTE=0; bench.common.env, used by the layer and op benches) is
+    """A variant's environment (k3-cute's K3_KNOBS=cute=0; bench.common.env, used by the layer and op benches) is
     undone for the variants after it."""
     sys.path.insert(0, ROOT)
     from bench.common import env as _env
-    monkeypatch.setenv("K3_CUTE", "1")
-    monkeypatch.delenv("K3_MXFP4", raising=False)
-    with _env({"K3_CUTE": "0", "K3_MXFP4": "v3"}):
-        assert os.environ["K3_CUTE"] == "0" and os.environ["K3_MXFP4"] == "v3"
-    assert os.environ["K3_CUTE"] == "1" and "K3_MXFP4" not in os.environ
+    monkeypatch.setenv("K3_KNOBS", "cute=1")
+    monkeypatch.delenv("K3_UNGATED", raising=False)
+    with _env({"K3_KNOBS": "cute=0,mxfp4=v3", "K3_UNGATED": "fold_kda_gate"}):
+        assert os.environ["K3_KNOBS"] == "cute=0,mxfp4=v3" and os.environ["K3_UNGATED"] == "fold_kda_gate"
+    assert os.environ["K3_KNOBS"] == "cute=1" and "K3_UNGATED" not in os.environ
 
 
 def test_report_compares_ablation_rows_with_the_prefetch_free_base_and_lists_pdl():
@@ -114,7 +114,7 @@ def test_layer_bench_splits_the_error_by_router_margin():
 def test_gemv_table_keeps_named_shapes_and_stacked_mma_only(tmp_path, monkeypatch):
     """bench/gemv_table.py: a swept shape takes the sweep's best (cuBLAS where none beat it), a --keep
     shape keeps GEMV_TABLE's entry, the stacked router + latent (--mma-only) takes the best MMA config
-    even where a CUDA-core GEMV or cuBLAS timed faster; the result reads back through K3_GEMV_TABLE's
+    even where a CUDA-core GEMV or cuBLAS timed faster; the result reads back through K3_KNOBS gemv_table's
     reader (choose.gemv_table_from)."""
     from bench import gemv_table
     from k3compile.kernels import choose
@@ -154,7 +154,7 @@ def test_gemv_env_forces_only_configs_that_beat_the_dispatch():
             dict(N=6284, K=7168, M=4, us={"k3": 40.0, "gemvl 4/1024/4/3": 30.0}),   # another M
             dict(N=2304, K=1536, M=1, us={"gemvl 2/1024/4/4": 1.0})]                # no k3 column
     assert specs(rows, "gemvl", 1, 0.01, "lz") == [
-        "lz0:K3_GEMV_CFG=4480x7168=gemvl 4/1024/4/3", "lz1:K3_GEMV_CFG=7168x1536=gemvl 8/512/4/3",
-        "lzall:K3_GEMV_CFG=4480x7168=gemvl 4/1024/4/3;7168x1536=gemvl 8/512/4/3"]
+        "lz0:K3_KNOBS=gemv_cfg=4480x7168=gemvl 4/1024/4/3", "lz1:K3_KNOBS=gemv_cfg=7168x1536=gemvl 8/512/4/3",
+        "lzall:K3_KNOBS=gemv_cfg=4480x7168=gemvl 4/1024/4/3;7168x1536=gemvl 8/512/4/3"]
     assert specs(rows[2:], "gemvl", 1, 0.01, "lz") == []
-    assert specs(rows[:1], "gemv", 1, 0.01, "g") == ["g0:K3_GEMV_CFG=4480x7168=gemv 2/1024/4/4"]
+    assert specs(rows[:1], "gemv", 1, 0.01, "g") == ["g0:K3_KNOBS=gemv_cfg=4480x7168=gemv 2/1024/4/4"]

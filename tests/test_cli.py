@@ -117,8 +117,7 @@ def test_run_tp1_table_matches_report_and_dump_has_every_file(tiny_dump):
         after = (d / f"{i:02d}_{p['name']}.after.py").read_text()
         op = k3compile.passes.manager.PASSES[p["name"]].emits.split(",")[0].replace("::", ".")
         # what the pass puts in the graph: its op, or (a pass that adds arguments to an op already there) them
-        mark = {"fold_kda_onorm": "o_norm = ",   # either of its two ops (the norm-folded one after fold_resnorm_moe)
-                "fold_router_topk": "router_latent_topk"}.get(p["name"], f"torch.ops.{op}")
+        mark = {"fold_kda_onorm": "o_norm = "}.get(p["name"], f"torch.ops.{op}")
         assert mark in after and mark not in before, (p["name"], mark)
     by = {p["name"]: p for p in rep["passes"]}
     assert by["fuse_router_topk"]["expected"] == by["fold_moe_finalize"]["expected"] == len(TINY.moe_layers)

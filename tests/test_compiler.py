@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -31,9 +33,6 @@ def _expect_full_match(passes, tp):
     for name, (matched, expected, skipped, error) in passes.items():
         assert error is None, (name, error)
         if skipped == "disabled by options":
-            continue
-        if name in ("fold_resnorm_gemm", "fold_resnorm_moe", "fold_router_topk") and tp > 1:   # TP=1 folds: skipped with that reason
-            assert skipped and skipped.startswith(f"TP={tp}:"), (name, skipped)
             continue
         assert skipped is None, (name, skipped)
         assert matched == expected > 0, (name, matched, expected)
@@ -80,13 +79,8 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     n_mla = len(cfg.mla_layers)
     assert n_mla > 0 and res["fold_mla_prologue"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
     assert res["all"]["passes"]["fold_mla_prologue"][:2] == (n_mla, n_mla)
-    # the norms read only by a decode GEMM: each MLA layer's q_a norm, the first layer's input norm
-    assert res["all"]["passes"]["fold_norm_gemv"][:2] == (n_mla + 1, n_mla + 1)
     # the MLA combine + value up-projection, at the static M=1 and the dynamic M=2..8 graph
     assert res["all"]["passes"]["fold_mla_output"][:2] == (n_mla, n_mla)
-    # the layer-input residual norms into the input projections: every layer but the first (the
-    # final norm feeds the LM head, which no pass lowers)
-    assert res["all"]["passes"]["fold_resnorm_gemm"][:2] == (cfg.num_layers - 1, cfg.num_layers - 1)
 
 
 def test_tp2_each_pass_and_all():
@@ -325,12 +319,7 @@ def test_broken_pass_is_rolled_back_and_strict_raises(where):
 
         def fw(g, _):
             manager.PassManager(o, passes=passes)(g.graph)
-            # an o-proj op, or (TP=1, fold_resnorm_moe) the router op that took its norm (fold_router_topk: with
-            # the top-k in it)
-            fused.append(sum(n.target in (torch.ops.k3.oproj_allreduce_residual.default,
-                                          torch.ops.k3.residual_norm_router_latent.default,
-                                          torch.ops.k3.residual_norm_router_latent_topk.default)
-                             for n in g.graph.nodes))
+            fused.append(sum(n.target is torch.ops.k3.oproj_allreduce_residual.default for n in g.graph.nodes))
             g.recompile()
             return make_boxed_func(g.forward)
         return aot_autograd(fw_compiler=fw, decompositions=select_decomp_table())
@@ -489,7 +478,7 @@ def test_env_switches(monkeypatch):
 
 
 def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(monkeypatch):
-    """On CUDA with Inductor a pass applies only at the M where options.CUDA_PROFITABLE_M says the
+    """On CUDA with Inductor a pass applies only at the M where its pipeline row (cuda_m) says the
     per-layer benchmark measured it faster, with the reason in the report otherwise; a dynamic M
     gets every pass with a non-empty range; gate="off", mode="eager" and CPU graphs are not gated."""
     import dataclasses
@@ -508,7 +497,7 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
     for name in PASSES:
         monkeypatch.setitem(CUDA_PROFITABLE_M, name, (1, 0))  # measured slower everywhere
     for p in PASSES.values():
-        on = dataclasses.replace(cuda, tp=1) if p.name.startswith("fold_resnorm") or p.name == "fold_router_topk" else cuda   # TP=1 folds
+        on = cuda
         why = p.skip_reason(on, K3Options.make())
         assert why and "(M=1)" in why and "gate='off'" in why, why
         assert ("not been measured" if p.name == "fold_kda_gate" else "at no M") in why, why
@@ -543,7 +532,8 @@ def test_gate_skips_passes_on_cuda_inductor_graphs_outside_the_measured_ranges(m
 def test_shipped_gate_table_matches_the_passes():
     """Every gate entry names a pass or "prefetch", and lies inside the pass's own batch range."""
     from k3compile.options import CUDA_PROFITABLE_M, DEFAULT_M_RANGES
-    assert set(CUDA_PROFITABLE_M) <= set(DEFAULT_M_RANGES) | {"prefetch"}
+    from k3compile.passes.pipeline import FEATURES
+    assert set(CUDA_PROFITABLE_M) <= set(DEFAULT_M_RANGES) | set(FEATURES)
     for name, (lo, hi) in CUDA_PROFITABLE_M.items():
         dlo, dhi = DEFAULT_M_RANGES.get(name, (1, 1 << 30))
         assert lo > hi or dlo <= lo <= hi <= dhi, (name, lo, hi)
@@ -584,7 +574,7 @@ def test_uuid_stable_across_processes_and_covers_options(monkeypatch):
     monkeypatch.setenv("SOMETHING_ELSE", "1")
     monkeypatch.setenv("K3_VLLM", "1")
     assert PassManager().uuid() == base
-    monkeypatch.setenv("K3_CONV_INPLACE", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(conv_inplace="0"))
     assert PassManager().uuid() != base
 
 
@@ -602,11 +592,10 @@ def _check_stream_order(code: str, n_moe: int) -> None:
     directly. The fork's ordering argument (the router logits) is computed before it, and the top-k's
     ordering argument is the fork's output: the fork sits between the router GEMM and its top-k
     whatever order Inductor's scheduler would pick."""
-    calls = re.findall(r"(\w+) = torch\.ops\.(k3\.shared_expert_async(?:_resnorm)?|k3\.router_topk|k3(?:model)?\.mxfp4_experts|"
+    calls = re.findall(r"(\w+) = torch\.ops\.(k3\.shared_expert_async|k3\.router_topk|k3(?:model)?\.mxfp4_experts|"
                        r"k3\.stream_join|k3\.moe_latent_tail)\.default\(([^\n]*)\)\n", code)
     names = ["k3.shared_expert_async", "k3.router_topk", "k3.mxfp4_experts", "k3.moe_latent_tail"]
-    # (at TP=1 the fork may be fold_resnorm_moe's form, which also folds the MoE input's norm)
-    assert [c[1].replace("_resnorm", "") for c in calls] == names * n_moe, [c[1] for c in calls]
+    assert [c[1] for c in calls] == names * n_moe, [c[1] for c in calls]
     alias = dict(re.findall(r"^\s*(\w+) = (\w+)$", code, re.M))  # Inductor's `buf46 = buf45`
 
     def real(a):
@@ -631,8 +620,7 @@ def test_inductor_end_to_end_dynamic_batch():
     would hide a wrong rewrite; fp32 keeps both paths within 1e-3."""
     cfg = K3Config.tiny(dtype="float32", num_layers=4)
     m = K3Model(cfg)
-    # fold_router_topk (TP=1) would take the top-k into the router op, ahead of the fork this test checks
-    f = torch.compile(m, backend=k3compile.backend(dtypes=("float32",), skip=["fold_router_topk"]), fullgraph=True)
+    f = torch.compile(m, backend=k3compile.backend(dtypes=("float32",)), fullgraph=True)
     with torch._inductor.config.patch(force_disable_caches=True):  # run the passes now, not a cached graph
         for M in (1, 3, 5):
             ids = torch.randint(0, cfg.vocab, (M, 1), generator=torch.Generator().manual_seed(M))
@@ -757,7 +745,6 @@ def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
     # the KDA decode cores (69 of the 93 layers): their prologue, conv and gate projection, then the step
     for name in ("fold_kda_gate", "fold_kda_conv", "fold_kda_fb", "fold_kda_step", "fold_kda_onorm"):
         assert r["passes"][name] == [69, 69], r["render"]
-    assert r["passes"]["fold_resnorm_gemm"] == [92, 92], r["render"]   # every layer input but the first
     assert r["seconds"] <= 0.2 * r["total"], (r["seconds"], r["total"])
 
 
@@ -787,8 +774,7 @@ def test_shared_expert_fork_point_and_tail_join(pin):
     from k3compile.passes.manager import PassManager
     cfg = K3Config.tiny(dtype="bfloat16", num_layers=4)
     m = K3Model(cfg)
-    # without fold_router_topk (TP=1), which takes the top-k into the router op ahead of the fork
-    opts = K3Options.make(mode="eager", pin_shared_fork=pin, skip=["fold_router_topk"])
+    opts = K3Options.make(mode="eager", pin_shared_fork=pin)
     seen = {}
 
     def be(gm, ex):
@@ -799,8 +785,7 @@ def test_shared_expert_fork_point_and_tail_join(pin):
     assert torch.equal(out, m(ids, m.new_cache(2)))
     nodes = list(seen["g"].nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    forks = [n for n in nodes if n.target in (torch.ops.k3.shared_expert_async.default,   # or fold_resnorm_moe's
-                                              torch.ops.k3.shared_expert_async_resnorm.default)]
+    forks = [n for n in nodes if n.target is torch.ops.k3.shared_expert_async.default]
     topks = [n for n in nodes if n.target is torch.ops.k3.router_topk.default]
     tails = [n for n in nodes if n.target is torch.ops.k3.moe_latent_tail.default]
     assert len(forks) == len(topks) == len(tails) == len(cfg.moe_layers) > 0

@@ -9,7 +9,7 @@
   artifact lookup, and dispatch falling back with the reason.
 - JIT path: build.ensure writes the same cubin / PTX / manifest as the AOT build and hits its
   cache the second time; dispatch (choose._find) builds a missing artifact on first use, but not
-  with K3_CUTE_JIT=0, without the DSL, for shapes the build has no variant for, or inside a CUDA
+  with K3_KNOBS=cute_jit=0, without the DSL, for shapes the build has no variant for, or inside a CUDA
   graph capture (not memoised); a failed JIT build is a fallback reason.
 """
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 import struct
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 
 from k3compile.kernels import choose, cute
@@ -254,21 +256,21 @@ def test_find_picks_smallest_covering_tile(built, tmp_path):
 def test_dispatch_default_is_torch_and_forced_falls_back_with_reason(monkeypatch, tmp_path):
     # the skinny GEMM measured no faster than cuBLAS: no range; the MXFP4 experts have theirs
     assert "oproj" not in choose.CUTE_M and set(choose.CUTE_M) == {"mxfp4_experts"}
-    monkeypatch.delenv("K3_CUTE", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
     assert not choose.wanted("oproj", 1)
-    monkeypatch.setenv("K3_CUTE", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
     assert choose.wanted("oproj", 1)
-    monkeypatch.setenv("K3_CUTE", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="0"))
     monkeypatch.setitem(choose.CUTE_M, "oproj", (1, 64))
     assert not choose.wanted("oproj", 1)
-    monkeypatch.delenv("K3_CUTE")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
     assert choose.wanted("oproj", 64) and not choose.wanted("oproj", 65)
     # on CPU the CuTe path is never taken: the result is torch.mm's
     x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
     torch.testing.assert_close(choose.gemm("oproj", x, w), torch.mm(x, w.t()))
     # a wanted call on a "CUDA" tensor with no artifact falls back to torch.mm with the reason
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
-    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
     choose._WHY.clear()
     xc = x.as_subclass(FakeCuda)
     got = choose.gemm("oproj", xc, w)
@@ -415,7 +417,7 @@ def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
     weight vectors with ordered read-only loads into registers: no weight cp.async, shared memory
     only for scales and partials, one f16x2 FMA per code pair; down's mid loads
     stay coherent and after griddepcontrol.wait. "ldg" is its gate-up alone. The probes are marked
-    and the loader serves them only with K3_CUTE_PROBE=1."""
+    and the loader serves them only with K3_KNOBS=cute_probe=1."""
     from k3compile.kernels import choose
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
     vs = {(v["tag"], v["mode"]): v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"}
@@ -438,9 +440,9 @@ def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
     assert "fma.rn.f16x2" not in ptx[("nomath", "gate_up")]
     assert all(bool(mans[v["name"]]["probe"]) == (t in ("nomath", "noload", "ldgnm", "ldgnl"))
                for (t, _), v in vs.items())
-    monkeypatch.delenv("K3_CUTE_PROBE", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_probe=""))
     assert loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")[0] is None
-    monkeypatch.setenv("K3_CUTE_PROBE", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_probe="1"))
     arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "nomath")
     assert arts is not None and arts[0].man["probe"] == "nomath" and arts[1].man["tag"] == "", why
     arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "ldgd")
@@ -477,7 +479,7 @@ def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
 
 def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(built, tmp_path, monkeypatch):
     """An artifact directory without the variant dispatch picks (built before "ldgd" existed): the
-    untagged CuTe kernels run, with the reason in fallbacks(); a tag forced by K3_CUTE_MXFP4_TAG
+    untagged CuTe kernels run, with the reason in fallbacks(); a tag forced by K3_KNOBS cute_mxfp4_tag
     does not fall back (benchmarks must not time another kernel)."""
     import shutil
     out, _ = built
@@ -487,8 +489,8 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
         if "_h2" in f.name and "i384" in f.name and not any(t in f.name for t in ("_xf", "_ldgd")):
             shutil.copy(f, old / f.name)
     monkeypatch.setenv("K3_CUTE_DIR", str(old))
-    monkeypatch.setenv("K3_CUTE_JIT", "0")
-    monkeypatch.delenv("K3_CUTE_MXFP4_TAG", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag=""))
     monkeypatch.setattr(choose, "_FOUND", {})
     monkeypatch.setattr(choose, "_WHY", {})
     got = []
@@ -502,7 +504,7 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
         assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") == "ran"
     assert got == [("", "")]
     assert list(choose.fallbacks()) == ["mxfp4_experts I=384 L=3584 K=16 f16x2 ldgd"]
-    monkeypatch.setenv("K3_CUTE_MXFP4_TAG", "ldgd")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag="ldgd"))
     assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") is None and got == [("", "")]
 
 
@@ -536,7 +538,7 @@ def _count_compiles(monkeypatch, fail: str = "") -> list[str]:
 
 def _jit_env(monkeypatch, d):
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
-    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
     monkeypatch.setattr(choose, "_FOUND", {})
     monkeypatch.setattr(choose, "_WHY", {})
 
@@ -595,19 +597,19 @@ def test_dispatch_builds_a_missing_artifact_on_first_use(built, tmp_path, monkey
 def test_jit_off_and_no_dsl_fall_back_with_the_reason(tmp_path, monkeypatch):
     d = tmp_path / "empty"
     _jit_env(monkeypatch, d)
-    monkeypatch.setenv("K3_CUTE", "1")
-    monkeypatch.setenv("K3_GEMV", "0")   # the default path is cuBLAS here (no tuned Triton GEMM on fake CUDA)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="0"))   # the default path is cuBLAS here (no tuned Triton GEMM on fake CUDA)
     calls = _count_compiles(monkeypatch)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 1536, generator=g).bfloat16()
     w = (torch.randn(7168, 1536, generator=g) / 40).bfloat16()
     key = "oproj N=7168 K=1536 M=3"
-    for env, dsl, reason in (("0", True, "JIT build off (K3_CUTE_JIT=0)"),
+    for env, dsl, reason in (("0", True, "JIT build off (K3_KNOBS=cute_jit=0)"),
                              (None, False, "no JIT build: the CuTe DSL is not installed")):
         if env is None:
-            monkeypatch.delenv("K3_CUTE_JIT")
+            monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
         else:
-            monkeypatch.setenv("K3_CUTE_JIT", env)
+            monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=env))
         monkeypatch.setattr(cute, "dsl_available", lambda: dsl)
         monkeypatch.setattr(choose, "_FOUND", {})
         monkeypatch.setattr(choose, "_WHY", {})
@@ -636,10 +638,10 @@ def test_jit_never_inside_graph_capture_and_a_failed_build_is_the_reason(tmp_pat
 
 def test_cute_pdl_on_unless_turned_off(monkeypatch):
     """PDL for the down kernel at every batch (it measured faster or equal everywhere with cold
-    routings); K3_CUTE_PDL=0 turns it off."""
-    monkeypatch.delenv("K3_CUTE_PDL", raising=False)
+    routings); K3_KNOBS=cute_pdl=0 turns it off."""
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl=""))
     assert choose.cute_pdl()
-    monkeypatch.setenv("K3_CUTE_PDL", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl="1"))
     assert choose.cute_pdl()
-    monkeypatch.setenv("K3_CUTE_PDL", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl="0"))
     assert not choose.cute_pdl()

@@ -8,6 +8,8 @@
 from __future__ import annotations
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 
 import k3compile
@@ -21,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(autouse=True)
 def _passes_on(monkeypatch):
     """These tests check what the passes and kernels do on the GPU, so the profitability gate (which
-    skips passes and the prefetch on CUDA + Inductor outside options.CUDA_PROFITABLE_M) is off."""
+    skips passes and the prefetch on CUDA + Inductor outside their pipeline rows' CUDA ranges) is off."""
     monkeypatch.setenv("K3_GATE", "off")
 
 
@@ -195,7 +197,7 @@ def test_kernels_match_reference_tp2_symmetric_memory():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_oproj_push_gemm_matches_reference_tp2():
-    """The CuTe push-epilogue GEMM + flag-waiting all-reduce kernel (K3_CUTE_PUSH=1) equals the
+    """The CuTe push-epilogue GEMM + flag-waiting all-reduce kernel (K3_KNOBS=cute_push=1) equals the
     o-proj reference at TP=2, eagerly, graphed, and over several calls replayed from one graph;
     every shape must have taken the push path (no fallback)."""
     import os
@@ -225,7 +227,7 @@ def _check_kernel_results(res):
                                    {"COLS_MIN_WORLD": 1, "COLS_MAX_M": 4}])
 def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeypatch):
     """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
-    (kernels/simpeers: the peers' partials in ordinary buffers, their barrier signals set before;
+    (tests/simpeers.py: the peers' partials in ordinary buffers, their barrier signals set before;
     world 1: no peers), bf16, eager and replayed from a CUDA graph, with the communication kernels'
     options (launch: the vector signal/poll and the early reads, or the 45ff89b kernels' order; the
     column-split forms where launch.cols_plan takes them, at every group size up to 4 rows, or never)."""
@@ -233,7 +235,8 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import _graphed, rel
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    import simpeers
     for k, v in knobs.items():
         monkeypatch.setattr(launch, k, v)
     errs = {}
@@ -258,7 +261,8 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import rel
-    from k3compile.kernels import launch, simpeers
+    from k3compile.kernels import launch
+    import simpeers
     monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
     assert launch.cols_plan(1, 7168, 4, None) is not None
     for world in (1, 8):
@@ -287,10 +291,10 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
 def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch):
     """The MXFP4 expert kernels through k3::mxfp4_experts (bf16, K3's per-rank TP=8 expert
     width) equal the model op's reference, eagerly and replayed from a CUDA graph; each variant
-    (K3_MXFP4, read at every call) - v3 is the only check of its bf16 MMA path (subnormal +-0.5
+    (K3_KNOBS mxfp4, read at every call) - v3 is the only check of its bf16 MMA path (subnormal +-0.5
     operands included: random codes); 16 tokens on 32 experts share experts (v3g's tiles of
     several pairs)."""
-    monkeypatch.setenv("K3_MXFP4", variant)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=variant))
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -312,26 +316,20 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])
-def test_shared_expert_situ_in_down_gemm_bf16_graphed(M, monkeypatch):
-    """The shared expert at TP=8 widths (7168 -> 2 x 768 -> 7168, bf16) with its SiTU inside the down
-    GEMM (K3_SITU_IN_DOWN=1; the table gives the down weight an MMA config) against
-    model.functional.situ_mlp, eagerly, graphed, and on the side stream through the k3 ops; the
-    same by default (the separate SiTU kernel)."""
+def test_shared_expert_situ_mlp_bf16_graphed(M):
+    """The shared expert at TP=8 widths (7168 -> 2 x 768 -> 7168, bf16): GEMM, the SiTU kernel, GEMM,
+    against model.functional.situ_mlp, eagerly, graphed, and on the side stream through the k3 ops."""
     from _gpu_ranks import _graphed, rel
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import launch
     from k3compile.model.functional import situ_mlp
     g = torch.Generator("cuda").manual_seed(M)
     x = torch.randn(M, 7168, device="cuda", generator=g).bfloat16()
     wgu = (torch.randn(1536, 7168, device="cuda", generator=g) / 7168 ** 0.5 * 3).bfloat16()
     wdn = (torch.randn(7168, 768, device="cuda", generator=g) / 768 ** 0.5).bfloat16()
-    assert isinstance(choose.gemv_plan(x[:, :1536], wdn), launch.MmaCfg)   # the path under test
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "1")
     ref = situ_mlp(x, wgu, wdn, 4.0, 25.0).float()
     for out in (launch.situ_mlp(x, wgu, wdn, 4.0, 25.0), _graphed(launch.situ_mlp, x, wgu, wdn, 4.0, 25.0),
                 torch.ops.k3.stream_join(torch.ops.k3.shared_expert_async(x, wgu, wdn, 4.0, 25.0), x)):
         assert rel(out, ref) < 1e-2
-    monkeypatch.delenv("K3_SITU_IN_DOWN")
-    assert rel(launch.situ_mlp(x, wgu, wdn, 4.0, 25.0), ref) < 1e-2
 
 
 @pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (6284, 7168), (1536, 7168)])
@@ -463,7 +461,7 @@ def test_gemv_two_weights_bf16_graphed():
 
 def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
     """For each M: `chain(inputs, outs)` run eagerly and captured in a CUDA graph once as it is and once with the
-    environment variable `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
+    knob `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
     given widths eagerly, and after new inputs are copied in, replayed (three times, each output changed)."""
     for M in ms:
         t = inputs(M)
@@ -471,13 +469,13 @@ def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
         graphs = {}
         for k in ("off", "on"):
             if k == "on":
-                monkeypatch.setenv(var, value)
+                monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: value}))
             chain(t, outs[k])   # eager (and compiled before the capture)
             torch.cuda.synchronize()
             graphs[k] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[k]):
                 chain(t, outs[k])
-            monkeypatch.delenv(var, raising=False)
+            monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: ""}))
         for a, b in zip(outs["off"], outs["on"]):
             assert torch.equal(a, b), (M, "eager")
         for _ in range(3):
@@ -494,7 +492,7 @@ def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
 
 @pytest.mark.parametrize("pf", ["0", "16384", "65536"])
 def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
-    """K3_GEMV_PDL: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
+    """K3_KNOBS gemv_pdl: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
     CUDA-core GEMV launched with PDL (its weight rows' first `pf` bytes requested into L2 before the
     wait): plain, lazy and stacked (TWO) forms, M = 1 / 2, eagerly and replayed from a CUDA graph
     with new inputs, bit-equal to the same chain launched without PDL (the same sums in the same
@@ -520,39 +518,7 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
         _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
         launch.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
 
-    _pdl_chain_bit_equal(monkeypatch, "K3_GEMV_PDL", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
-
-
-@pytest.mark.parametrize("pf", ["0", "16384"])
-def test_mma_pdl_after_norm_and_tail_equals_plain_chain_graphed(monkeypatch, pf):
-    """K3_MMA_PDL: the tensor-core decode GEMM as the PDL secondary of the TP=1 norm kernel (split-K, plain
-    orientation) and of the latent-tail kernel (swapped, accumulating into the shared partial's copy), its rows'
-    first bytes requested into L2 before its wait; M = 1 / 4, eagerly and replayed from a CUDA graph with new
-    inputs, bit-equal to the chain without PDL (the split-K partials are summed in split order either way)."""
-    from k3compile.kernels import launch
-    g = torch.Generator("cuda").manual_seed(6)
-    H, L, bf = 7168, 3584, torch.bfloat16
-    w = (torch.randn(3648, H, device="cuda", generator=g) / H ** 0.5).to(bf)
-    w_up = (torch.randn(H, L, device="cuda", generator=g) / L ** 0.5).to(bf)
-    gw, wn = torch.rand(H, device="cuda", generator=g).to(bf) + 0.5, torch.rand(H, device="cuda", generator=g).to(bf)
-    wq = (torch.randn(H, device="cuda", generator=g) * 0.05).to(bf)
-    gl = torch.rand(L, device="cuda", generator=g).to(bf) + 0.5
-    c1, c2 = launch.MmaCfg.parse("mma 32/128/2/4/6"), launch.MmaCfg.parse("mmas 64/256/1/4/3")
-
-    def inputs(M):
-        return ([torch.randn(M, H, device="cuda", generator=g).to(bf) for _ in range(5)]
-                + [torch.randn(M, 16, L, device="cuda", generator=g).to(bf),
-                   torch.rand(M, 16, device="cuda", generator=g).to(bf), torch.randn(M, H, device="cuda", generator=g).to(bf)])
-
-    def chain(t, outs):
-        local, res, b0, b1, b2, y, tw, sp = t
-        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, [b0, b1, b2], 1e-6)
-        launch.gemv(x, w, out=outs[0], cfg=c1)
-        ln, out = launch.latent_tail(y, tw, None, gl, sp, 1e-6)
-        launch.gemv(ln, w_up, out=out, accumulate=True, cfg=c2)
-        outs[1].copy_(out)
-
-    _pdl_chain_bit_equal(monkeypatch, "K3_MMA_PDL", pf, (1, 4), inputs, chain, (3648, H))
+    _pdl_chain_bit_equal(monkeypatch, "gemv_pdl", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])
@@ -601,7 +567,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
 
 @pytest.mark.parametrize("M, H", [(1, 12), (4, 12), (2, 48)])
 def test_mla_decode_kernel_matches_reference_bf16_graphed(M, H):
-    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_MLA_TRITON=0)
+    """The Triton MLA decode (kernels/model_ops.mla_decode, the op's CUDA kernel unless K3_KNOBS=mla_triton=0)
     at K3's latent widths (L 512, rope 64), bf16, a 1032-slot cache with NaN past each row's end:
     eagerly against the op's reference (2e-2 relative: bf16 and the softmax weights rounded to bf16),
     then captured in a CUDA graph and replayed with new queries and lengths, the cache written at each

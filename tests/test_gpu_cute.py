@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 from _mxfp4_data import random_experts  # noqa: E402
 
@@ -79,7 +81,7 @@ def test_dispatch_uses_cute_when_forced(monkeypatch):
     if not arts or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("no artifacts / not sm_90")
     from k3compile.kernels import choose
-    monkeypatch.setenv("K3_CUTE", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
     x = torch.randn(4, 1536, device="cuda").bfloat16()
     w = (torch.randn(7168, 1536, device="cuda") / 40).bfloat16()
     choose._WHY.clear()
@@ -179,7 +181,7 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
         pytest.skip("no MXFP4 artifacts / not sm_90")
     from k3compile.kernels import choose, launch
     from k3compile.model.moe_ops import mxfp4_experts_reference
-    monkeypatch.delenv("K3_CUTE_MXFP4_TAG", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag=""))
     g = torch.Generator(device="cuda").manual_seed(1)
     E, I, L = 16, 384, 3584
     w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
@@ -214,8 +216,7 @@ def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
     from k3compile.model.moe_ops import mxfp4_experts_reference
     d = tmp_path / "jit"
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
-    for var in ("K3_CUTE_JIT", "K3_CUTE", "K3_MXFP4"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("K3_KNOBS", raising=False)
     monkeypatch.setattr(choose, "_FOUND", {})
     monkeypatch.setattr(choose, "_WHY", {})
     calls, real = [], build.compile_variant

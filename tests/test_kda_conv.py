@@ -8,6 +8,8 @@ are in test_compiler.py; the Triton kernel against the op's reference in test_ke
 from __future__ import annotations
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +91,7 @@ def test_fold_kda_conv_state_is_updated_in_place_under_inductor(v2, monkeypatch)
     import re
 
     from torch._inductor.utils import run_and_get_code
-    monkeypatch.setenv("K3_CONV_INPLACE", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(conv_inplace="1"))
     x, cs, w, g, b, st = _inputs()
     cs_e, st_e = cs.clone(), st.clone()
     torch._dynamo.reset()
@@ -125,7 +127,7 @@ def test_fold_kda_conv_in_place_on_cuda_under_inductor(mode, monkeypatch):
     (reduce-overhead): three steps against eager, each reading the conv state the last one wrote.
     The conv state (copied values) equal exactly; the output within 2e-2 of its max (the Triton
     conv rounds its fp32 sum once; the recurrence op is the same in both)."""
-    monkeypatch.setenv("K3_CONV_INPLACE", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(conv_inplace="1"))
     x, cs, w, g, b, st = (t.cuda() for t in _inputs(M=1))
     cs_e, st_e = cs.clone(), st.clone()
     torch._dynamo.reset()

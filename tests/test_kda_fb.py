@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn.functional as F
 
@@ -111,7 +113,7 @@ def test_kernel_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k
     wider than V (the launcher takes V)."""
     pytest.importorskip("triton")
     from k3compile.kernels import launch
-    monkeypatch.setenv("K3_KDA_FB_BV", bv)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(kda_fb_bv=bv))
     xq, xk, v, fa, f_b, b, a_log, dt_bias, state = _inputs(M, dtype, seed=M + k, H=h, K=k, R=r)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
     s_ref, s_k = state.clone(), state.clone()

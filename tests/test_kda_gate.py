@@ -119,7 +119,7 @@ def test_fla_kernel_path_matches_reference_in_the_triton_interpreter():
     """fla's fused_recurrent_kda with the norms, the gate and beta's sigmoid in the kernel (and the
     state updated in place) equals the op's reference; skipped without fla-core (CI)."""
     env = dict(os.environ, K3_TESTS=os.path.dirname(os.path.abspath(__file__)))
-    env.pop("K3_DISABLE_FLA", None)
+    env.pop("K3_KNOBS", None)
     if subprocess.run([sys.executable, "-c", "import fla.ops.kda, einops"], env=env, capture_output=True).returncode:
         pytest.skip("fla-core (and einops) not installed")
     r = subprocess.run([sys.executable, "-c", _FLA_CPU], env=env, capture_output=True, text=True, timeout=600)

@@ -15,6 +15,8 @@ import os
 import re
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 
 import k3compile
@@ -132,7 +134,7 @@ def test_kernel_norm_matches_reference_in_the_interpreter(monkeypatch, dtype, M,
     both states; the counters left at zero."""
     pytest.importorskip("triton")
     from k3compile.kernels import launch
-    monkeypatch.setenv("K3_KDA_STEP_P", p)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, dtype, "cpu", M + k, h, k, r)
     g, o_w = _norm_inputs(M, dtype, "cpu", M, h, k)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
@@ -170,7 +172,7 @@ def test_kda_step_norm_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, 
     from _cuda_graph import replay_once
 
     from k3compile.kernels import launch, registry
-    monkeypatch.setenv("K3_KDA_STEP_P", p)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, torch.bfloat16, "cuda", 5 + M, 12, 128, 128)
     g, o_w = _norm_inputs(M, torch.bfloat16, "cuda", M, 12, 128)
     consts = (-5.0, 128 ** -0.5, 1e-12, torch.bfloat16)

@@ -15,6 +15,8 @@ import os
 import re
 
 import pytest
+
+from k3compile.config import knobs_text
 import torch
 import torch.nn.functional as F
 
@@ -166,7 +168,7 @@ def test_kernel_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k
     place); 1, 2 or 4 programs per head (the counters left at zero)."""
     pytest.importorskip("triton")
     from k3compile.kernels import launch
-    monkeypatch.setenv("K3_KDA_STEP_P", p)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, dtype, "cpu", M + k, h, k, r)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
     mine = [t.clone() for t in args[9:]]
@@ -208,7 +210,7 @@ def test_kda_step_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, M, p)
     wrote: a program that read a shifted window, or a counter not put back to zero, shows), then one
     step replayed from a CUDA graph. At M=16, 4 programs per head are 768 programs: not all resident."""
     from k3compile.kernels import launch, registry
-    monkeypatch.setenv("K3_KDA_STEP_P", p)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, torch.bfloat16, "cuda", 5 + M, 12, 128, 128)
     consts = (-5.0, 128 ** -0.5, 1e-12, torch.bfloat16)
     k = registry.pick("kda_step_decode_", "cuda", *args, *consts)

@@ -23,9 +23,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests simulate peers on CPU; the GPU suite tests the kernels on CUDA",
                 allow_module_level=True)
 
+from k3compile.config import knobs_text  # noqa: E402
 from k3compile.kernels import launch  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
-from k3compile.kernels.simpeers import SimGroup  # noqa: E402
+from simpeers import SimGroup  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -123,7 +124,7 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
 
 
 def test_columns_split_plan_keeps_its_limits(monkeypatch):
-    """cols_plan: by default at one row and group size >= 2 only; off with COLS (K3_COLS=0), above
+    """cols_plan: by default at one row and group size >= 2 only; off with COLS (K3_KNOBS=cols=0), above
     COLS_MAX_M rows, past 8 sources, and where the tile a program holds would pass COLS_MAX_TILE or
     the programs COLS_MAX_PROGRAMS or the peers' barrier slots."""
     sim = SimGroup(8, 0, 1024, pad_bytes=2048)
@@ -136,7 +137,7 @@ def test_columns_split_plan_keeps_its_limits(monkeypatch):
     assert launch.cols_plan(1, 7168, 6, sim.peers) is None                 # 64 columns: 112 programs
     assert launch.cols_plan(2, 7168, 4, sim.peers) is None                 # one row only
     assert launch.cols_plan(1, 7168, 4, SimGroup(8, 0, 1024, pad_bytes=512).peers) is None   # 16 slots
-    monkeypatch.setenv("K3_COLS", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cols="1"))
     p = launch.cols_plan(1, 7168, 4, None)
     assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
     monkeypatch.setattr(launch, "COLS_MAX_M", 4)
@@ -145,7 +146,7 @@ def test_columns_split_plan_keeps_its_limits(monkeypatch):
     assert p.rows * p.s_pad * p.w <= 4096 and p.programs <= launch.COLS_MAX_PROGRAMS
     assert launch.cols_plan(5, 7168, 4, None) is None
     assert launch.cols_plan(1, 7168, 9, None) is None
-    monkeypatch.setenv("K3_COLS", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cols="0"))
     assert launch.cols_plan(1, 7168, 4, sim.peers) is None
 
 
@@ -218,7 +219,7 @@ class _Cuda(torch.Tensor):
 
 
 def test_push_gemm_choice_is_agreed_by_every_rank_and_memoised(monkeypatch):
-    """choose.push_gemm: off by default (no measured range), on with K3_CUTE_PUSH=1; never at TP=1,
+    """choose.push_gemm: off by default (no measured range), on with K3_KNOBS=cute_push=1; never at TP=1,
     without a flag region or for a call whose partials do not fit a half; the artifact is used only
     when every rank found it (one all-reduce per shape, memoised), otherwise the reason is noted."""
     from k3compile.kernels import choose
@@ -230,20 +231,19 @@ def test_push_gemm_choice_is_agreed_by_every_rank_and_memoised(monkeypatch):
     monkeypatch.setattr(choose, "_load", lambda a, dev: loads.append(a))
     monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) or ok)
     monkeypatch.setattr(choose, "_PUSH", {})
-    for var in ("K3_CUTE", "K3_CUTE_PUSH"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="", cute_push=""))
     assert "oproj_push" not in choose.CUTE_M and choose.push_gemm(x, w, sim.peers, "tp") is None and not finds
-    monkeypatch.setenv("K3_CUTE_PUSH", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="1"))
     assert choose.push_gemm(x, w, sim.peers, "tp") is art and choose.push_gemm(x, w, sim.peers, "tp") is art
     assert finds == [("gemm", "oproj_push", 128, 64, 3)] and votes == [True] and loads == [art]  # decided once
     assert choose.push_gemm(x.as_subclass(torch.Tensor), w, sim.peers, "tp") is None     # not CUDA
     tp1 = SimGroup(1, 0, 1 << 16, flag_bytes=1024).peers
     noflags = SimGroup(2, 0, 1 << 16).peers
     assert choose.push_gemm(x, w, tp1, "tp") is None and choose.push_gemm(x, w, noflags, "tp") is None
-    monkeypatch.setenv("K3_CUTE_PUSH", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="0"))
     assert choose.push_gemm(x, w, sim.peers, "tp2") is None and votes == [True]
     # another rank could not load it: nobody pushes, and the report says why
-    monkeypatch.setenv("K3_CUTE_PUSH", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="1"))
     monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) and False)
     choose._WHY.clear()
     with pytest.warns(UserWarning, match="another rank"):
@@ -272,7 +272,7 @@ def test_workspace_halves_leave_the_flag_region_out():
 def test_all_reduce_norm_kernel_form_by_group_size_and_rows(monkeypatch):
     """launch._ar_form: the lean kernel from group size 4, the joint AttnRes reductions with 32 warps at
     group size >= 8 for one row of 7168 (BLOCK 8192), else the warps by width and joint at group size 1;
-    K3_AR_LEAN / K3_AR_WARPS / K3_AR_JOINT (module values) override."""
+    K3_KNOBS ar_lean / K3_KNOBS ar_warps / K3_KNOBS ar_joint (module values) override."""
     monkeypatch.setattr(launch, "AR_LEAN", None)
     monkeypatch.setattr(launch, "AR_WARPS", 0)
     monkeypatch.setattr(launch, "AR_JOINT", None)
@@ -309,7 +309,7 @@ def test_oproj_without_norm_and_plain_all_reduce():
     sim.check_signals(M, 1)  # the second call used the other half
 
 
-@pytest.mark.skipif(not launch.SEQ_BARRIER, reason="the sequence-flag barrier is off (K3_BARRIER_SEQ=0)")
+@pytest.mark.skipif(not launch.SEQ_BARRIER, reason="the sequence-flag barrier is off (K3_KNOBS=barrier_seq=0)")
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
     """The call counter wraps past 2^31 (int32 difference) and a peer that already signalled its
@@ -570,12 +570,12 @@ def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
 
 
 def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
-    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_GEMV_PDL=off; "on" (or unset with GEMV_PDL_DEFAULT),
+    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_KNOBS=gemv_pdl=off; "on" (or unset with GEMV_PDL_DEFAULT),
     GEMV_PDL_PF's bytes for the weight shape (None for a shape not in it); a number, those bytes for every shape
     (0: PDL without prefetch).
     The L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
     variable changes nothing: the interpreter runs the plain GEMV."""
-    monkeypatch.delenv("K3_GEMV_PDL", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl=""))
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert launch.gemv_pdl(cpu) is None and launch.gemv_pdl(cpu, (3648, 7168)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
@@ -586,48 +586,28 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
     assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
     assert launch.gemv_pdl(cuda) == 0   # on: the norm kernel triggers
     monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
-    monkeypatch.setenv("K3_GEMV_PDL", "on")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="on"))
     assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
-    monkeypatch.setenv("K3_GEMV_PDL_PF", "5x7=512;9x16=0")   # the table replaced (bench rows)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl_pf="5x7=512;9x16=0"))   # the table replaced (bench rows)
     assert launch.gemv_pdl(cuda, (5, 7)) == 512 and launch.gemv_pdl(cuda, (9, 16)) == 0
     assert launch.gemv_pdl(cuda, shape) is None
-    monkeypatch.delenv("K3_GEMV_PDL_PF")
-    monkeypatch.setenv("K3_GEMV_PDL", "4096")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl_pf=""))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="4096"))
     assert launch.gemv_pdl(cuda, (5, 7)) == 4096 and launch.gemv_pdl(cpu, (5, 7)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     assert launch.gemv_pdl(cuda, shape) is None   # no griddepcontrol before Hopper
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     for v, want in (("0", 0), ("off", None)):
-        monkeypatch.setenv("K3_GEMV_PDL", v)
+        monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl=v))
         assert launch.gemv_pdl(cuda, shape) == want, v
     w = torch.zeros(64, 256, dtype=torch.float16)
     assert launch._pdl_rows_ok(w, 256)
     assert not launch._pdl_rows_ok(w[:, :200], 200)            # rows strided: slices not contiguous
     assert not launch._pdl_rows_ok(w.view(-1)[1:1 + 63 * 256].view(63, 256), 256)   # 2 bytes off 16
-    monkeypatch.setenv("K3_GEMV_PDL", "16384")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="16384"))
     x = torch.randn(1, 256).half()
     torch.testing.assert_close(launch.gemv(x, w + 1, cfg=(8, 64, 4, 2)).float(), x.float() @ (w + 1).float().t(),
                                atol=2e-2, rtol=1e-2)
-
-
-def test_mma_pdl_is_off_by_default_and_cuda_only(monkeypatch):
-    """launch.mma_pdl (K3_MMA_PDL): off unless asked for (MMA_PDL_DEFAULT, unmeasured), then MMA_PDL_PF's bytes
-    per weight shape or the number given; None off CUDA or before Hopper. On CPU the MMA GEMM is unchanged."""
-    monkeypatch.delenv("K3_MMA_PDL", raising=False)
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    shape, pf = next(iter(launch.MMA_PDL_PF.items()))
-    assert not launch.MMA_PDL_DEFAULT and launch.mma_pdl(cuda, shape) is None and launch.mma_pdl(cuda) is None
-    monkeypatch.setenv("K3_MMA_PDL", "on")
-    assert launch.mma_pdl(cuda, shape) == pf and launch.mma_pdl(cuda, (5, 7)) is None and launch.mma_pdl(cuda) == 0
-    assert launch.mma_pdl(torch.device("cpu"), shape) is None
-    monkeypatch.setenv("K3_MMA_PDL", "2048")
-    assert launch.mma_pdl(cuda, (5, 7)) == 2048
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert launch.mma_pdl(cuda, shape) is None
-    x, w = torch.randn(2, 64), torch.randn(32, 64)
-    torch.testing.assert_close(launch.mma_gemm(x, w, launch.MmaCfg.parse("mma 16/32/2/4/2")), x @ w.t(),
-                               atol=1e-4, rtol=1e-4)
 
 
 def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
@@ -655,13 +635,12 @@ def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch)
 def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
     """choose.gemv_plan: CUDA, 1 <= M <= GEMV_MAX_M, bf16/fp16, unit K stride, and a measured
     config for this weight shape at an M >= this M (GEMV_TABLE, or a sweep's JSON through
-    K3_GEMV_TABLE: only rows faster than cuBLAS); K3_GEMV=1 / 0 force it on / off."""
+    K3_KNOBS gemv_table: only rows faster than cuBLAS); K3_KNOBS=gemv=1 / 0 force it on / off."""
     import json
     from k3compile.kernels import choose
     from k3compile.kernels.launch import GEMV_DEFAULT
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    for v in ("K3_GEMV", "K3_GEMV_TABLE"):
-        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="", gemv_table=""))
     monkeypatch.setattr(choose, "GEMV_TABLE", {(64, 32): {1: (4, 32, 4, 2), 4: (8, 32, 4, 3)}})
     bf = dict(dtype=torch.bfloat16)
     w, x = torch.zeros(64, 32, **bf), torch.zeros(4, 32, **bf)
@@ -674,13 +653,13 @@ def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
     rows = [dict(N=48, K=32, M=1, best="gemv 16/64/8/4", speedup_vs_cublas=1.3),
             dict(N=48, K=32, M=4, best="gemv 2/64/4/4", speedup_vs_cublas=0.9)]
     (tmp_path / "g.json").write_text(json.dumps(dict(rows=rows)))
-    monkeypatch.setenv("K3_GEMV_TABLE", str(tmp_path / "g.json"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_table=str(tmp_path / "g.json")))
     assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) == (16, 64, 8, 4)
     assert choose.gemv_plan(x, torch.zeros(48, 32, **bf)) is None and choose.gemv_plan(x, w) is None
-    monkeypatch.setenv("K3_GEMV", "1")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="1"))
     assert choose.gemv_plan(torch.zeros(8, 32, **bf), torch.zeros(40, 32, **bf)) == GEMV_DEFAULT
     assert choose.gemv_plan(torch.zeros(9, 32, **bf), w) is None              # above GEMV_MAX_M
-    monkeypatch.setenv("K3_GEMV", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="0"))
     assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) is None
 
 
@@ -910,7 +889,7 @@ def test_mxfp4_variant_selection(monkeypatch):
     x = torch.zeros(1, 3584)
     w13 = torch.zeros(1, 2 * 384, 3584 // 2, dtype=torch.uint8)
     ids = torch.zeros(1, 16, dtype=torch.int32)
-    monkeypatch.delenv("K3_MXFP4", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=""))
     xb = x.to(torch.bfloat16)
     # default: v3 for bf16 activations at shapes its tiles fit, else v2b (fp32 activations, or I=32)
     assert launch.mxfp4_variant() == "v3" and launch.mxfp4_variant(None, xb, 384) == "v3"
@@ -925,12 +904,12 @@ def test_mxfp4_variant_selection(monkeypatch):
     g = launch.MXFP4_GROUPED_MIN_N
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == launch.mxfp4_variant(None, CudaX(), 384, hi)
     assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v4g" and lo < g <= hi
-    monkeypatch.setenv("K3_CUTE", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="0"))
     assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == launch.mxfp4_variant(None, CudaX(), 384, g - 1)
     assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v4g" == launch.mxfp4_variant(None, CudaX(), 384, 256)
     assert launch.mxfp4_variant(None, CudaX(), 384, launch.MXFP4_GROUPED_MAX_N + 1) == "v3"   # not run above
-    monkeypatch.delenv("K3_CUTE")
-    monkeypatch.setenv("K3_MXFP4", "dot")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4="dot"))
     assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
     with pytest.raises(ValueError):
         launch.mxfp4_variant("nope")
@@ -954,15 +933,14 @@ def test_kernel_path_is_described_for_the_report(monkeypatch):
     from k3compile.runtime import symm
     monkeypatch.delenv("K3_KERNELS")
     monkeypatch.setattr(symm, "unavailable_reason", lambda group: None)
-    for var in ("K3_CUTE", "K3_CUTE_PUSH"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="", cute_push=""))
     assert describe("cuda", "0").endswith("o-proj: cuBLAS GEMM + pull all-reduce kernel (the CuTe push-epilogue "
-                                          "GEMM measured no faster; K3_CUTE_PUSH=1 turns it on)")
-    monkeypatch.setenv("K3_CUTE_PUSH", "1")
-    assert "o-proj: CuTe push-epilogue GEMM where every rank has its artifact (K3_CUTE_PUSH=1" in describe("cuda", "0")
-    monkeypatch.setenv("K3_CUTE_PUSH", "0")
-    monkeypatch.setenv("K3_CUTE", "1")
-    assert describe("cuda", "0").endswith("(K3_CUTE_PUSH=0)")
+                                          "GEMM measured no faster; K3_KNOBS=cute_push=1 turns it on)")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="1"))
+    assert "o-proj: CuTe push-epilogue GEMM where every rank has its artifact (K3_KNOBS=cute_push=1" in describe("cuda", "0")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="0"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
+    assert describe("cuda", "0").endswith("(K3_KNOBS=cute_push=0)")
 
 
 @pytest.mark.parametrize("M, E, k, dt", [(1, 896, 16, torch.float32), (5, 896, 16, torch.float16),
@@ -975,7 +953,7 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt, sort, monkeypatch):
     weights as the PyTorch reference (the model's own router math), int64 ids and int32 ids (k = E,
     k = 1 too)."""
     from k3compile.ops import reference as ref
-    monkeypatch.setenv("K3_ROUTER_SORT", sort)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(router_sort=sort))
     g = torch.Generator().manual_seed(M * 1000 + E)
     logits = (torch.randn(M, E, generator=g) * 2).to(dt)
     bias = torch.randn(E, generator=g) * 0.1
@@ -1004,18 +982,15 @@ def _mla_case(M, H, L, R, S, dt, lens, seed=0):
     (2, 16, 32, 16, 40, [5, 38], torch.float16),
     (2, 4, 16, 16, 600, [599, 1], torch.float32),              # splits longer than a tile; most splits empty
 ])
-@pytest.mark.parametrize("bl, pipe", [(0, False), (16, False), (0, True)])
-def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, pipe, monkeypatch):
+@pytest.mark.parametrize("bl", [0, 16])
+def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, monkeypatch):
     """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
     output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
     the same cache after the write, and nothing from the NaN slots past each row's end. Splits as
-    short as one tile (MLA_MIN_CH=32), so that these small caches take several, or (pipe) of 4 tiles. bl: the combine's
-    columns per program (0: one program per token and head). pipe: the split kernel's PIPE form (each
-    next tile loaded ahead, the cache write last)."""
+    short as one tile (MLA_MIN_CH=32), so that these small caches take several. bl: the combine's
+    columns per program (0: one program per token and head)."""
     from k3compile.model import attention_ops as A
-    monkeypatch.delenv("K3_MLA_PIPE", raising=False)
-    monkeypatch.setattr(launch, "MLA_PIPE", pipe)
-    monkeypatch.setattr(launch, "MLA_MIN_CH", 128 if pipe else 32)   # pipe: splits of up to 4 tiles
+    monkeypatch.setattr(launch, "MLA_MIN_CH", 32)
     monkeypatch.setattr(launch, "MLA_COMBINE_BL", bl)
     ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
     c1, c2 = cache.clone(), cache.clone()
@@ -1029,7 +1004,7 @@ def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, pipe, 
 
 
 def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
-    """kernels/model_ops.mla_decode (the op's CUDA kernel unless K3_MLA_TRITON=0), run here on CPU
+    """kernels/model_ops.mla_decode (the op's CUDA kernel unless K3_KNOBS=mla_triton=0), run here on CPU
     tensors: shapes the Triton kernel cannot take (L not a power of two) run the reference; a full
     cache raises the op's error on either path."""
     from k3compile.kernels import model_ops
@@ -1049,16 +1024,16 @@ def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
 @pytest.mark.parametrize("env, registered", [(None, True), ("0", False), ("1", True)])
 def test_importing_k3compile_registers_the_mla_decode_cuda_kernel_unless_disabled(env, registered):
     """`import k3compile` registers kernels/model_ops.mla_decode as k3model::mla_decode's CUDA kernel
-    (the default); K3_MLA_TRITON=0 leaves the op's reference on every device. A fresh interpreter each:
+    (the default); K3_KNOBS=mla_triton=0 leaves the op's reference on every device. A fresh interpreter each:
     the registration happens once per process."""
     import os
     import subprocess
     import sys
     code = ("import torch, k3compile; from k3compile.model import attention_ops; "
             "print(torch._C._dispatch_has_kernel_for_dispatch_key('k3model::mla_decode', 'CUDA'))")
-    e = {k: v for k, v in os.environ.items() if k != "K3_MLA_TRITON"}
+    e = {k: v for k, v in os.environ.items() if k != "K3_KNOBS"}
     if env is not None:
-        e["K3_MLA_TRITON"] = env
+        e["K3_KNOBS"] = f"mla_triton={env}"
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == str(registered), out.stdout + out.stderr
 
@@ -1100,7 +1075,7 @@ def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value(so
     """The packed (score, index) key: biased scores below zero order as floats do (the sign trick),
     equal scores go to the lower expert index, and a NaN logit is selected first, as torch.topk
     ranks NaN above every number (both selection forms)."""
-    monkeypatch.setenv("K3_ROUTER_SORT", sort)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(router_sort=sort))
     E, k = 96, 12
     logits = torch.randn(2, E, generator=torch.Generator().manual_seed(7))
     logits[:, ::3] = 0.25                    # many exact ties
@@ -1148,59 +1123,15 @@ def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
                                atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])
 
 
-@pytest.mark.parametrize("M, I, N, cfg, dt", [
-    (1, 96, 40, launch.MmaCfg(16, 32, 1, 4, 2, True), torch.float16),     # swapped, K = 3 BK steps
-    (5, 100, 33, launch.MmaCfg(16, 32, 2, 4, 2, False), torch.float32),   # ragged K, split in 2, ragged N
-])
-def test_mma_gemm_with_situ_in_its_x_loads(M, I, N, cfg, dt, monkeypatch):
-    """launch.mma_gemm(situ=(beta, lbeta)): the shared expert's down GEMM taking the [M, 2I] gate|up
-    output and making SiTU(gate, up) itself equals situ(gu) @ w.t() (situ rounded to the dtype first,
-    as the separate kernel stores it); launch.situ_mlp takes that path with K3_SITU_IN_DOWN=1 where the
-    table gives the down weight an MMA config (forced here through choose.gemv_plan), not by default;
-    a wrong gate|up width is refused."""
-    from k3compile.kernels import choose
-    from k3compile.model.functional import situ, situ_mlp
-    g = torch.Generator().manual_seed(M * 7 + I)
-    gu = (torch.randn(M, 2 * I, generator=g) * 6).to(dt)
-    w = (torch.randn(N, I, generator=g) / 8).to(dt)
-    want = situ(gu, 4.0, 25.0).float() @ w.float().t()
-    tol = dict(atol=2e-3 * want.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(launch.mma_gemm(gu, w, cfg, situ=(4.0, 25.0)).float(), want, **tol)
-    with pytest.raises(ValueError, match="must be"):
-        launch.mma_gemm(gu[:, 1:], w, cfg, situ=(4.0, 25.0))
-    H = 48
-    x = torch.randn(M, H, generator=g).to(dt)
-    wgu = (torch.randn(2 * I, H, generator=g) / 4).to(dt)
-    calls = []
-    real = launch.mma_gemm
-    monkeypatch.setattr(choose, "gemv_plan", lambda a, b, *r, **k: cfg if b is w else None)
-    monkeypatch.setattr(launch, "mma_gemm", lambda *a, **k: calls.append(k.get("situ")) or real(*a, **k))
-    ref = situ_mlp(x, wgu, w, 4.0, 25.0)
-    monkeypatch.delenv("K3_SITU_IN_DOWN", raising=False)
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [None]   # off by default (measured slower): the SiTU kernel, then the plain GEMM
-    calls.clear()
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "1")
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [(4.0, 25.0)]
-    monkeypatch.setenv("K3_SITU_IN_DOWN", "0")
-    calls.clear()
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, w, 4.0, 25.0).float(), ref.float(),
-                               atol=5e-3 * ref.abs().max().item() if dt != torch.float32 else 1e-4, rtol=1e-3)
-    assert calls == [None]   # the SiTU kernel, then the plain GEMM
-
-
 def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):
     """The match report's kernel note says which MXFP4 expert kernel a CUDA graph will run: the CuTe
     f16x2 GEMVs where an artifact fits (or the DSL can build it on the first call) and M is in
     choose.CUTE_M, else Triton v3 with the reason. The note itself never builds."""
     from k3compile.kernels import choose, cute
     from k3compile.kernels.registry import describe
-    monkeypatch.delenv("K3_MXFP4", raising=False)
-    monkeypatch.delenv("K3_CUTE", raising=False)
-    monkeypatch.delenv("K3_CUTE_JIT", raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=""))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cute, "dsl_available", lambda: False)
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "none"))
@@ -1214,15 +1145,15 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith(
         f"MXFP4 experts: CuTe f16x2 GEMVs (built just in time on the first call into {tmp_path / 'none'})")
     assert not (tmp_path / "none").exists() and not choose._FOUND
-    monkeypatch.setenv("K3_CUTE_JIT", "0")
-    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_CUTE_JIT=0))")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
+    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_KNOBS=cute_jit=0))")
     monkeypatch.setattr(choose, "_FOUND", {})
     assert "Triton v4g (pairs grouped by expert) (M=80; CuTe at M in [1, 79])" in describe(
         "cuda", None, (384, 3584, 16, 80, True))
     assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
-    monkeypatch.setenv("K3_MXFP4", "v3")
-    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("MXFP4 experts: v3 (K3_MXFP4)")
-    monkeypatch.delenv("K3_MXFP4")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4="v3"))
+    assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("MXFP4 experts: v3 (K3_KNOBS mxfp4)")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=""))
     # an artifact directory with the f16x2 pair for these shapes (manifests are all the lookup reads)
     d = tmp_path / "arts"
     d.mkdir()
@@ -1250,12 +1181,11 @@ class _FakeCuda:  # what gemv_plan reads of a CUDA tensor: shape, dtype, strides
 
 def test_gemv_card_rows_merge_per_m(monkeypatch):
     """GEMV_TABLE_BY_CARD: the rows of the card whose key is in the GPU's name replace GEMV_TABLE's at
-    the Ms they name and leave the other Ms (and shapes, and other cards) to GEMV_TABLE; K3_GEMV_CARD
-    forces a key or turns them off; a K3_GEMV_TABLE sweep takes precedence over them."""
+    the Ms they name and leave the other Ms (and shapes, and other cards) to GEMV_TABLE; K3_KNOBS gemv_card
+    forces a key or turns them off; a K3_KNOBS gemv_table sweep takes precedence over them."""
     from k3compile.kernels import choose
-    monkeypatch.delenv("K3_GEMV_CARD", raising=False)
-    for v in ("K3_GEMV", "K3_GEMV_TABLE", "K3_GEMV_CFG"):
-        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card=""))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="", gemv_table="", gemv_cfg=""))
     kin, oproj = _FakeCuda(6284, 7168), _FakeCuda(7168, 1536)
     x1, x4 = _FakeCuda(1, 7168), _FakeCuda(4, 7168)
     table = choose.GEMV_TABLE[(6284, 7168)]
@@ -1272,28 +1202,28 @@ def test_gemv_card_rows_merge_per_m(monkeypatch):
         assert choose.gemv_plan(x1, router, rows=4480) == choose.parse_cfg(want)
         assert choose.gemv_plan(_FakeCuda(2, 7168), router, rows=4480) == choose.parse_cfg(stacked[4])
     assert isinstance(choose.parse_cfg(choose.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1]), tuple)
-    monkeypatch.setenv("K3_GEMV_CARD", "none")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="none"))
     assert choose.gemv_plan(x1, kin) == choose.parse_cfg(table[1])
-    monkeypatch.setenv("K3_GEMV_CARD", "H100")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="H100"))
     assert choose.gemv_plan(x1, kin) == choose.parse_cfg(card[1])
-    monkeypatch.setenv("K3_GEMV_TABLE", "sweep.json")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_table="sweep.json"))
     monkeypatch.setitem(choose._TABLES, "sweep.json", {(6284, 7168): {1: "mma 32/128/1/4/6"}})
     assert choose.gemv_plan(x1, kin) == choose.parse_cfg("mma 32/128/1/4/6")
 
 
 def test_gemv_cfg_env_forces_one_shape(monkeypatch):
-    """K3_GEMV_CFG overrides the tuned table for the shapes it names (every M), "cublas" included;
+    """K3_KNOBS gemv_cfg overrides the tuned table for the shapes it names (every M), "cublas" included;
     other shapes keep the table; a bad config name is an error, not a silent cuBLAS."""
     from k3compile.kernels import choose
 
     Fake = _FakeCuda
-    monkeypatch.setenv("K3_GEMV_CARD", "none")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="none"))
     x, w, w2 = Fake(1, 7168), Fake(1536, 7168), Fake(7168, 1536)
-    monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mmas 64/128/4/4/4; 896x7168=cublas")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_cfg="1536x7168=mmas 64/128/4/4/4; 896x7168=cublas"))
     assert choose.gemv_plan(x, w) == launch.MmaCfg(64, 128, 4, 4, 4, True)
     assert choose.gemv_plan(x, Fake(896, 7168)) is None
     assert choose.gemv_plan(Fake(1, 1536), w2) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
-    monkeypatch.setenv("K3_GEMV_CFG", "1536x7168=mma 64/x")
+    monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_cfg="1536x7168=mma 64/x"))
     with pytest.raises(ValueError):
         choose.gemv_plan(x, w)
 

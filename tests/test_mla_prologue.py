@@ -265,14 +265,11 @@ print(rows)
 
 
 _UV_FORMS = {   # launch flags, split rows / tile rows, cache slots, the 3 rows' lengths
-    "default": dict(K3_MLA_PIPE="0", K3_MLA_UV_FLAT="0", K3_TEST_MIN_CH="32", K3_TEST_BS="32", K3_TEST_S="40",
+    "default": dict(K3_KNOBS="mla_uv_flat=0", K3_TEST_MIN_CH="32", K3_TEST_BS="32", K3_TEST_S="40",
                     K3_TEST_LENS="3,17,30"),
-    # splits of up to four 16-row tiles (each next one loaded ahead)
-    "pipe": dict(K3_MLA_PIPE="1", K3_MLA_UV_FLAT="1", K3_TEST_MIN_CH="64", K3_TEST_BS="16", K3_TEST_S="40",
-                 K3_TEST_LENS="3,17,30"),
     # 13 splits of one tile: the constant split count's unrolled loop over 2 groups of 8, the last one part
     # masked; the first row's splits mostly empty
-    "flat": dict(K3_MLA_PIPE="0", K3_MLA_UV_FLAT="1", K3_TEST_MIN_CH="16", K3_TEST_BS="16", K3_TEST_S="200",
+    "flat": dict(K3_KNOBS="mla_uv_flat=1", K3_TEST_MIN_CH="16", K3_TEST_BS="16", K3_TEST_S="200",
                  K3_TEST_LENS="3,150,199"),
 }
 
@@ -282,8 +279,8 @@ def test_combine_uv_kernel_matches_reference_in_the_interpreter(form):
     """launch.mla_decode(uv=): the split kernel, then the combine + value up-projection kernel, equals
     k3::mla_decode_uv's reference (fp32 to 1e-5, fp16 to 2e-3 relative) in its layout (decode_bmm's:
     [H, M, V] stored token-major), for W_uv stored [H, V, L] and [H, L, V], with and without the gate;
-    the cache written as the reference writes it. The forms (_UV_FORMS): the default kernels; the split
-    kernel's PIPE form (launch.MLA_PIPE); the combine's constant split count (launch.MLA_UV_FLAT)."""
+    the cache written as the reference writes it. The forms (_UV_FORMS): the default kernels; the
+    combine's constant split count (launch.MLA_UV_FLAT)."""
     env = dict(os.environ, K3_TESTS=os.path.dirname(os.path.abspath(__file__)), **_UV_FORMS[form])
     r = subprocess.run([sys.executable, "-c", _UV_CPU], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

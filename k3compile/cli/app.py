@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..config import env, knob
+
 app = typer.Typer(
     name="k3c", add_completion=False, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
     help="k3c: pass-by-pass debugging of the k3 torch.compile backend (Kimi K3 decoder). "
@@ -172,7 +174,7 @@ def _execute(spec, graph=None, trust_code=False, sym=None, rank=None, tp_given=N
     except GraphFileError as e:
         fail(str(e))
     except Exception as e:  # noqa: BLE001 - one line for the user; K3C_DEBUG=1 for the traceback
-        if os.environ.get("K3C_DEBUG"):
+        if knob("cli_debug"):
             raise
         fail(_one_line(e) + "  (K3C_DEBUG=1 shows the traceback)")
 
@@ -376,8 +378,8 @@ def passes(
               f"them, or outside its batch range at a static M, a pass is skipped and the report says why.")
     con.print("Before the passes, canonicalize rewrites other spellings of the same math into the forms the "
               "patterns know (always on).")
-    src = [f"K3_PASSES={os.environ['K3_PASSES']}"] if os.environ.get("K3_PASSES") else []
-    src += [f"K3_SKIP={os.environ['K3_SKIP']}"] if os.environ.get("K3_SKIP") else []
+    src = [f"K3_PASSES={env('K3_PASSES')}"] if env("K3_PASSES") else []
+    src += [f"K3_SKIP={env('K3_SKIP')}"] if env("K3_SKIP") else []
     if src and not kw:
         con.print(Text(f"enabled set from the environment: {' '.join(src)}", style="yellow"))
     if verbose:

@@ -12,11 +12,11 @@ M=16 on, but dispatch cannot see the routing. `oproj` (the skinny GEMM) has no r
 measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
 epilogue, `push_gemm`) has none: on 2 x H200 (c9fc013, cold weights, 3 AttnRes blocks) the op was
 within 0.5 us of the pull path at TP=8 shapes M = 1..64 (22.1 vs 22.6 us at M=1), and the KDA /
-MLA layers with it within their rounds' spread (+2.1 / +2.4 us at M=1). `K3_CUTE=1` forces CuTe wherever an artifact fits, `K3_CUTE=0`
+MLA layers with it within their rounds' spread (+2.1 / +2.4 us at M=1). `K3_KNOBS=cute=1` forces CuTe wherever an artifact fits, `K3_KNOBS=cute=0`
 turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
 JIT: where the DSL is installed and no artifact fits a wanted shape that the build has a variant
 for (`build.jit_variants`), the first call builds it into that directory (`build.ensure`: the AOT
-build's code, cache key and checks) and loads it; `K3_CUTE_JIT=0` turns this off, and it never
+build's code, cache key and checks) and loads it; `K3_KNOBS=cute_jit=0` turns this off, and it never
 runs inside a CUDA graph capture (warm up eagerly first). Run on the H200 (BENCHMARKS.md).
 When CuTe was chosen but cannot run (no artifact for the shape and no JIT build, not CUDA, wrong
 dtype, JIT build or loader error) the op falls back to its default path (Triton v3 for the
@@ -25,10 +25,10 @@ experts, cuBLAS for the GEMM), warns once per reason, and `fallbacks()` lists th
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
+from ..config import knob
 
 # mxfp4_experts up to 79 since the twenty-sixth session: with v4g's bf16x2 scale (6e8cc72, TP=8 / TP=2
 # shapes, cold routings, cute_h2 / v4g us) M=64: 551 / 620, 2220 / 2232; M=80: 683 / 687, 2795 / 2473;
@@ -39,7 +39,7 @@ CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 79)}   # from GPU ben
 # d5905b1, one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
 # M = 1/2/4/8 -0.2/-1.5/-1.9/-2.0 us with it, TP=2 shapes (I=1536) -1.7/-1.4/0.0/-6.7 us. (With the same
 # routing every call, d86b84b, M=1 at TP=8 had been 0.9-1.3 us slower with it: its 35 MB of experts
-# stayed in the L2 between calls.) K3_CUTE_PDL=0 turns it off.
+# stayed in the L2 between calls.) K3_KNOBS=cute_pdl=0 turns it off.
 _WHY: dict[str, str] = {}
 
 
@@ -51,7 +51,7 @@ def _note(key: str, why: str, then: str = "running the default path") -> None:
 
 
 def wanted(op: str, m: int) -> bool:
-    flag = os.environ.get("K3_CUTE", "")
+    flag = knob("cute")
     if flag == "0":
         return False
     if flag not in ("", "0"):
@@ -82,8 +82,8 @@ def mxfp4_tag(I: int, N: int) -> str:
 
 
 def cute_pdl() -> bool:
-    """Whether the CuTe MXFP4 down kernel is launched with PDL (on unless K3_CUTE_PDL=0)."""
-    return os.environ.get("K3_CUTE_PDL", "") != "0"
+    """Whether the CuTe MXFP4 down kernel is launched with PDL (on unless K3_KNOBS=cute_pdl=0)."""
+    return knob("cute_pdl") != "0"
 
 
 def fallbacks() -> dict[str, str]:
@@ -102,8 +102,8 @@ _FOUND: dict[tuple, tuple] = {}
 def _jit_variants(kind: str, key: tuple) -> tuple[list[dict], str]:
     """The build variants the JIT path would compile for this lookup, or ([], why it cannot)."""
     from . import cute
-    if os.environ.get("K3_CUTE_JIT") == "0":
-        return [], "JIT build off (K3_CUTE_JIT=0)"
+    if knob("cute_jit") == "0":
+        return [], "JIT build off (K3_KNOBS=cute_jit=0)"
     if not cute.dsl_available():
         return [], "no JIT build: the CuTe DSL is not installed"
     from .cute.build import jit_variants
@@ -154,10 +154,10 @@ CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = 
 # H200, cold weights, graphed; BENCHMARKS.md, thirteenth session): an entry where the best config
 # was >= 1.03x cuBLAS, None below; checked again against cuBLAS at 3dba9ee (other weights, 3
 # alternating repeats, M = 1 / 2 / 4 / 8 / 16): every entry 1.04-1.53x but (6144, 7168) at M=2, 0.99x. These are the per-rank shapes of the layer bench
-# (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_GEMV_TABLE=<gemv_bench
-# JSON> uses a sweep's result instead; K3_GEMV_CFG="NxK=config;NxK=cublas" forces one weight
-# shape's config at every M (an experiment: kernels/choose._forced); K3_GEMV=1 forces the CUDA-core GEMV (tuned config or
-# launch.GEMV_DEFAULT) for every shape without an entry at M <= launch.GEMV_MAX_M, K3_GEMV=0
+# (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_KNOBS=gemv_table=<gemv_bench
+# JSON> uses a sweep's result instead; K3_KNOBS=gemv_cfg="NxK=config;NxK=cublas" forces one weight
+# shape's config at every M (an experiment: kernels/choose._forced); K3_KNOBS=gemv=1 forces the CUDA-core GEMV (tuned config or
+# launch.GEMV_DEFAULT) for every shape without an entry at M <= launch.GEMV_MAX_M, K3_KNOBS=gemv=0
 # turns every decode GEMM off (cuBLAS everywhere).
 GEMV_TABLE: dict[tuple[int, int], dict] = {
     (7168, 1536): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # o-proj, TP=8
@@ -192,8 +192,8 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (4480, 7168): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},
 }
 # Per-card rows over GEMV_TABLE (which was tuned on the H200), merged per M: the rows of the first key
-# that is a substring of the GPU's name. K3_GEMV_CARD=<key> forces a key's rows, K3_GEMV_CARD=none
-# turns them off; K3_GEMV_TABLE and K3_GEMV_CFG take precedence. H100: the in_proj GEMMs at M=1 on
+# that is a substring of the GPU's name. K3_KNOBS=gemv_card=<key> forces a key's rows, K3_KNOBS=gemv_card=none
+# turns them off; K3_KNOBS gemv_table and K3_KNOBS gemv_cfg take precedence. H100: the in_proj GEMMs at M=1 on
 # the CUDA-core GEMV (H100 sweep at b8043ff, bench/results/gemv_tune_h100_b8043ff.json; in the layer at
 # 8321eed, bench/results/layer_{kda,mla}_tp8_w1_h100_8321eed_gemvrows.json, us per step launch hidden:
 # KDA 142.1 -> 140.1, MLA 143.4 -> 141.5; the same configs on an H200 (048c4bd): KDA 114.9 -> 117.9,
@@ -223,8 +223,8 @@ def _card_name(index: int) -> str:
 
 
 def card_rows(device) -> dict:
-    """GEMV_TABLE_BY_CARD's rows for this CUDA device (K3_GEMV_CARD: a key, or "none"); {} if none."""
-    forced = os.environ.get("K3_GEMV_CARD", "")
+    """GEMV_TABLE_BY_CARD's rows for this CUDA device (K3_KNOBS gemv_card: a key, or "none"); {} if none."""
+    forced = knob("gemv_card")
     if forced:
         return GEMV_TABLE_BY_CARD.get(forced, {})
     if getattr(device, "type", None) != "cuda":
@@ -265,7 +265,7 @@ def gemv_table_from(path: str) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _forced(text: str) -> dict:
-    """K3_GEMV_CFG="NxK=config;NxK=cublas": the config for a weight shape at every M, over the table
+    """K3_KNOBS=gemv_cfg="NxK=config;NxK=cublas": the config for a weight shape at every M, over the table
     (a tuning experiment: "cublas" runs torch.mm)."""
     out = {}
     for item in filter(None, (t.strip() for t in text.split(";"))):
@@ -281,16 +281,16 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     table for a weight of that many rows instead of w's (two stacked weights: launch.mma_gemm2)."""
     from .launch import GEMV_DEFAULT, GEMV_MAX_M, MMA_MAX_M
     m = x.shape[0]
-    flag = os.environ.get("K3_GEMV", "")
+    flag = knob("gemv")
     if flag == "0" or not (x.is_cuda and x.dim() == 2 and w.dim() == 2 and 1 <= m <= max(GEMV_MAX_M, MMA_MAX_M)):
         return None
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1:
         return None
     if out is not None and (out.dtype != x.dtype or out.stride(-1) != 1):
         return None
-    path = os.environ.get("K3_GEMV_TABLE")
+    path = knob("gemv_table")
     shape = (rows or w.shape[0], w.shape[1])
-    forced = _forced(os.environ.get("K3_GEMV_CFG", ""))
+    forced = _forced(knob("gemv_cfg"))
     if shape in forced:
         return parse_cfg(forced[shape])
     by_m = (gemv_table_from(path) if path else GEMV_TABLE).get(shape, {})
@@ -333,12 +333,12 @@ _PUSH: dict[tuple, object] = {}
 def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
     """The CuTe push-epilogue o-proj GEMM (cute/skinny_gemm.SkinnyGemmPushSm90) for this call, or
     None: the op then runs its GEMM + pull all-reduce kernel. Wanted where CUTE_M["oproj_push"]
-    says so (no range until measured), or forced by K3_CUTE_PUSH=1 (K3_CUTE=1 too); K3_CUTE_PUSH=0
-    or K3_CUTE=0 turn it off. Every rank of the group must take the same path (a rank waiting for
+    says so (no range until measured), or forced by K3_KNOBS=cute_push=1 (K3_KNOBS=cute=1 too); K3_KNOBS=cute_push=0
+    or K3_KNOBS=cute=0 turn it off. Every rank of the group must take the same path (a rank waiting for
     flags a peer never pushes would hang), so the first eager call of each shape decides with one
     all-reduce (MIN) over the group whether every rank found and loaded the artifact; the answer
     is memoised. Inside a CUDA graph capture an undecided shape takes the pull path."""
-    flag = os.environ.get("K3_CUTE_PUSH", "")
+    flag = knob("cute_push")
     m, k = x.shape
     n = w.shape[0]
     if flag == "0" or peers is None or peers.world < 2 or peers.flag_off < 0 or not x.is_cuda:
@@ -377,18 +377,18 @@ def push_gemm(x: torch.Tensor, w: torch.Tensor, peers, group: str):
 def oproj_note() -> str:
     """Which o-proj GEMM the one-shot path will run (for the match report; push_gemm decides per
     shape at the first call, with every rank)."""
-    flag, cute = os.environ.get("K3_CUTE_PUSH", ""), os.environ.get("K3_CUTE", "")
+    flag, cute = knob("cute_push"), knob("cute")
     if flag == "0" or (flag != "1" and cute == "0"):
-        return f"o-proj: cuBLAS GEMM + pull all-reduce kernel ({'K3_CUTE_PUSH' if flag == '0' else 'K3_CUTE'}=0)"
+        return f"o-proj: cuBLAS GEMM + pull all-reduce kernel (K3_KNOBS={'cute_push' if flag == '0' else 'cute'}=0)"
     if flag == "1" or cute not in ("", "0"):
         return ("o-proj: CuTe push-epilogue GEMM where every rank has its artifact ("
-                + ("K3_CUTE_PUSH=1" if flag == "1" else "K3_CUTE=1")
+                + ("K3_KNOBS=cute_push=1" if flag == "1" else "K3_KNOBS=cute=1")
                 + "; otherwise cuBLAS + pull, choose.fallbacks() says why)")
     lo, hi = CUTE_M.get("oproj_push", (1, 0))
     if lo <= hi:
         return f"o-proj: CuTe push-epilogue GEMM at M in [{lo}, {hi}], cuBLAS + pull all-reduce kernel elsewhere"
     return ("o-proj: cuBLAS GEMM + pull all-reduce kernel (the CuTe push-epilogue GEMM measured no faster; "
-            "K3_CUTE_PUSH=1 turns it on)")
+            "K3_KNOBS=cute_push=1 turns it on)")
 
 
 def _load(art, device) -> None:
@@ -421,7 +421,7 @@ def mxfp4_experts_cute(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_b
     with the reason in fallbacks()."""
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2
-    forced = os.environ.get("K3_CUTE_MXFP4_TAG")   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
+    forced = (knob("cute_mxfp4_tag") or None)   # benchmarks: a variant of build.MXFP4_TAGS, "none": untagged
     tag = forced if forced is not None else (mxfp4_tag(I, N) if math == "f16x2" else "")
     tag = "" if tag == "none" else tag
     key = f"mxfp4_experts I={I} L={L} K={K}" + ("" if math == "f32" else f" {math}") + (f" {tag}" if tag else "")
@@ -454,9 +454,9 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     """Which MXFP4 expert kernel a graph's routed experts will run, and why not CuTe (for the
     match report, at compile time: launch.default_mxfp4_variant, the rule applied at run time)."""
     from .launch import _triton_mxfp4, default_mxfp4_variant
-    forced = os.environ.get("K3_MXFP4")
+    forced = knob("mxfp4")
     if forced:
-        return f"MXFP4 experts: {forced} (K3_MXFP4)"
+        return f"MXFP4 experts: {forced} (K3_KNOBS mxfp4)"
     lo, hi = CUTE_M.get("mxfp4_experts", (1, 0))
     v = default_mxfp4_variant(bf16, L, I, True, lo if M is None else M)  # dynamic M: CuTe from its lowest M
     if v == "v2b":
@@ -465,7 +465,7 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     if v in ("v3", "v4g"):
         name = "Triton v3" if v == "v3" else "Triton v4g (pairs grouped by expert)"
         if M is None:
-            return f"MXFP4 experts: {name} (" + ("K3_CUTE=0)" if os.environ.get("K3_CUTE") == "0" else "no CuTe range)")
+            return f"MXFP4 experts: {name} (" + ("K3_KNOBS=cute=0)" if knob("cute") == "0" else "no CuTe range)")
         return f"MXFP4 experts: {name} (M={M}; CuTe at M in [{lo}, {hi}])"
     try:   # no JIT build for a report: the first call builds
         arts, why = _find("mxfp4", I, L, K, "f16x2", jit=False)

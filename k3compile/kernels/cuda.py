@@ -11,9 +11,6 @@
 - moe_latent_tail: one Triton kernel (weighted top-k finalize into the symmetric buffer,
   one-shot all-reduce, RMSNorm, copy of the shared partial), then a cuBLAS addmm adding the
   up-projection shard into this rank's columns (the column-split kernel where launch.cols_plan says).
-  At TP=1, where launch.tail_gemm_wanted says (launch.TAIL_GEMM_M), ONE kernel instead
-  (kernels/triton_resgemm.tail_gemm_kernel): the finalize and the norm inside the up-projection's
-  MMA decode GEMM, the shared partial added in its epilogue.
 - router_latent_sharded: one GEMM on this rank's rows of [W_r; W_down] (a view of one weight, or
   for the one rank whose rows straddle both one launch over both (`launch.mma_gemm2`) where the
   tuned config's tile divides its router rows, else a copy made once, `launch.rank_rows`), then
@@ -28,22 +25,11 @@
 - decode_gemm: the Triton tensor-core split-K GEMM (or the CUDA-core GEMV) with the config of the
   tuned table (choose.GEMV_TABLE) where it has this weight shape and M, else torch.mm (cuBLAS). The
   GEMMs inside the ops above go through the same table (choose.gemm).
-- decode_gemm_normed: the CUDA-core GEMV with the RMSNorm in its x loads where the tuned table
-  picks that GEMV, else one Triton norm kernel and decode_gemm's path.
-- residual_norm_gemm: one Triton kernel (kernels/triton_resgemm.py): residual add + AttnRes / RMSNorm
-  inside the MMA decode GEMM's loop, where the tuned table runs the weight on that GEMM and the
-  (blocks + 2) x M rows fit its tile; else residual_norm's kernel and decode_gemm's path.
-- residual_norm_router_latent / shared_expert_async_resnorm (TP=1): the post-attention residual + norm
-  folded the same way into the MoE input's router + latent GEMM (one launch over both weights) and
-  into the shared expert's gate-up GEMM on the side stream; else the norm kernel first.
-- router_latent_topk / residual_norm_router_latent_topk (TP=1): the router + latent launch (with the norm
-  folded, the latter) whose last program to store a tile of the logits runs the router's selection
-  (launch.TopkEpilogue), where that launch runs; else router_topk's kernel after it.
 - decode_bmm: one Triton kernel (launch.head_bmm: heads x N blocks, tl.dot per K step), M <= 16.
 - kda_conv_decode (and kda_conv_decode_, in place): one Triton kernel (kernels/triton_conv.py): the KDA
   short conv + SiLU of one token.
 - mla_decode_normed: the Triton MLA decode (kernels/triton_mla.py) with the kv_a RMSNorm in its
-  split kernel, where launch.mla_decode_fits takes the shapes (and K3_MLA_TRITON is not 0).
+  split kernel, where launch.mla_decode_fits takes the shapes (and K3_KNOBS mla_triton is not 0).
 - mla_decode_uv: the same split kernel, then one kernel combining the splits and applying the
   value up-projection (and the sigmoid output gate) per (token, head, value block).
 - kda_decode_gated: one fla-core fused_recurrent_kda kernel with the q/k L2 norms, the gate and
@@ -61,7 +47,7 @@ K3_KERNELS=0 turns every kernel off.
 """
 from __future__ import annotations
 
-import os
+from ..config import knob
 
 import torch
 
@@ -98,7 +84,7 @@ def _peers(group: str | None, device, nbytes: int, op: str | None = None, m: int
     ws = symm.workspace(group, device)
     if ws is None or not ws.fits(nbytes):
         if ws is not None:
-            symm._WHY.setdefault(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
+            symm.note_unavailable(f"{group}/size", f"a call needs {nbytes} bytes > workspace {ws.buf.numel()}")
         return False, None
     return True, launch.Peers(ws.ptrs, ws.pads, ws.epoch, ws.rank, ws.world, ws.data_bytes, ws.programs, ws.flag_off)
 
@@ -164,12 +150,6 @@ def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefet
 @register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
 def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
     M, topk, L = y.shape
-    if not group and w_up.shape[0] == shared_partial.shape[-1] and launch.tail_gemm_wanted(M, topk):
-        # TP=1: the finalize and the norm inside the up-projection's MMA GEMM, where the tuned table
-        # runs w_up on that GEMM (launch.TAIL_GEMM)
-        cfg = choose.gemv_plan(y[:, 0], w_up, shared_partial)
-        if isinstance(cfg, launch.MmaCfg) and w_up.stride(1) == 1 and g_latent.is_contiguous():
-            return launch.tail_gemm(y, topk_w.contiguous(), shared_partial, g_latent, eps, w_up, cfg)
     ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
         routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
@@ -244,7 +224,7 @@ def _ok_kda_gated(q, k, v, f, beta, a_log, dt_bias, state, lower, scale, eps, qk
     from ..model import attention_ops as A
     # fla's in-kernel L2 norm adds 1e-6 under the square root: the same as clamping at eps <= 1e-6
     # for any vector whose norm is not tiny
-    return (A._fla_fused_recurrent_kda() is not None and A._fla_fused_recurrent_kda_fwd() is not None
+    return (A.fla_fused_recurrent_kda() is not None and A.fla_fused_recurrent_kda_fwd() is not None
             and q.dim() == 3 and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
             and state.is_contiguous() and eps <= 1e-6)
 
@@ -287,8 +267,8 @@ def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scal
 @register("mla_decode_normed", "cuda", "triton_mla", _ok_mla_normed)
 def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
     from ..model import attention_ops as A
-    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
-    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
     return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps))
 
 
@@ -304,8 +284,8 @@ def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w
 @register("mla_decode_uv", "cuda", "triton_mla_uv", _ok_mla_uv)
 def _mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
     from ..model import attention_ops as A
-    A._validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
-    A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+    A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
+    A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
     return launch.mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps),
                              uv=(w_uv, w_nk, gate))
 
@@ -333,84 +313,8 @@ def _decode_gemm(x, w):
     return choose.gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
 
 
-def _ok_gemm_normed(x, g, eps, w):
-    return (x.dim() == 2 and w.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype and x.stride(-1) == 1
-            and g.shape == (x.shape[1],) and x.shape[1] == w.shape[1] and x.shape[1] <= 1 << 16)
-
-
-@register("decode_gemm_normed", "cuda", "triton_gemv_norm", _ok_gemm_normed)
-def _decode_gemm_normed(x, g, eps, w):
-    return launch.gemm_normed(x, g, eps, w)
-
-
-def _ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
-    return (_ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, None, []) and w.dim() == 2
-            and w.dtype == delta.dtype and w.shape[1] == delta.shape[1])
-
-
-@register("residual_norm_gemm", "cuda", "triton_resnorm_gemm", _ok_resnorm_gemm)
-def _resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
-    # one kernel where the tuned table runs w on the MMA GEMM and the rows fit its tile; else the
-    # residual / norm kernel and the decode GEMM (what the two ops ran)
-    cfg = choose.gemv_plan(delta, w)
-    if isinstance(cfg, launch.MmaCfg) and launch.resnorm_gemm_fits(delta.shape[0], len(blocks)) and w.stride(1) == 1:
-        return launch.resnorm_gemm(delta, residual, list(blocks), w_norm, w_qk, g, eps, w, cfg)
-    upd, normed = launch.residual_norm(delta, None, residual, blocks, w_norm, w_qk, g, eps)
-    return upd, choose.gemm("decode_gemm", normed, w)
-
-
-def _ok_resnorm_two(delta, residual, blocks, w_norm, w_qk, g, eps, w1, w2, *rest):
-    return (_ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w1) and w2.dim() == 2
-            and w2.dtype == w1.dtype and w2.shape[1] == w1.shape[1])
-
-
-@register("residual_norm_router_latent", "cuda", "triton_resnorm_gemm", _ok_resnorm_two)
-def _resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
-    return launch.resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
-
-
-def _ok_router_topk1(x, w_router, w_down, bias, k, scale, ids_int32=False):
-    return _ok_router1(x, w_router, w_down, 0, 1, None) and _topk_ok(w_router.shape[0], bias, k)
-
-
-@register("router_latent_topk", "cuda", "triton_gemm_topk", _ok_router_topk1)
-def _router_latent_topk(x, w_router, w_down, bias, k, scale, ids_int32=False):
-    return launch.router_latent_topk(x, w_router, w_down, bias, k, scale, torch.int32 if ids_int32 else torch.int64)
-
-
-def _ok_resnorm_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32=False):
-    return (_ok_resnorm_two(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
-            and _topk_ok(w_router.shape[0], bias, k))
-
-
-@register("residual_norm_router_latent_topk", "cuda", "triton_resnorm_gemm_topk", _ok_resnorm_topk)
-def _resnorm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale,
-                                ids_int32=False):
-    return launch.resnorm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down,
-                                        topk=(bias, k, scale, torch.int32 if ids_int32 else torch.int64))
-
-
-def _ok_shared_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, *rest):
-    # w_down is [hidden, I] for a gate-up of [2 I, hidden] (its K is not the gate-up's: not _ok_resnorm_two's
-    # check, which took this op to its PyTorch reference on the GPU, 2026-12-05)
-    return (_ok_resnorm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up) and w_down.dim() == 2
-            and w_down.dtype == w_gate_up.dtype and 2 * w_down.shape[1] == w_gate_up.shape[0]
-            and w_down.shape[0] == delta.shape[1])
-
-
-@register("shared_expert_async_resnorm", "cuda", "side_stream", _ok_shared_resnorm)
-def _shared_expert_async_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta,
-                                 linear_beta, after=None):
-    nb = len(blocks)
-
-    def fn(delta, residual, w_gate_up, w_down, g, *rest):   # every tensor a top-level argument of fork
-        bl, (w_norm, w_qk) = list(rest[:nb]), (rest[nb:] or (None, None))
-        return launch.situ_mlp_resnorm(delta, residual, bl, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta)
-    return streams.fork(fn, delta, residual, w_gate_up, w_down, g, *blocks, *((w_norm, w_qk) if nb else ()))
-
-
 def _ok_bmm(x, w, w_nk, gate=None):
-    return (os.environ.get("K3_DECODE_BMM", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
+    return (knob("decode_bmm", "1") != "0" and x.dim() == 3 and w.dim() == 3 and x.dtype in _FLOAT
             and w.dtype == x.dtype and x.shape[1] <= 16 and x.shape[0] == w.shape[0]
             and x.shape[2] == (w.shape[2] if w_nk else w.shape[1])
             and (gate is None or (gate.dtype == x.dtype
@@ -419,7 +323,7 @@ def _ok_bmm(x, w, w_nk, gate=None):
 
 @register("decode_bmm", "cuda", "triton_head_bmm", _ok_bmm)
 def _decode_bmm(x, w, w_nk, gate=None):
-    return launch.head_bmm(x, w, w_nk, gate)   # K3_DECODE_BMM=0: the op's reference (torch.bmm) instead
+    return launch.head_bmm(x, w, w_nk, gate)   # K3_KNOBS=decode_bmm=0: the op's reference (torch.bmm) instead
 
 
 @register("shared_expert_async", "cuda", "side_stream")

@@ -6,8 +6,7 @@ CPU tests (TRITON_INTERPRET=1) build one from ordinary tensors to simulate the o
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace as _replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,32 +16,33 @@ from . import choose
 from . import triton_cols as KC
 from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
+from ..config import knob, knob_flag
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # the barrier protocol of the communication kernels (triton_comm's docstring): 1 = sequence flags
 # (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
 # process must use the same one (the two leave different values in the signal slots).
-SEQ_BARRIER = int(os.environ.get("K3_BARRIER_SEQ", "1"))
+SEQ_BARRIER = int(knob("barrier_seq", "1"))
 # bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, the
-# twenty-seventh session's run "96a1ab8", where K3_AR_WARPS was read at each launch for layer_bench's env
+# twenty-seventh session's run "96a1ab8", where K3_KNOBS ar_warps was read at each launch for layer_bench's env
 # variants; layer_*_tp8_w1_h200_96a1ab8_warps.json, BENCHMARKS.md)
 # 16 warps were equal to the 8 of _warps and 32 slower (+1.5-4 us per layer step at M = 1 / 4 / 16)
-AR_WARPS = int(os.environ.get("K3_AR_WARPS", "0"))
+AR_WARPS = int(knob("ar_warps", "0"))
 # bench A/B only (read at launch): COMM_EARLY=0 puts the communication kernels' peer-independent
 # reads back after the barrier wait; COMM_VEC=0 signals and polls the peers one after another
 # instead of in one vector atomic each (triton_comm._signal / _wait)
-COMM_EARLY = os.environ.get("K3_COMM_EARLY", "1") == "1"
-COMM_VEC = os.environ.get("K3_COMM_VEC", "1") == "1"
+COMM_EARLY = knob("comm_early", "1") == "1"
+COMM_VEC = knob("comm_vec", "1") == "1"
 # AR_PRELOAD: the all-reduce / norm kernel loads the first four AttnRes block rows together before
 # reducing them (triton_comm._ar_pre; the same values, errors 0 against the reference on the H200).
 # One H200, simulated peers, 9a1fa9c (bench/results/comm_sim_resnorm_b{3,7}_h200_9a1fa9c.json): the
 # layer-input op with 3 blocks 6.5-6.8 vs 6.7-7.0 us at world 1, M = 1..16; at group size 8 27.2 /
-# 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_AR_PRELOAD=0: the
+# 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_KNOBS=ar_preload=0: the
 # kernel before (each block row loaded just before it is reduced).
-AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
+AR_PRELOAD = knob("ar_preload", "1") == "1"
 # AR_LEAN: the same kernel holding fewer fp32 rows in registers (triton_comm.ar_residual_norm_kernel's
 # LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype); None = by
-# group size (_ar_form), True / False = always / never (K3_AR_LEAN=1 / 0). ptxas (sm_90a, 8 warps, 3
+# group size (_ar_form), True / False = always / never (K3_KNOBS=ar_lean=1 / 0). ptxas (sm_90a, 8 warps, 3
 # AttnRes blocks): spills per thread at group size 8 3.2 KB -> 0.7 KB, at 2 108 -> 56 bytes. One H200,
 # simulated peers, 3 blocks, e6cb7a8 (bench/comm_sim_bench.py AR_VARIANTS; BENCHMARKS.md, seventeenth
 # session), us, lean / not: group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
@@ -50,10 +50,10 @@ AR_PRELOAD = os.environ.get("K3_AR_PRELOAD", "1") == "1"
 # AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
 # layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4). Since
 # a57f020 32, with the joint reductions (AR_JOINT below).
-AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
+AR_LEAN = {"1": True, "0": False}.get(knob("ar_lean"))
 # AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
 # their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
-# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_AR_JOINT=1 /
+# (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_KNOBS=ar_joint=1 /
 # 0: always / never. One H200, simulated peers, 3 AttnRes blocks, 679bc84 (comm_sim_bench AR_VARIANTS k3_seq;
 # bench/results/comm_sim_ar_joint_h200_679bc84.json), us, joint / one by one: group size 1, layer-input op
 # M = 1 / 4 / 16: 5.47 / 6.63, 5.77 / 6.77, 5.81 / 6.76; o-proj op 13.25 / 14.60 at M=1. Group size 8 (lean):
@@ -62,12 +62,12 @@ AR_LEAN = {"1": True, "0": False}.get(os.environ.get("K3_AR_LEAN", ""))
 # (comm_sim_ar_w8_h200_a57f020.json), us, layer-input op / o-proj op: 15.5 / 23.7 against 22.4 / 31.3 (lean,
 # 16 warps, one by one: the form before), 23.3 / 31.2 one by one with 32 warps, 22.5 / 31.2 joint with 16;
 # the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
-AR_JOINT = {"1": True, "0": False}.get(os.environ.get("K3_AR_JOINT", ""))
+AR_JOINT = {"1": True, "0": False}.get(knob("ar_joint"))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # COLS: the column-split forms of the all-reduce / norm and latent-tail kernels (triton_cols) at
 # M <= COLS_MAX_M and group size >= COLS_MIN_WORLD: each program takes COLS_W columns of every row and
 # the rows' reductions are exchanged once between the programs. Read at launch, for bench variants:
-# K3_COLS=0 / 1 (the row kernels / this form at any group size), K3_COLS_MAX_M, K3_COLS_W.
+# K3_KNOBS=cols=0 / 1 (the row kernels / this form at any group size), K3_KNOBS cols_max_m, K3_KNOBS cols_w.
 # COLS_MAX_PROGRAMS keeps the grid barrier's programs all resident. One H200, simulated peers
 # (f1f0e95, `bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
 # rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
@@ -142,16 +142,16 @@ class ColsPlan:
 
 def cols_plan(M: int, N: int, sources: int, peers: "Peers | None") -> ColsPlan | None:
     """The column-split form for M rows of width N with `sources` AttnRes sources per row (1: a
-    plain norm), or None where the row kernels run: K3_COLS=0, a group smaller than COLS_MIN_WORLD
-    (unless K3_COLS=1), M > COLS_MAX_M, more than 8 sources, a row too narrow to split, or one that
+    plain norm), or None where the row kernels run: K3_KNOBS=cols=0, a group smaller than COLS_MIN_WORLD
+    (unless K3_KNOBS=cols=1), M > COLS_MAX_M, more than 8 sources, a row too narrow to split, or one that
     would need more than COLS_MAX_PROGRAMS programs (or barrier slots) at COLS_MAX_TILE."""
-    on = _env_flag("K3_COLS", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
-    if not on or M < 1 or M > int(os.environ.get("K3_COLS_MAX_M", "") or COLS_MAX_M) or sources > 8 or N < 64:
+    on = knob_flag("cols", COLS and (peers.world if peers is not None else 1) >= COLS_MIN_WORLD)
+    if not on or M < 1 or M > int(knob("cols_max_m") or COLS_MAX_M) or sources > 8 or N < 64:
         return None
     rows = triton.next_power_of_2(M)
     s_pad = max(2, triton.next_power_of_2(sources))
     cap = min(COLS_MAX_PROGRAMS, peers.programs if peers is not None else COLS_MAX_PROGRAMS)
-    w = max(32, triton.next_power_of_2(int(os.environ.get("K3_COLS_W", "") or COLS_W)))
+    w = max(32, triton.next_power_of_2(int(knob("cols_w") or COLS_W)))
     while w > 32 and rows * s_pad * w > COLS_MAX_TILE:   # the [rows, sources, w] tile a program holds
         w //= 2
     programs = triton.cdiv(N, w)
@@ -218,8 +218,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
     # at TP=1 with a norm: one program per row, so the GEMV after it may stream its weights meanwhile
-    trigger = peers is None and g is not None and pushed is None and (
-        gemv_pdl(local.device) is not None or mma_pdl(local.device) is not None)
+    trigger = peers is None and g is not None and pushed is None and gemv_pdl(local.device) is not None
     K.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -257,16 +256,13 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
                 **COLS_PROBE)
         return ln, out
     BLOCK = triton.next_power_of_2(L)
-    trigger = peers is None and mma_pdl(y.device) is not None   # the up GEMM after it as its PDL secondary
     K.latent_tail_kernel[(_programs(M, peers),)](
         y, topk_w.contiguous(), peers.ptrs if peers else ln, peers.pads if peers else ln,   # ln: unread at TP=1
         peers.epoch if peers else ln, peers.half(dt) if peers else 0,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
         BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
-        TRIGGER=trigger, num_warps=_warps(BLOCK), **_comm())
-    if trigger:
-        _note_trigger(ln)
+        num_warps=_warps(BLOCK), **_comm())
     return ln, out
 
 
@@ -438,61 +434,6 @@ def router_latent_one(x, w_router, w_down):
     return choose.gemm("router", x, w_router), choose.gemm("latent", x, w_down)
 
 
-@dataclass
-class TopkEpilogue:
-    """The router's top-k selection run by the launch that computes its logits (the MMA GEMM kernels'
-    router epilogue, triton_router.topk_after_tile): its correction bias, k, scale, the outputs it
-    writes (ids [M, k], fp32 weights [M, k]) and its arrival counter (one int32, left zero)."""
-    bias: torch.Tensor
-    k: int
-    scale: float
-    ids: torch.Tensor
-    w: torch.Tensor
-    counter: torch.Tensor
-    sort: bool
-
-    def args(self, E: int):
-        """The kernels' (tcnt, bias, ids, tw, tscale) and their constexprs."""
-        return (self.counter, self.bias, self.ids, self.w, float(self.scale),
-                dict(TOPK=self.k, KP=triton.next_power_of_2(self.k), EB=triton.next_power_of_2(E), SORT=self.sort))
-
-    @staticmethod
-    def make(logits_like: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype, E: int, tiles: int):
-        """The epilogue of a launch of `tiles` programs per split over a router of E experts, or None where it
-        cannot run there: E past ROUTER_TOPK_MAX_E, k past 64, no counter (split_counters: the first call in
-        a capture; its last slot is the router's, so the launch's tiles must leave it free)."""
-        M = logits_like.shape[0]
-        if not (0 < k <= min(64, E) and E <= ROUTER_TOPK_MAX_E and tiles < SPLIT_SLOTS and bias.shape == (E,)
-                and bias.is_contiguous()):
-            return None
-        cnt = split_counters(logits_like.device)
-        if cnt is None:
-            return None
-        return TopkEpilogue(bias, k, scale, torch.empty(M, k, dtype=ids_dtype, device=logits_like.device),
-                            torch.empty(M, k, dtype=torch.float32, device=logits_like.device),
-                            cnt[SPLIT_SLOTS - 1:], _router_sort())
-
-
-def router_latent_topk(x, w_router, w_down, bias, k: int, scale: float, ids_dtype=torch.int64,
-                       cfg: MmaCfg | None = None):
-    """TP=1: (logits, latent, ids, weights) of k3::router_latent_topk: router_latent_one's launch over
-    [W_r; W_down] with the router's selection in its epilogue (TopkEpilogue) where that launch runs (an
-    MMA config whose BN divides the router's rows) and the epilogue can; else router_latent_one, then
-    router_topk's kernel. cfg: that config instead of the tuned table's (tests)."""
-    E, L = w_router.shape[0], w_down.shape[0]
-    cfg = cfg or _two_weight_cfg(x, w_router, w_down, E + L)
-    ep = None
-    if isinstance(cfg, MmaCfg) and E % cfg.bn == 0 and 1 <= x.shape[0] <= MMA_MAX_M:
-        ep = TopkEpilogue.make(x, bias, k, scale, ids_dtype, E, triton.cdiv(E + L, cfg.bn))
-    if ep is None:
-        logits, lat = router_latent_one(x, w_router, w_down)
-        return (logits, lat, *router_topk(logits, bias, k, scale, ids_dtype))
-    logits = torch.empty(x.shape[0], E, dtype=x.dtype, device=x.device)
-    lat = torch.empty(x.shape[0], L, dtype=x.dtype, device=x.device)
-    _mma(x, w_router, logits, w_down, lat, cfg, False, topk=ep)
-    return logits, lat, ep.ids, ep.w
-
-
 def router_latent(x, w_router, w_down, peers: Peers):
     """The sharded router + latent op: this rank's shard, then the all-gather kernel."""
     shard = router_latent_shard(x, w_router, w_down, peers.world, peers.rank)
@@ -595,17 +536,13 @@ def head_bmm(x: torch.Tensor, w: torch.Tensor, w_nk: bool = False, gate: torch.T
 
 
 def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | None = None,
-             accumulate: bool = False, situ: "tuple[float, float] | None" = None) -> torch.Tensor:
+             accumulate: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it) by triton_gemv.mma_gemm_kernel, M <= MMA_MAX_M; x [M, K]
-    and w [N, K] with unit stride along K, out [M, N] with unit stride along N. situ=(beta, lbeta): x is
-    a [M, 2K] gate|up tensor and the product is model.functional.situ(x, beta, lbeta) @ w.t() (the
-    activation made inside the GEMM from each x tile, rounded to x's dtype like the SiTU kernel)."""
+    and w [N, K] with unit stride along K, out [M, N] with unit stride along N."""
     M, N = x.shape[0], w.shape[0]
-    if situ is not None and x.shape[1] != 2 * w.shape[1]:
-        raise ValueError(f"mma_gemm with situ: x {tuple(x.shape)} must be [M, 2K] for w {tuple(w.shape)}")
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _mma(x, w, out, None, None, cfg, accumulate, situ)
+    _mma(x, w, out, None, None, cfg, accumulate)
     return out
 
 
@@ -663,22 +600,22 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 # latent at 8 KiB too (843c313, layer_*_h100_843c313_pdl1.json; no PDL / without that entry / this table): KDA
 # 139.0 / 135.2 / 132.4, MLA 139.4 / 134.9 / 132.5; M = 4 and 16 (MMA GEMMs there) unchanged within 0.4 us.
 GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192}
-GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_GEMV_PDL unset
+GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_KNOBS gemv_pdl unset
 _TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
 
 
 def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
-    """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_GEMV_PDL (read at
+    """The L2 prefetch bytes of a PDL GEMV launch (0: PDL without prefetch), or None: no PDL. K3_KNOBS gemv_pdl (read at
     each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; "on" =
     GEMV_PDL_PF's bytes for this weight shape (none for a shape not in it); a number = that many bytes for every
     shape; unset = "on" if GEMV_PDL_DEFAULT else "off". CUDA on Hopper or later only. With shape=None: whether
     PDL is on at all (the norm kernel's TRIGGER)."""
-    return _pdl_choice("K3_GEMV_PDL", GEMV_PDL_DEFAULT, _pdl_table(os.environ.get("K3_GEMV_PDL_PF", "")), device, shape)
+    return _pdl_choice("gemv_pdl", GEMV_PDL_DEFAULT, _pdl_table(knob("gemv_pdl_pf")), device, shape)
 
 
 def _pdl_choice(var: str, default_on: bool, table: dict, device: torch.device, shape) -> int | None:
-    """gemv_pdl / mma_pdl: the switch `var` ("off" / "on" / bytes; unset: default_on) over a table by shape."""
-    v = os.environ.get(var, "") or ("on" if default_on else "off")
+    """gemv_pdl: the switch `var` ("off" / "on" / bytes; unset: default_on) over a table by shape."""
+    v = knob(var) or ("on" if default_on else "off")
     if v == "off" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return None
     if v != "on":
@@ -689,7 +626,7 @@ def _pdl_choice(var: str, default_on: bool, table: dict, device: torch.device, s
 
 
 def _pdl_table(text: str) -> dict:
-    """GEMV_PDL_PF, or K3_GEMV_PDL_PF="NxK=bytes;..." in its place (bench A/B rows)."""
+    """GEMV_PDL_PF, or K3_KNOBS=gemv_pdl_pf="NxK=bytes;..." in its place (bench A/B rows)."""
     if not text:
         return GEMV_PDL_PF
     out = {}
@@ -700,24 +637,9 @@ def _pdl_table(text: str) -> dict:
     return out
 
 
-# MMA_PDL_PF: the same for the tensor-core decode GEMM (mma_gemm_kernel PDL / PF: bytes per program, spread
-# over its BN rows) where it reads the output of the TP=1 norm or latent-tail kernel (both trigger when this is
-# on): the H200's qkv_a / in_proj / stacked router + latent, and the latent up GEMM on both cards. Not measured
-# yet, so off by default (K3_MMA_PDL=on applies the table; off / a number as K3_GEMV_PDL;
-# `bench/gpu_session.sh mmapdl`). An earlier MMA PDL form with 2 KB per row after every norm / tail kernel
-# (K3_OPS_PDL, 679bc84) measured slower, without the pair rule (GEMV_PDL_PF's comment).
-MMA_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192, (7168, 3584): 16384}
-MMA_PDL_DEFAULT = False
-
-
-def mma_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
-    """gemv_pdl for the MMA GEMM: K3_MMA_PDL ("off" / "on" / bytes; unset: MMA_PDL_DEFAULT) over MMA_PDL_PF."""
-    return _pdl_choice("K3_MMA_PDL", MMA_PDL_DEFAULT, MMA_PDL_PF, device, shape)
-
-
 def _note_trigger(nrm: torch.Tensor) -> None:
-    """A kernel that triggers its dependents (the TP=1 norm, the latent tail) wrote `nrm`: the decode GEMM reading
-    it next is its PDL secondary."""
+    """A kernel that triggers its dependents (the TP=1 norm) wrote `nrm`: the GEMV reading it next is its PDL
+    secondary."""
     _TRIGGERED[torch.cuda.current_stream(nrm.device).cuda_stream] = nrm.data_ptr()
 
 
@@ -737,7 +659,7 @@ def _pdl_rows_ok(w: torch.Tensor, K: int | None = None) -> bool:
             and (K is None or w.stride(0) == K))
 
 
-def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, norm=None, two=None) -> None:
+def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, two=None) -> None:
     """One gemv_kernel launch (gemv's and, with two=(w2, out2): the rows of w then w2, _gemv2's)."""
     from . import triton_gemv as KG
     M, K = x.shape
@@ -745,7 +667,7 @@ def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = Fa
         return
     bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
     pf = 0
-    if _after_trigger(x) and not pdl and norm is None and K >= bk:
+    if _after_trigger(x) and not pdl and K >= bk:
         auto = gemv_pdl(x.device, (w.shape[0] + (two[0].shape[0] if two else 0), K))
         if auto is not None:
             pdl = True
@@ -755,11 +677,10 @@ def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = Fa
     N1 = w.shape[0]
     N = N1 + (w2.shape[0] if two else 0)
     KG.gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                          norm[0] if norm else x, float(norm[1]) if norm else 0.0,
                                           w2, out2, N1, w2.stride(0) if two else 0, out2.stride(0) if two else 0,
                                           MP=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
                                           EVEN_K=K % bk == 0, ACC=accumulate, PDL=pdl, GDC=pdl and x.is_cuda,
-                                          NORM=norm is not None, TWO=two is not None, LAZY=lazy,
+                                          TWO=two is not None, LAZY=lazy,
                                           PF=pf, LANES=nw * 32, num_warps=nw, num_stages=ns,
                                           **({"launch_pdl": True} if pdl and x.is_cuda else {}))
 
@@ -776,7 +697,7 @@ def _split_plan(out: torch.Tensor, N: int, K: int, cfg: MmaCfg, per_program: int
     return tiles, split, cnt, torch.empty(tiles * split * per_program, dtype=torch.float32, device=out.device)
 
 
-def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "TopkEpilogue | None" = None) -> None:
+def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
     from . import triton_gemv as KG
     M, K = x.shape[0], w.shape[1]
     N1 = w.shape[0]
@@ -786,176 +707,35 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool, situ=None, topk: "T
     if not M:
         return
     two = w2 is not None
-    pdl, pf = False, 0
-    if _after_trigger(x) and situ is None and topk is None:   # the first GEMM after the norm takes its mark
-        auto = mma_pdl(x.device, (N, K))
-        if auto is not None:
-            pdl = True
-            rows_ok = _pdl_rows_ok(w) and (not two or _pdl_rows_ok(w2))
-            pf = auto if rows_ok and (cfg.warps * 32) % cfg.bn == 0 and (cfg.bk * w.element_size()) % 16 == 0 else 0
+    _after_trigger(x)   # the first decode GEMM after the TP=1 norm takes its mark (the GEMV's PDL pair)
     tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
-    tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
     KG.mma_gemm_kernel[(tiles, split)](x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                        w2 if two else w, out2 if two else out, N1,
                                        w2.stride(0) if two else 0, out2.stride(0) if two else 0,
-                                       float(situ[0]) if situ else 1.0, float(situ[1]) if situ else 1.0, *tk[:5],
                                        BM=MMA_MAX_M, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two, SITU=situ is not None,
-                                       PDL=pdl, PF=pf, LANES=cfg.warps * 32,
-                                       num_warps=cfg.warps, num_stages=cfg.stages, **tk[5],
-                                       **({"launch_pdl": True} if pdl else {}))
-
-
-def resnorm_gemm_fits(M: int, nb: int) -> bool:
-    """Whether triton_resgemm takes M tokens with nb AttnRes blocks: the rows of the blocks, the
-    residual and delta of every token in one MMA tile ((nb + 2) * M <= MMA_MAX_M), at most 8 blocks
-    (the kernel's block arguments)."""
-    return nb <= 8 and (nb + 2) * M <= MMA_MAX_M
-
-
-def resnorm_gemm(delta: torch.Tensor, res: torch.Tensor, blocks, w_norm, w_qk, g: torch.Tensor, eps: float,
-                 w: torch.Tensor, cfg: MmaCfg, w2: torch.Tensor | None = None, upd: torch.Tensor | None = None,
-                 topk: "TopkEpilogue | None" = None):
-    """(upd, out) of k3::residual_norm_gemm in one launch of triton_resgemm.resnorm_gemm_kernel (its
-    docstring): upd = res + delta, out = AttnResNorm(upd, blocks) @ w.t() (RMSNorm(upd, g) without
-    blocks). delta, res and the blocks [M, K] contiguous, of one dtype, w [N, K] with unit stride along K;
-    `cfg` is the MMA GEMM config of w's shape (choose.gemv_plan). M * (len(blocks) + 2) <= 16."""
-    from . import triton_resgemm as KR
-    M, K = res.shape
-    N, nb = w.shape[0], len(blocks)
-    if not resnorm_gemm_fits(M, nb):
-        raise ValueError(f"resnorm_gemm takes (blocks + 2) * M <= {MMA_MAX_M} rows and <= 8 blocks, "
-                         f"got M={M} with {nb} blocks")
-    if w.shape[1] != K or any(t.shape != res.shape or t.dtype != res.dtype or not t.is_contiguous()
-                              for t in (delta, res, *blocks)):
-        raise ValueError(f"resnorm_gemm: delta, residual and blocks must be contiguous [{M}, {K}] "
-                         f"and w [N, {K}] (w {tuple(w.shape)})")
-    two = w2 is not None
-    if two and (w2.shape[1] != K or w2.dtype != w.dtype or w.shape[0] % cfg.bn or w2.stride(1) != 1):
-        raise ValueError(f"resnorm_gemm: w2 {tuple(w2.shape)} must share w's K and dtype, and w's rows "
-                         f"({w.shape[0]}) must be a multiple of the config's BN ({cfg.bn})")
-    N1 = N
-    N = N1 + (w2.shape[0] if two else 0)
-    upd = torch.empty_like(res) if upd is None else upd
-    out = torch.empty(M, N1, dtype=res.dtype, device=res.device)
-    out2 = torch.empty(M, w2.shape[0], dtype=res.dtype, device=res.device) if two else out
-    if not M:
-        return (upd, out, out2) if two else (upd, out)
-    BM = MMA_MAX_M
-    tiles, split, cnt, part = _split_plan(out, N, K, cfg, BM * cfg.bn + BM * BM + BM)   # partials: acc, G, l
-    size = res.element_size()
-    if any((t.data_ptr() - res.data_ptr()) % size for t in (delta, *blocks)):
-        raise ValueError("resnorm_gemm: delta and the blocks must lie a whole number of elements from res")
-    offs = [(t.data_ptr() - res.data_ptr()) // size for t in (delta, *blocks)]   # element offsets from res
-    aligned = K % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (delta, res, *blocks))
-    tk = topk.args(N1) if topk is not None else (out, out, out, out, 1.0, {})
-    KR.resnorm_gemm_kernel[(tiles, split)](res, offs[0], *offs[1:], *([0] * (8 - nb)), upd, g,
-                                           w_norm if nb else g, w_qk if nb else g, w, out,
-                                           part, cnt, M, N, K, float(eps), w.stride(0), out.stride(0),
-                                           w2 if two else w, out2, N1, w2.stride(0) if two else 0, out2.stride(0),
-                                           *tk[:5], NB=nb, BM=BM, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                           EVEN_K=K % cfg.bk == 0, IEEE=res.dtype == torch.float32, ALIGNED=aligned,
-                                           TWO=two, num_warps=cfg.warps, num_stages=cfg.stages, **tk[5])
-    return (upd, out, out2) if two else (upd, out)
-
-
-TAIL_GEMM_MAX_ROWS = 32   # M * top_k rows of the routed outputs in one x tile of triton_resgemm.tail_gemm_kernel
-# M range where moe_latent_tail's CUDA path at TP=1 runs tail_gemm (one launch) instead of the latent-tail
-# kernel + the up-projection GEMM: (1, 0) = never. Measured slower (0c51138, ONE H100, M=1, launch hidden):
-# KDA layer 142.3 -> 144.9 us, MLA 143.7 -> 145.7 (the kernel 27.6 us where the tail kernel + GEMM took
-# 3.9 + 20.6; bench/results/layer_*_tp8_w1_h100_0c51138_rg.json). K3_TAIL_GEMM=1 / 0 overrides (where it fits).
-TAIL_GEMM_M = (1, 0)
-
-
-def tail_gemm_fits(M: int, topk: int) -> bool:
-    """Whether tail_gemm takes M tokens of top_k routed outputs: their M * top_k rows in one x tile."""
-    return 1 <= M <= MMA_MAX_M and M * topk <= TAIL_GEMM_MAX_ROWS
-
-
-def tail_gemm_wanted(M: int, topk: int) -> bool:
-    """Whether moe_latent_tail at TP=1 takes tail_gemm at this M: TAIL_GEMM_M or K3_TAIL_GEMM, and it fits."""
-    return _env_flag("K3_TAIL_GEMM", TAIL_GEMM_M[0] <= M <= TAIL_GEMM_M[1]) and tail_gemm_fits(M, topk)
-
-
-def tail_gemm(y: torch.Tensor, topk_w: torch.Tensor, shared_partial: torch.Tensor, g: torch.Tensor, eps: float,
-              w: torch.Tensor, cfg: MmaCfg) -> torch.Tensor:
-    """k3::moe_latent_tail at TP=1 (no all-reduce) where w covers all of shared_partial's columns, in one
-    launch of triton_resgemm.tail_gemm_kernel (its docstring): shared_partial + RMSNorm(sum_k w_k y_k, g)
-    @ w.t(). y [M, top_k, K] and topk_w [M, top_k] contiguous, w [N, K] with unit stride along K, `cfg`
-    the MMA GEMM config of w's shape (choose.gemv_plan); tail_gemm_fits(M, top_k). Above 16 rows the
-    config's BK is halved (the x tile's registers)."""
-    from . import triton_resgemm as KR
-    M, topk, K = y.shape
-    N = w.shape[0]
-    if not tail_gemm_fits(M, topk):
-        raise ValueError(f"tail_gemm takes 1 <= M <= {MMA_MAX_M} and M * top_k <= {TAIL_GEMM_MAX_ROWS} rows, "
-                         f"got M={M}, top_k={topk}")
-    if (not y.is_contiguous() or tuple(topk_w.shape) != (M, topk) or not topk_w.is_contiguous()
-            or tuple(w.shape) != (N, K) or w.stride(1) != 1 or tuple(shared_partial.shape) != (M, N)
-            or shared_partial.stride(-1) != 1 or g.shape != (K,) or w.dtype != y.dtype
-            or shared_partial.dtype != y.dtype):
-        raise ValueError(f"tail_gemm: y {tuple(y.shape)} and topk_w {tuple(topk_w.shape)} contiguous, w [N, {K}] "
-                         f"(got {tuple(w.shape)}) and shared_partial [{M}, N] (got {tuple(shared_partial.shape)}) "
-                         f"of y's dtype, g [{K}]")
-    out = torch.empty(M, N, dtype=y.dtype, device=y.device)
-    BM = MMA_MAX_M
-    BX = max(BM, triton.next_power_of_2(M * topk))
-    bk = cfg.bk if BX <= BM else max(16, cfg.bk // 2)
-    cfg = _replace(cfg, bk=bk)
-    tiles, split, cnt, part = _split_plan(out, N, K, cfg, BM * cfg.bn + BM)   # partials: acc, squares
-    KR.tail_gemm_kernel[(tiles, split)](y, topk_w, g, w, shared_partial, out, part, cnt, M, N, K, float(eps),
-                                        w.stride(0), shared_partial.stride(0), out.stride(0), TOPK=topk, BM=BM,
-                                        BX=BX, BN=cfg.bn, BK=cfg.bk, SPLIT=split, SWAP=cfg.swap,
-                                        EVEN_K=K % cfg.bk == 0, IEEE=y.dtype == torch.float32,
-                                        num_warps=cfg.warps, num_stages=cfg.stages)
-    return out
+                                       EVEN_K=K % cfg.bk == 0, ACC=accumulate, TWO=two,
+                                       num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
-         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False,
-         norm: "tuple[torch.Tensor, float] | None" = None) -> torch.Tensor:
+         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8, or,
     for an MmaCfg, by the tensor-core split-K kernel (mma_gemm, M <= 16);
     x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
     with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
-    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K).
-    norm=(g [K], eps): the product is model.functional.rms_norm(x, g, eps) @ w.t(), by the CUDA-core
-    GEMV as r * ((x * g) @ w.t()) (triton_gemv's NORM; not with an MmaCfg or pdl)."""
+    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K)."""
     if isinstance(cfg, MmaCfg):
-        if pdl or norm is not None:
-            raise ValueError("the MMA GEMM has no PDL or norm form")
+        if pdl:
+            raise ValueError("the MMA GEMM has no PDL form")
         return mma_gemm(x, w, cfg, out, accumulate)
-    if norm is not None and (pdl or norm[0].shape != (x.shape[1],)):
-        raise ValueError(f"gemv with norm: a [{x.shape[1]}] weight and no PDL (got {tuple(norm[0].shape)}, pdl={pdl})")
     M, K = x.shape
     if out is None:
         out = torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device)
     cfg = cfg or GEMV_DEFAULT
     if pdl and K < cfg[1]:
         raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={cfg[1]})")
-    _gemv_launch(x, w, out, cfg, accumulate, pdl, norm)
+    _gemv_launch(x, w, out, cfg, accumulate, pdl)
     return out
-
-
-def rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """model.functional.rms_norm of the rows of a 2-D x (unit stride along K) in one Triton kernel."""
-    from . import triton_gemv as KG
-    M, K = x.shape
-    out = torch.empty(M, K, dtype=x.dtype, device=x.device)
-    if M:
-        KG.rms_norm_kernel[(M,)](x, g, out, K, x.stride(0), out.stride(0), float(eps),
-                                 BLOCK=triton.next_power_of_2(K), num_warps=4 if K <= 4096 else 8)
-    return out
-
-
-def gemm_normed(x: torch.Tensor, g: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x, g, eps) @ w.t() (k3::decode_gemm_normed): one kernel, the norm folded into the
-    CUDA-core GEMV (gemv's norm=), where the tuned table picks that GEMV for this weight and M; else
-    the norm kernel, then the decode GEMM's path (the table's MMA kernel or cuBLAS)."""
-    cfg = choose.gemv_plan(x, w)
-    if isinstance(cfg, tuple) and x.stride(-1) == 1:
-        return gemv(x, w, cfg=cfg, norm=(g, eps))
-    return choose.gemm("decode_gemm", rms_norm(x, g, eps), w)
 
 
 def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -970,25 +750,9 @@ def situ(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor
     return out
 
 
-# the shared expert's SiTU inside its down GEMM (mma_gemm situ=: no SiTU kernel, its launch and its
-# [M, I] round trip) where the tuned table gives the down weight an MMA config. Off: measured slower.
-# Layer at TP=8 widths on one H200 (cb7699f, `K3_MS=1,4,16 bash bench/gpu_session.sh fla situ`), the
-# down GEMM with the SiTU in its loads 20.0 us against 6.24 us + 2.18 us for the SiTU kernel and the
-# plain GEMM at M=1 (its swapped MMA takes the computed x through registers into shared memory every
-# K step: half the cp.async and wgmma of the plain kernel in its PTX); k3 per layer step at M=1 KDA
-# 135.2 vs 124.5 us, MLA 142.2 vs 131.7, no better at M = 4, 16. K3_SITU_IN_DOWN=1 turns it on.
-SITU_IN_DOWN = False
-
-
 def situ_mlp(x, w_gate_up, w_down, beta: float, linear_beta: float) -> torch.Tensor:
-    """The shared expert (model.functional.situ_mlp's math): GEMM, the SiTU kernel, GEMM; with
-    SITU_IN_DOWN (off by default) the down GEMM takes the SiTU in its x loads where the down weight
-    has an MMA config."""
+    """The shared expert (model.functional.situ_mlp's math): GEMM, the SiTU kernel, GEMM."""
     gu = choose.gemm("shared_gate_up", x, w_gate_up)
-    if os.environ.get("K3_SITU_IN_DOWN", "1" if SITU_IN_DOWN else "0") == "1" and gu.shape[1] == 2 * w_down.shape[1]:
-        cfg = choose.gemv_plan(gu, w_down)
-        if isinstance(cfg, MmaCfg) and gu.is_contiguous():
-            return mma_gemm(gu, w_down, cfg, situ=(beta, linear_beta))
     return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
 
 
@@ -1001,44 +765,11 @@ def situ_mlp2(x, w_gate, w_up, w_down, beta: float, linear_beta: float) -> torch
     return out.reshape(*x.shape[:-1], w_down.shape[0])
 
 
-def resnorm_router_latent(delta, res, blocks, w_norm, w_qk, g, eps, w_router, w_down, topk=None, cfg=None):
-    """(upd, logits, latent) of k3::residual_norm_router_latent: one resnorm_gemm launch over [W_r; W_down]
-    where the stacked shape has an MMA config whose BN divides the router's rows and the rows fit the
-    tile; else the residual / norm kernel and router_latent_one. topk = (bias, k, scale, ids_dtype):
-    (upd, logits, latent, ids, weights) of k3::residual_norm_router_latent_topk, the selection in that
-    launch's epilogue (TopkEpilogue) where it can run, else router_topk's kernel after it. cfg: that MMA
-    config instead of the tuned table's (tests)."""
-    M, nb = res.shape[0], len(blocks)
-    E, L = w_router.shape[0], w_down.shape[0]
-    cfg = cfg or _two_weight_cfg(delta, w_router, w_down, E + L)
-    if isinstance(cfg, MmaCfg) and resnorm_gemm_fits(M, nb) and E % cfg.bn == 0:
-        ep = TopkEpilogue.make(delta, topk[0], topk[1], topk[2], topk[3], E, triton.cdiv(E + L, cfg.bn)) if topk else None
-        outs = resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_router, cfg, w2=w_down, topk=ep)
-        if ep is not None:
-            return (*outs, ep.ids, ep.w)
-    else:
-        upd, x = residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)
-        outs = (upd, *router_latent_one(x, w_router, w_down))
-    return (*outs, *router_topk(outs[1], *topk)) if topk else outs
-
-
-def situ_mlp_resnorm(delta, res, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
-    """situ_mlp of the AttnRes-normed res + delta: the gate-up GEMM folds the norm (resnorm_gemm; its upd
-    goes to a scratch row, the router op writes the real one) where the weight has an MMA config and
-    the rows fit; else the residual / norm kernel first."""
-    cfg = choose.gemv_plan(delta, w_gate_up)
-    if isinstance(cfg, MmaCfg) and resnorm_gemm_fits(res.shape[0], len(blocks)) and w_gate_up.stride(1) == 1:
-        _, gu = resnorm_gemm(delta, res, list(blocks), w_norm, w_qk, g, eps, w_gate_up, cfg)
-    else:
-        gu = choose.gemm("shared_gate_up", residual_norm(delta, None, res, blocks, w_norm, w_qk, g, eps)[1], w_gate_up)
-    return choose.gemm("shared_down", situ(gu, beta, linear_beta), w_down)
-
-
 ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 
 # the router top-k's selection: Triton's bitonic top-k (tl.topk over the packed keys, one pass, 8 warps)
-# instead of k max-reduction rounds (4 warps); K3_ROUTER_SORT=0/1 overrides. One H200, E = 896, top-16
+# instead of k max-reduction rounds (4 warps); K3_KNOBS=router_sort=0/1 overrides. One H200, E = 896, top-16
 # (bench/router_bench.py at 82d2ce6, bench/results/router_topk_h200_82d2ce6.json), us at M = 1 / 4 / 16:
 # rounds 4 warps 5.24 / 5.24 / 5.27; bitonic 4 warps 4.75 / 4.77 / 4.79, 8 warps 3.79 / 3.84 / 3.86,
 # 16 warps 4.09 / 4.09 / 4.13. (E > 1024 not measured; those take 16 warps bitonic, 8 by rounds.)
@@ -1046,7 +777,7 @@ ROUTER_SORT = True
 
 
 def _router_sort() -> bool:
-    return os.environ.get("K3_ROUTER_SORT", "1" if ROUTER_SORT else "0") == "1"
+    return knob_flag("router_sort", ROUTER_SORT)
 
 
 def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, ids_dtype=torch.int64,
@@ -1079,7 +810,7 @@ MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
 # 0: one program per row. MLA layer at TP=8 widths, one H200, replay timeline, combine kernel us at M = 1 /
 # 4 / 16 with 0 / 64 / 128 columns: 4.16 / 3.10 / 4.61, 4.42 / 4.19 / 5.50, 1.98 / 4.06 / 3.68 (5854264,
 # bench/results/layer_mla_tp8_w1_h200_5854264_mlaout.json; M=16 has 192 rows: split there it is slower).
-# K3_MLA_COMBINE_BL overrides at every M (0: never split)
+# K3_KNOBS mla_combine_bl overrides at every M (0: never split)
 MLA_COMBINE_BL = 64
 
 
@@ -1096,30 +827,23 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
             and q_lat.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-# value columns per program of the MLA combine + value up-projection kernel (K3_MLA_UV_BV overrides).
+# value columns per program of the MLA combine + value up-projection kernel (K3_KNOBS mla_uv_bv overrides).
 # MLA layer at TP=8 widths, one H200, 16 vs 32 columns, us at M = 1 / 4 / 16: 122.8 / 162.7 / 268.8 vs
 # 122.0 / 161.0 / 270.1 (ad84e26, bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
 MLA_UV_BV = 16
-# the split kernel's PIPE form (its first cache tile loaded before the queries and the new row's norm,
-# the cache write at the end) and the combine + value up-projection with the split count a constant
-# (triton_mla._combine_splits_flat; warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens.
-# K3_MLA_PIPE / K3_MLA_UV_FLAT (at every M) / K3_MLA_UV_WARPS override. MLA layer at TP=8 widths, one H200,
-# us at M = 1 / 4 / 16 (a867659, bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 /
-# 158.8 / 267.0, FLAT 123.6 / 159.0 / 267.9 (combine kernel 5.15 -> 4.29 us at M=1), PIPE + FLAT 130.3 /
-# 167.0 / 297.3 (split kernel 5.86 -> 11.33 us: the carried next tile costs more than it hides)
-MLA_PIPE, MLA_UV_FLAT, MLA_UV_FLAT_MAX_M, MLA_UV_WARPS = False, True, 1, 4
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name, "")
-    return default if v == "" else v == "1"
+# the combine + value up-projection with the split count a constant (triton_mla._combine_splits_flat;
+# warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens. K3_KNOBS mla_uv_flat (at every M) / K3_KNOBS mla_uv_warps
+# override. MLA layer at TP=8 widths, one H200, us at M = 1 / 4 / 16 (a867659,
+# bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 / 158.8 / 267.0, FLAT 123.6 /
+# 159.0 / 267.9 (combine kernel 5.15 -> 4.29 us at M=1)
+MLA_UV_FLAT, MLA_UV_FLAT_MAX_M, MLA_UV_WARPS = True, 1, 4
 
 
 def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, uv=None) -> torch.Tensor:
     """k3model::mla_decode (one new token per row) by triton_mla: kv_cache[m, seq_lens[m]] = kv_new[m]
     (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
     their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
-    (attention_ops._validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
+    (attention_ops.validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
     row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed). uv=(W, w_nk,
     gate): the result is k3::decode_bmm(o.permute(1, 0, 2), W, w_nk, gate) instead of o ([H, M, V],
     stored token-major), the combine and the value up-projection in one kernel (k3::mla_decode_uv)."""
@@ -1149,20 +873,20 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
                                      kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1),
                                      kv_norm[0] if kv_norm else kv_new, float(kv_norm[1]) if kv_norm else 0.0,
                                      L=L, R=R, BH=MLA_BH, BS=MLA_BS, IEEE=kv_cache.dtype == torch.float32,
-                                     NORM=kv_norm is not None, PIPE=_env_flag("K3_MLA_PIPE", MLA_PIPE),
+                                     NORM=kv_norm is not None,
                                      num_warps=MLA_WARPS)
     if uv is not None:
         swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
         g = gate if gate is not None else out
-        bv = int(os.environ.get("K3_MLA_UV_BV", "") or MLA_UV_BV)
-        flat = _env_flag("K3_MLA_UV_FLAT", MLA_UV_FLAT and M <= MLA_UV_FLAT_MAX_M)
+        bv = int(knob("mla_uv_bv") or MLA_UV_BV)
+        flat = knob_flag("mla_uv_flat", MLA_UV_FLAT and M <= MLA_UV_FLAT_MAX_M)
         KA.mla_combine_uv_kernel[(M, H, triton.cdiv(V, bv))](
             part_o, part_ml, w, g, out, H, ns, V, w.stride(0), swl, swv, g.stride(0), g.stride(1), g.stride(2),
             L=L, BNS=min(8, triton.next_power_of_2(ns)), BV=bv, GATE=gate is not None,
             NSC=ns if flat else 0, NSP=triton.next_power_of_2(ns) if flat else 1,
-            num_warps=int(os.environ.get("K3_MLA_UV_WARPS", "") or MLA_UV_WARPS))
+            num_warps=int(knob("mla_uv_warps") or MLA_UV_WARPS))
         return out.permute(1, 0, 2)
-    flag = os.environ.get("K3_MLA_COMBINE_BL", "")
+    flag = knob("mla_combine_bl")
     bl = int(flag) if flag else (MLA_COMBINE_BL if M * H < MLA_PROGRAMS else 0)
     bl = bl if bl and bl & (bl - 1) == 0 and L % bl == 0 else 0
     KA.mla_combine_kernel[(M, H, L // bl if bl else 1)](part_o, part_ml, out, H, ns, out.stride(0), out.stride(1), L=L,
@@ -1170,7 +894,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
     return out
 
 
-# channels per program of the KDA short conv (K3_CONV_BLOCK overrides; a power of two >= 32). KDA layer
+# channels per program of the KDA short conv (K3_KNOBS conv_block overrides; a power of two >= 32). KDA layer
 # at TP=8 widths on one H200, k3 with 1024 / 256 / 128, us at M=1: 139.5 / 137.1 / 138.2 (5f8936e),
 # 141.6 / 138.7 / 138.7 (6d00e84); M=4, 16 within 1 us (bench/results/layer_kda_tp8_w1_h200_*_{onegemm,tl}.json).
 # 1024 gave a TP=8 rank's 4608 channels 5 programs at M=1, 256 gives 18
@@ -1198,7 +922,7 @@ def kda_conv_decode(xq, xk, xv, state, w, inplace: bool = False):
     kw = w.shape[1]
     q, k, v = (torch.empty(M, cq, dtype=xq.dtype, device=xq.device) for _ in range(3))
     new_state = state if inplace else torch.empty(state.shape, dtype=state.dtype, device=state.device)
-    BLOCK = int(os.environ.get("K3_CONV_BLOCK", CONV_BLOCK))
+    BLOCK = int(knob("conv_block") or CONV_BLOCK)
     if M:
         KC.kda_conv_decode_kernel[(M, triton.cdiv(3 * cq, BLOCK))](
             xq, xk, xv, state, w, q, k, v, new_state, cq, xq.stride(0), xk.stride(0), xv.stride(0),
@@ -1250,7 +974,7 @@ def kda_decode_fb(q, k, v, fa, f_b, beta, a_log, dt_bias, state, lower: float, s
     M, H, K = q.shape
     V, R = v.shape[-1], fa.shape[-1]
     o = torch.empty(M, H, V, dtype=v.dtype, device=v.device)
-    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
+    bv = min(int(knob("kda_fb_bv") or KDA_FB_BV), V)
     KK.kda_decode_fb_kernel[(M * H * (V // bv),)](
         q, k, v, fa, f_b, beta, a_log, dt_bias, state, o, H, q.stride(0), k.stride(0), v.stride(0), fa.stride(0),
         beta.stride(0), float(lower), float(scale), float(eps), K=K, V=V, R=R, BV=bv, BR=min(32, R & -R),
@@ -1298,8 +1022,8 @@ def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, st
     K = V = xq.shape[1] // H
     R = fa.shape[-1]
     o = torch.empty(M, H, V, dtype=xv.dtype, device=xv.device)
-    bv = min(int(os.environ.get("K3_KDA_FB_BV", KDA_FB_BV)), V)
-    p = max(1, min(int(os.environ.get("K3_KDA_STEP_P", KDA_STEP_P)), V // bv))
+    bv = min(int(knob("kda_fb_bv") or KDA_FB_BV), V)
+    p = max(1, min(int(knob("kda_step_p") or KDA_STEP_P), V // bv))
     while (V // bv) % p:
         p -= 1
     cnt = split_counters(xq.device) if p > 1 and M * H <= SPLIT_SLOTS else None
@@ -1362,14 +1086,14 @@ MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages"
 
 def mxfp4_variant(variant: str | None = None, x: torch.Tensor | None = None, I: int | None = None,
                   N: int | None = None) -> str:
-    """The expert-kernel variant: the argument, else env K3_MXFP4, else the default: for bf16
+    """The expert-kernel variant: the argument, else env K3_KNOBS mxfp4, else the default: for bf16
     activations where v3's tiles fit the shapes, "cute_h2" (the CuTe f16x2 GEMVs) on CUDA at the
     batch sizes choose.CUTE_M measured it faster (it falls back to v3 / v4g, with the reason, where
     no artifact fits), else "v3", or "v4g" from MXFP4_GROUPED_MIN_N tokens (v3 with the pairs
     grouped by expert) (v3: 1.5-2.0x faster than v2b on the H200, BENCHMARKS.md; both round the
     activations and the SiTU output to bf16 / fp16, which a bf16 model does anyway); other
     activations and shapes "v2b" (fp32 products of the exact activations)."""
-    v = variant or os.environ.get("K3_MXFP4")
+    v = variant or knob("mxfp4") or None
     if v is None:
         v = "v3" if x is None else default_mxfp4_variant(x.dtype == torch.bfloat16, x.shape[1], I, x.is_cuda, N)
     if v not in MXFP4_VARIANTS:
@@ -1470,7 +1194,7 @@ def mxfp4_experts_ok(x, topk_ids, w13, variant: str | None = None, tiles: dict |
 def mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta: float, linear_beta: float,
                   variant: str | None = None, tiles: dict | None = None):
     """Unweighted routed-expert outputs [N, k, L] (the k3model::mxfp4_experts contract).
-    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_MXFP4, else
+    variant: "v1" | "dot" | "v2b" | "v3" | "cute" | "cute_h2" (default env K3_KNOBS mxfp4, else
     mxfp4_variant's choice; see triton_moe's docstring and kernels/cute/mxfp4_experts.py);
     tiles: overrides of the variant's tile sizes / num_warps / num_stages (_mxfp4_tiles); None
     takes MXFP4_TUNED's tiles for this batch where they fit."""
@@ -1555,11 +1279,11 @@ def kda_decode_gated_fla(q, k, v, f, beta, a_log, dt_bias, state, lower: float, 
     """k3::kda_decode_gated as one fla-core ``fused_recurrent_kda`` kernel (T = 1): q and k
     L2-normalised in the kernel (x / sqrt(sum(x^2) + 1e-6)), q scaled, the decay lower *
     sigmoid(exp(A_log) * (f + dt_bias)) and beta's sigmoid in the kernel; the K-major fp32 state
-    updated in place, the output written into an empty buffer (attention_ops._fla_decode_in_place).
-    The caller checked `attention_ops._fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
-    from ..model.attention_ops import _fla_decode_in_place, _fla_qkv
-    args = tuple(x.unsqueeze(1) for x in (*_fla_qkv(q, k, v), f.contiguous(), beta.contiguous()))  # T = 1
-    return _fla_decode_in_place(args, dict(A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
+    updated in place, the output written into an empty buffer (attention_ops.fla_decode_in_place).
+    The caller checked `attention_ops.fla_fused_recurrent_kda_fwd()` and a contiguous fp32 state."""
+    from ..model.attention_ops import fla_decode_in_place, fla_qkv
+    args = tuple(x.unsqueeze(1) for x in (*fla_qkv(q, k, v), f.contiguous(), beta.contiguous()))  # T = 1
+    return fla_decode_in_place(args, dict(A_log=a_log.float().contiguous(), dt_bias=dt_bias.float().contiguous().view(-1),
                                            scale=float(scale), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                            use_beta_sigmoid_in_kernel=True, lower_bound=float(lower)),
                                 state, v.dtype)

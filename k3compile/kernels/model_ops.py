@@ -4,7 +4,7 @@
 op's PyTorch reference, where `launch.mla_decode_fits` takes the shapes. It is checked against the
 reference in Triton's CPU interpreter (tests/test_kernels.py) and on the H200 (tests/test_gpu.py,
 bf16, graphed). On by default: importing k3compile registers it (with torch.library, for the CUDA
-dispatch key; K3_MLA_TRITON=0 leaves the reference), so the eager baseline of the benchmarks gets it
+dispatch key; K3_KNOBS=mla_triton=0 leaves the reference), so the eager baseline of the benchmarks gets it
 as well as the compiled modes (the best standalone kernel in every mode, as fla-core is for the KDA
 decode). One H200, MLA layer at TP=8 widths, context 1024, a0b32af, the same call
 (bench/results/layer_mla_tp8_w1_h200_a0b32af{,_triton}.json): k3 238.2 -> 169.3 us at M=1, 273.0 ->
@@ -13,11 +13,11 @@ this module.
 """
 from __future__ import annotations
 
-import os
+from ..config import knob
 
 import torch
 
-MLA_TRITON = os.environ.get("K3_MLA_TRITON", "1") != "0"
+MLA_TRITON = knob("mla_triton", "1") != "0"
 
 
 def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
@@ -25,9 +25,9 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor
     reference (which also mutates the cache)."""
     from ..model import attention_ops as A
     from . import launch
-    A._validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
+    A.validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
     if launch.mla_decode_fits(q_lat, q_rope, kv_new, kv_cache):
-        A._mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
+        A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
         return launch.mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
     return A.mla_decode_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 

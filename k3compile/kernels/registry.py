@@ -8,7 +8,7 @@ imported lazily the first time an op runs on that device type, so CPU use never 
 from __future__ import annotations
 
 import importlib
-import os
+from ..config import env, knob
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +34,7 @@ def _load(device: str) -> None:
     if device in _LOADED:
         return
     _LOADED.add(device)
-    if device == "cuda" and os.environ.get("K3_KERNELS", "1") != "0":
+    if device == "cuda" and env("K3_KERNELS") != "0":
         try:
             importlib.import_module("k3compile.kernels.cuda")
         except ImportError:  # no Triton: every op runs its reference
@@ -59,7 +59,7 @@ def describe(device: str, group: str | None, moe: tuple | None = None) -> str | 
     routed experts' (I, L, K, M, bf16), which MXFP4 expert kernel runs (choose.experts_note)."""
     if device != "cuda":
         return None
-    if os.environ.get("K3_KERNELS", "1") == "0":
+    if env("K3_KERNELS") == "0":
         return "kernels: off (K3_KERNELS=0); every k3 op runs its PyTorch reference"
     if not group:
         line = "kernels: CUDA kernels, TP=1 (no communication)"
@@ -80,7 +80,7 @@ def describe(device: str, group: str | None, moe: tuple | None = None) -> str | 
 def _cols_note() -> str:
     """Where the all-reduce / norm and latent-tail kernels take their column-split forms."""
     from . import launch
-    flag = os.environ.get("K3_COLS", "")
+    flag = knob("cols")
     if flag == "0" or (flag != "1" and not launch.COLS):
         return "column-split norms off"
-    return f"column-split norms at M <= {os.environ.get('K3_COLS_MAX_M', '') or launch.COLS_MAX_M}"
+    return f"column-split norms at M <= {knob('cols_max_m') or launch.COLS_MAX_M}"

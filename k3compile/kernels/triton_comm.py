@@ -510,17 +510,14 @@ def latent_tail_kernel(
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    EARLY: tl.constexpr = True, VEC: tl.constexpr = True, TRIGGER: tl.constexpr = False,
+    EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
     EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
     signal). VEC: _signal / _wait. WORLD == 1: each row is normed from registers (no peers: nothing
-    goes through memory between the finalize and the norm), and ptrs / pads / epoch are unread.
-    TRIGGER (CUDA): the up-projection GEMM after it, if launched with PDL, may launch at once (launch.mma_pdl)."""
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    goes through memory between the finalize and the norm), and ptrs / pads / epoch are unread."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)

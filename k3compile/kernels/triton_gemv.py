@@ -26,10 +26,7 @@ rows past M masked to zero), split along K. The grid is (N / BN, SPLIT): each pr
 [BN, K / SPLIT] slice of W through Triton's software pipeline (`num_stages` tiles of [BN, BK] in
 flight, cp.async into shared memory) into one tl.dot accumulator, so a weight of few rows
 (N = 1536, 2240) still spreads over every SM instead of leaving a part of them idle or running a
-second, half-empty wave. SITU: x is the shared expert's [M, 2K] gate|up GEMM output and the product
-is SiTU(gate, up) @ W^T, the activation computed from the x tile each program loads (fp32, rounded
-to x's dtype, as triton_moe.situ_kernel stores it): the shared expert's down GEMM without the SiTU
-kernel between its two GEMMs. SWAP puts the weight rows on the MMA's M side (W @ x^T: wgmma's 64-row
+second, half-empty wave. SWAP puts the weight rows on the MMA's M side (W @ x^T: wgmma's 64-row
 tiles on Hopper) instead of the tokens (x @ W^T: mma.sync 16 x 8 tiles). With SPLIT > 1 each
 program stores its fp32 partial tile into `part` ([N / BN, SPLIT, BM, BN]) and counts itself in
 with one acq_rel atomic on `cnt[tile]`; the program that arrives last sums the SPLIT partials in
@@ -43,23 +40,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_moe import _situ
-from .triton_router import topk_after_tile
 
 
 @triton.jit
-def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, som2, MP: tl.constexpr,
+def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, MP: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr,
-                PDL: tl.constexpr = False, GDC: tl.constexpr = False, NORM: tl.constexpr = False,
+                PDL: tl.constexpr = False, GDC: tl.constexpr = False,
                 TWO: tl.constexpr = False, LAZY: tl.constexpr = False, PF: tl.constexpr = 0,
                 LANES: tl.constexpr = 128):
     """ACC: out += x @ W^T (out read, added in fp32, written), else out = x @ W^T. PDL: the first
     weight tile read before x (needs K >= BLOCK_K); GDC: with the grid-dependency wait / launch
-    between them (the module docstring; off in Triton's CPU interpreter, which lacks them). NORM:
-    the product is rms_norm(x, g, eps) @ W^T = r * ((x * g) @ W^T) with r = rsqrt(mean(x^2) + eps)
-    per row: the squares summed in the same loop as the product, r applied at the end (not with
-    PDL). The normed x is not rounded to x's dtype as model.functional.rms_norm rounds it, so the
-    result differs from rms_norm(x) @ W^T by that rounding (2^-9 relative per bf16 element).
+    between them (the module docstring; off in Triton's CPU interpreter, which lacks them).
     TWO: N rows stacked from w (its N1 rows, into out) and w2 (into out2), N1 a multiple of BLOCK_N
     (two_rows: each program's rows lie in one weight). LAZY: the products accumulate element-wise in
     an [MP, BLOCK_N, BLOCK_K] fp32 tile, summed along K once after the loop, instead of a cross-thread
@@ -78,7 +69,6 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
     acc3 = tl.zeros([MP, BLOCK_N, BLOCK_K] if LAZY else [1, 1, 1], tl.float32)
     wp = w + rn.to(tl.int64)[:, None] * swn
     k_start = 0
-    ss = tl.zeros([MP], tl.float32)
     if PDL:
         if GDC and PF > 0:
             rows = tl.minimum(nlim - r0, BLOCK_N)
@@ -105,17 +95,12 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, g, eps, w2, out2, N1, swn2, s
                          eviction_policy="evict_first")
             xt = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         xf = xt.to(tl.float32)
-        if NORM:
-            ss += tl.sum(xf * xf, axis=1)
-            xf = xf * tl.load(g + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
         if LAZY:
             acc3 += xf[:, None, :] * wt.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(xf[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
     if LAZY:
         acc = tl.sum(acc3, axis=2)
-    if NORM:
-        acc = acc * tl.math.rsqrt(ss / K + eps)[:, None]
     op = out + rm[:, None] * som + rn[None, :]
     om = (rm[:, None] < M) & nmask[None, :]
     if ACC:
@@ -150,17 +135,6 @@ def l2_prefetch_rows(base, stride, nrows, row_bytes, PF_ROW: tl.constexpr, ROWS:
 
 
 @triton.jit
-def rms_norm_kernel(x, g, out, K, sxm, som, eps, BLOCK: tl.constexpr):
-    """Program m: out[m] = rms_norm(x[m], g, eps) (fp32 math, rounded to out's dtype); K <= BLOCK."""
-    m = tl.program_id(0)
-    rk = tl.arange(0, BLOCK)
-    km = rk < K
-    xf = tl.load(x + m * sxm + rk, mask=km, other=0.0).to(tl.float32)
-    y = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps) * tl.load(g + rk, mask=km, other=0.0).to(tl.float32)
-    tl.store(out + m * som + rk, y.to(out.dtype.element_ty), mask=km)
-
-
-@triton.jit
 def two_rows(r0, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO: tl.constexpr):
     """(weight, its row stride, output, its row stride, first row, rows) of the program whose first
     stacked row is r0: with TWO, rows at or past N1 are w2's (into out2), else w's, whose rows are N1."""
@@ -179,13 +153,9 @@ def two_rows(r0, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO: tl.constexp
 
 
 @triton.jit(do_not_specialize=["M"])   # one compile for every M (M=1 would get its own)
-def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, beta, lbeta,
-                    tcnt, bias, ids, tw, tscale,
+def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False,
-                    SITU: tl.constexpr = False, TOPK: tl.constexpr = 0, KP: tl.constexpr = 1,
-                    EB: tl.constexpr = 1, SORT: tl.constexpr = False, PDL: tl.constexpr = False,
-                    PF: tl.constexpr = 0, LANES: tl.constexpr = 128):
+                    SWAP: tl.constexpr, EVEN_K: tl.constexpr, ACC: tl.constexpr, TWO: tl.constexpr = False):
     """out (+)= x @ W^T on the tensor cores, K split over SPLIT programs per BN rows (module
     docstring). x [M <= BM, K], W [N, K] and out [M, N] with unit stride along K / N. `part` and
     `cnt` are unused when SPLIT == 1. TWO: W is two weights stacked, [w; w2] (rows [0, N1) of W are
@@ -193,20 +163,9 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     to `out2` (row strides som / som2): one launch streams both, neither is copied. N1 must be a
     multiple of BN (each program's rows lie in one weight: it picks that weight's base as a scalar,
     so its loads stay 16-byte vectors; a per-row select of the two bases made them 2-byte loads).
-    w2, out2, N1, swn2 and som2 are unused otherwise. SITU: x [M, 2K] is gate|up and the kernel's x
-    operand is SiTU(x[:, :K], x[:, K:]) with `beta`, `lbeta` (unused otherwise). TOPK > 0 (with TWO: w is
-    the router's [E, K] weight, E = N1): the router's top-TOPK selection of every token in the launch's
-    router epilogue (triton_router.topk_after_tile: the last program to store a tile of the logits
-    selects; counter tcnt, correction bias, ids [M, TOPK], weights tw [M, TOPK] times tscale, KP / EB
-    TOPK / E padded to powers of two, SORT as router_topk_kernel's); tcnt..tscale unused otherwise.
-    PDL (launched with launch_pdl=True, CUDA only; launch.mma_pdl): before anything but its weights, the program
-    requests the first PF // BN bytes of each of its rows' K slice into L2 (l2_prefetch_rows; the caller checks
-    16-byte alignment and that LANES is a multiple of BN) and waits for the kernel before it (gdc_wait):
-    x, out, part and the counters are touched only after that."""
+    w2, out2, N1, swn2 and som2 are unused otherwise."""
     pid = tl.program_id(0)
     sid = tl.program_id(1)
-    lg = out
-    slg = som
     w, swn, out, som, r0, nlim = two_rows(pid * BN, N, w, swn, out, som, w2, out2, N1, swn2, som2, TWO)
     rn = r0 + tl.arange(0, BN)
     rm = tl.arange(0, BM)
@@ -215,12 +174,6 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
     ks = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK          # K per split, a multiple of BK
     k_lo = sid * ks
     k_hi = tl.minimum(k_lo + ks, K)
-    if PDL:
-        if PF > 0:
-            es = w.dtype.element_ty.primitive_bitwidth // 8
-            l2_prefetch_rows(w + r0.to(tl.int64) * swn + k_lo, swn * es, tl.minimum(nlim - r0, BN), (k_hi - k_lo) * es,
-                             PF // BN, BN, LANES)
-        tl.extra.cuda.gdc_wait()   # the previous kernel's writes (x, out) are visible now
     wp = w + rn.to(tl.int64)[:, None] * swn
     xp = x + rm[:, None] * sxm
     if SWAP:
@@ -236,12 +189,7 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
             wt = tl.load(wp + rk[None, :], mask=nmask[:, None] & (rk[None, :] < K), other=0.0,
                          eviction_policy="evict_first")
             xm = mmask[:, None] & (rk[None, :] < K)
-        if SITU:   # gate and up columns k of the [M, 2K] gate|up rows; masked ones give SiTU(0, 0) = 0
-            g = tl.load(xp + rk[None, :], mask=xm, other=0.0).to(tl.float32)
-            u = tl.load(xp + K + rk[None, :], mask=xm, other=0.0).to(tl.float32)
-            xt = _situ(g, u, beta, lbeta).to(x.dtype.element_ty)
-        else:
-            xt = tl.load(xp + rk[None, :], mask=xm, other=0.0)
+        xt = tl.load(xp + rk[None, :], mask=xm, other=0.0)
         if SWAP:
             acc = tl.dot(wt, tl.trans(xt), acc)
         else:
@@ -254,9 +202,6 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
         if ACC:
             acc += tl.load(op, mask=om, other=0.0).to(tl.float32)
         tl.store(op, acc.to(out.dtype.element_ty), mask=om)
-        if TOPK > 0:
-            if pid * BN < N1:
-                topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB, SORT)
     else:
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         base = part + pid.to(tl.int64) * (SPLIT * BM * BN)
@@ -271,10 +216,6 @@ def mma_gemm_kernel(x, w, out, part, cnt, M, N, K, sxm, swn, som, w2, out2, N1, 
                 tot += tl.load(op, mask=om, other=0.0).to(tl.float32)
             tl.store(op, tot.to(out.dtype.element_ty), mask=om)
             tl.atomic_xchg(cnt + pid, 0, sem="relaxed", scope="gpu")
-            if TOPK > 0:
-                if pid * BN < N1:
-                    topk_after_tile(tcnt, tl.cdiv(N1, BN), lg, slg, bias, ids, tw, M, N1, tscale, TOPK, KP, EB,
-                                    SORT)
 
 
 @triton.jit

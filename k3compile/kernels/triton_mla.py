@@ -1,6 +1,6 @@
 """Triton MLA decode attention over the latent KV cache (the `k3model::mla_decode` op's CUDA path).
 
-The op's reference (model/attention_ops._mla_core) writes the new token's latent + rope key into
+The op's reference (model/attention_ops.mla_core) writes the new token's latent + rope key into
 the cache, then attends in fp32 over the whole cache slice it needs: it casts the slice to fp32,
 zeroes the slots past each sequence, and runs two batched GEMMs and a softmax on them. On an H200
 that is most of an MLA layer's attention time at decode (one MLA step at TP=8 widths, context 1024:
@@ -28,18 +28,14 @@ import triton.language as tl
 def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
                      sqm, sqh, srm, srh, snm, scm, scs, kv_w, eps,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
-                     IEEE: tl.constexpr, NORM: tl.constexpr = False, PIPE: tl.constexpr = False):
+                     IEEE: tl.constexpr, NORM: tl.constexpr = False):
     """Program (m, hb, sp): heads [hb*BH, +BH) of row m over cache positions [sp*CH, +CH) that are
     <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum).
     The new token's row kv_new[m] (at position seq_lens[m]) is taken from kv_new, not from the cache,
     and the program of head block 0 whose split holds that position writes it into the cache (no
     separate scatter kernel; no program reads that cache row). NORM: kv_new holds the raw kv_a row
     and its latent part is RMS-normalised here (fp32, x * rsqrt(mean(x^2) + eps) * kv_w, rounded to
-    the cache dtype: the model's rms_norm), its rope part taken as it is.
-    PIPE: the first cache tile is loaded before the queries and the new row (its norm's reduction
-    waits on memory), each next tile before the current one's math, and the new row goes into the
-    cache at the end (no tile load reads that row: a store above them would order them after it), so
-    a program's memory round trips overlap instead of following one another."""
+    the cache dtype: the model's rms_norm), its rope part taken as it is."""
     m = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -48,8 +44,6 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     s0 = sp * CH
     s_end = tl.minimum(s0 + CH, tl.minimum(n, S))
     row = cache + m * scm
-    if PIPE:
-        c_nx, kr_nx = _cache_tile(row, s0, s_end, newp, scs, L, R, BS)
     h = hb * BH + tl.arange(0, BH)
     hm = h < H
     ol = tl.arange(0, L)
@@ -67,18 +61,12 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     mi = tl.full([BH], float("-inf"), tl.float32)
     li = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, L], tl.float32)
-    if not PIPE:
-        _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L, R)
+    _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L, R)
     for s in range(s0, s_end, BS):
         os_ = s + tl.arange(0, BS)
         sm = os_ < s_end
         isnew = os_ == newp
-        if PIPE:
-            c = c_nx
-            kr = kr_nx
-            c_nx, kr_nx = _cache_tile(row, s + BS, s_end, newp, scs, L, R, BS)
-        else:
-            c, kr = _cache_tile(row, s, s_end, newp, scs, L, R, BS)
+        c, kr = _cache_tile(row, s, s_end, newp, scs, L, R, BS)
         c = tl.where(isnew[:, None], cn[None, :], c)
         kr = tl.where(isnew[:, None], krn[None, :], kr)
         if IEEE:
@@ -100,8 +88,6 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     tl.store(part_o + base[:, None] * L + ol[None, :], acc, mask=hm[:, None])
     tl.store(part_ml + base * 2, mi, mask=hm)
     tl.store(part_ml + base * 2 + 1, li, mask=hm)
-    if PIPE:
-        _store_new_row(row, hb, newp, s0, CH, S, scs, cn, krn, L, R)
 
 
 @triton.jit

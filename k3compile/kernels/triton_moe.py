@@ -1,7 +1,7 @@
 """Triton kernels for the routed MXFP4 experts at decode batch sizes.
 
 Four variants of the same two kernels (selected by `launch.mxfp4_experts(variant=...)` or env
-K3_MXFP4; all share the contract below and are checked against the model's reference op):
+K3_KNOBS mxfp4; all share the contract below and are checked against the model's reference op):
 
 v1  (`mxfp4_gate_up_kernel`, `mxfp4_down_kernel`): Hopper has no FP4 tensor cores, so the weights
     are dequantised in registers (via fp16 bit patterns, then an fp16->fp32 conversion) and the
@@ -21,7 +21,7 @@ v2b (`mxfp4_gate_up_v2b_kernel`, `mxfp4_down_v2b_kernel`): v1's structure, but e
     fp16->fp32 conversion. Codes 1 and 9 (+-0.5) are fp32 subnormals there, so the activation
     is pre-scaled by 2^100 (once per k, not per code): every product value(c) * x * 2^-26 is then a
     normal number; the multiply/FMA must not flush subnormal *inputs* (PTX without .ftz, which
-    aot_check verifies). The 2^(126-100) is folded into the scale exponent, exp2(s - 101). Larger
+    bench/aot_check.py verifies). The 2^(126-100) is folded into the scale exponent, exp2(s - 101). Larger
     byte tiles (BKB) and `num_stages` / `num_warps` are launch parameters for a GPU sweep.
 dot and v2b take LOOP: 0 unrolls the k loop (like v1), 1 makes it a runtime `tl.range` loop that
 Triton software-pipelines with `num_stages` (more bytes in flight per SM).

@@ -24,16 +24,11 @@ import triton.language as tl
 
 @triton.jit
 def topk_row(lrow, bias, ids_row, w_row, E, scale, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-             SORT: tl.constexpr, CG: tl.constexpr = False):
-    """The selection of one token: its E logits at lrow -> K ids at ids_row and weights at w_row. CG:
-    the logits are read at L2 (`.cg`: written by other programs of the same launch, the MMA GEMM's
-    router epilogue)."""
+             SORT: tl.constexpr):
+    """The selection of one token: its E logits at lrow -> K ids at ids_row and weights at w_row."""
     offs = tl.arange(0, BLOCK)
     m = offs < E
-    if CG:
-        lg = tl.load(lrow + offs, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        lg = tl.load(lrow + offs, mask=m, other=0.0)
+    lg = tl.load(lrow + offs, mask=m, other=0.0)
     s = tl.sigmoid(lg.to(tl.float32))
     bits = (s + tl.load(bias + offs, mask=m, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
@@ -51,10 +46,7 @@ def topk_row(lrow, bias, ids_row, w_row, E, scale, K: tl.constexpr, KP: tl.const
             sel = tl.where(kk == j, i, sel)
             key = tl.where(offs == i, -9223372036854775807 - 1, key)
     ok = kk < K
-    if CG:
-        ws = tl.sigmoid(tl.load(lrow + sel, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32))
-    else:
-        ws = tl.sigmoid(tl.load(lrow + sel, mask=ok, other=0.0).to(tl.float32))
+    ws = tl.sigmoid(tl.load(lrow + sel, mask=ok, other=0.0).to(tl.float32))
     ws = tl.where(ok, ws, 0.0)
     tot = tl.sum(ws, 0)
     tl.store(ids_row + kk, sel.to(ids_row.dtype.element_ty), mask=ok)
@@ -66,18 +58,3 @@ def router_topk_kernel(logits, bias, ids, w, E, scale, K: tl.constexpr, KP: tl.c
                        SORT: tl.constexpr = False):
     r = tl.program_id(0).to(tl.int64)
     topk_row(logits + r * E, bias, ids + r * K, w + r * K, E, scale, K, KP, BLOCK, SORT)
-
-
-@triton.jit
-def topk_after_tile(tcnt, tiles, lg, slg, bias, ids, tw, M, E, scale, K: tl.constexpr, KP: tl.constexpr,
-                    BLOCK: tl.constexpr, SORT: tl.constexpr):
-    """The router's selection fused into the GEMM that computes its logits (the MMA decode GEMM's
-    router epilogue): each of the `tiles` programs that stored a tile of the logits [M, E] (row stride
-    slg) calls this after its stores; the last to arrive (the counter at tcnt, left zero) selects every
-    token's experts as router_topk_kernel does, reading the logits back from L2."""
-    tl.debug_barrier()                                   # every thread's logits are stored ...
-    done = tl.atomic_add(tcnt, 1, sem="acq_rel", scope="gpu")   # ... before the count
-    if done == tiles - 1:
-        for m in range(M):
-            topk_row(lg + m * slg, bias, ids + m * K, tw + m * K, E, scale, K, KP, BLOCK, SORT, True)
-        tl.atomic_xchg(tcnt, 0, sem="relaxed", scope="gpu")

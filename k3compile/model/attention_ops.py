@@ -23,7 +23,7 @@ Ops (all return a fresh tensor; the cache / state argument is mutated in place):
     ``S' *= decay; S' += beta * (v - S' k) (x) k; o = S' q``.)
 
     On CUDA it runs fla-core's ``fused_recurrent_kda`` when importable (equal to the reference on
-    the H200 and in Triton's CPU interpreter; K3_FLA_DECODE=0 or K3_DISABLE_FLA=1 turn it off).
+    the H200 and in Triton's CPU interpreter; K3_KNOBS=fla_decode=0 or K3_KNOBS=disable_fla=1 turn it off).
 
 ``k3model::kda_prefill(q, k, v, g, beta, state) -> Tensor``  mutates ``state``
     q, k, g [M, T, H, K]; v [M, T, H, V]; beta [M, T, H]. The recurrence over T,
@@ -189,8 +189,9 @@ _FLA_KWARGS = {"scale", "initial_state", "output_final_state", "use_qk_l2norm_in
 
 def _fla_kda(name: str, needed: set):
     """fla-core's ``fla.ops.kda.<name>`` if importable with the keywords we pass; None if not, or
-    with K3_DISABLE_FLA set."""
-    if os.environ.get("K3_DISABLE_FLA", "0") not in ("", "0"):
+    with K3_KNOBS disable_fla set."""
+    from ..config import knob
+    if knob("disable_fla", "0") != "0":
         return None
     try:
         import fla.ops.kda  # noqa: PLC0415
@@ -207,7 +208,7 @@ def _fla_params(fn) -> frozenset:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _fla_qkv(q, k, v) -> tuple:
+def fla_qkv(q, k, v) -> tuple:
     """q, k, v in their common float dtype (fp32 for any other), contiguous: what fla's kernels take."""
     cdt = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     if cdt not in (torch.bfloat16, torch.float16, torch.float32):
@@ -219,7 +220,7 @@ def _fla_args(fn, q, k, v, g, beta, state) -> tuple[tuple, dict]:
     """(positional, keyword) arguments of an fla KDA kernel for our conventions (``_kda_prefill_fla``'s
     docstring): q, k, v in their common float dtype, fp32 g and beta, all contiguous; scale 1.0, our
     state as the initial state (K-major), no in-kernel norms, gate or beta sigmoid."""
-    args = (*_fla_qkv(q, k, v), g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous())
+    args = (*fla_qkv(q, k, v), g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous())
     kwargs = dict(scale=1.0, initial_state=state.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=False,
                   use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
     params = _fla_params(fn)
@@ -286,17 +287,18 @@ def _kda_prefill_fla(q, k, v, g, beta, state) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _fla_fused_recurrent_kda():
+def fla_fused_recurrent_kda():
     """Import fla-core's decode kernel ``fused_recurrent_kda`` and check its keyword API; None if
-    not, or with K3_FLA_DECODE=0 (decode only) / K3_DISABLE_FLA=1 (prefill too). Checked against the
+    not, or with K3_KNOBS=fla_decode=0 (decode only) / K3_KNOBS=disable_fla=1 (prefill too). Checked against the
     reference on the H200 (eagerly and graphed, fp32 and bf16) and in Triton's CPU interpreter."""
-    if os.environ.get("K3_FLA_DECODE", "1") in ("", "0"):
+    from ..config import knob
+    if knob("fla_decode", "1") == "0":
         return None
     return _fla_kda("fused_recurrent_kda", _FLA_KWARGS)
 
 
 @functools.lru_cache(maxsize=None)
-def _fla_fused_recurrent_kda_fwd():
+def fla_fused_recurrent_kda_fwd():
     """fla-core's ``fused_recurrent_kda_fwd`` if it takes the keywords of an in-place decode step
     (``inplace_final_state``, ``out``); None if not. The public ``fused_recurrent_kda`` allocates a
     new final state (which we then copy back: the whole [M, H, K, V] fp32 state, 50 MB at M=64 with
@@ -311,13 +313,13 @@ def _fla_fused_recurrent_kda_fwd():
     return fn if (_FLA_KWARGS | {"inplace_final_state", "out"}).issubset(params) else None
 
 
-def _fla_decode_in_place(args: tuple, kwargs: dict, state: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def fla_decode_in_place(args: tuple, kwargs: dict, state: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """One ``fused_recurrent_kda_fwd`` step (T = 1) on the [M, 1, H, *] `args` (q, k, v, g, beta)
     with the kernel keywords `kwargs`: the contiguous K-major fp32 `state` is read and written in
     place (each (token, head, V block) by one program), the output goes into an empty buffer the
     kernel fills. Returns o [M, H, V] in out_dtype. Used by kda_decode and by k3's
     kda_decode_gated (kernels/launch.py), which puts the norms and the gate in the kernel."""
-    fwd = _fla_fused_recurrent_kda_fwd()
+    fwd = fla_fused_recurrent_kda_fwd()
     kwargs = dict(kwargs, initial_state=state, output_final_state=True)
     if "state_v_first" in _fla_params(fwd):
         kwargs["state_v_first"] = False
@@ -332,7 +334,7 @@ def _fla_decode_in_place(args: tuple, kwargs: dict, state: torch.Tensor, out_dty
 
 def _fla_decode_fits(q, k, v, g, beta, state) -> bool:
     return (q.is_cuda and q.shape[0] > 0 and q.shape[-1] <= 256 and state.dtype == torch.float32
-            and _fla_fused_recurrent_kda() is not None)
+            and fla_fused_recurrent_kda() is not None)
 
 
 def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
@@ -340,10 +342,10 @@ def _kda_decode_fla(q, k, v, g, beta, state) -> torch.Tensor:
     decay, the delta-rule update and the read-out). Mutates ``state``. The conventions are the
     prefill's (``_kda_prefill_fla``): [B, T, H, K] layout with B = M, K-major fp32 state, natural-log
     decay, scale 1.0, no in-kernel norms or beta sigmoid; output cast to v.dtype."""
-    fused_recurrent_kda = _fla_fused_recurrent_kda()
+    fused_recurrent_kda = fla_fused_recurrent_kda()
     args, kwargs = _fla_args(fused_recurrent_kda, *(x.unsqueeze(1) for x in (q, k, v, g, beta)), state)  # T = 1
-    if _fla_fused_recurrent_kda_fwd() is not None and state.is_contiguous():
-        return _fla_decode_in_place(args, kwargs, state, v.dtype)
+    if fla_fused_recurrent_kda_fwd() is not None and state.is_contiguous():
+        return fla_decode_in_place(args, kwargs, state, v.dtype)
     with torch.no_grad():
         o, final_state = fused_recurrent_kda(*args, **kwargs)[:2]
     if final_state is None or _shape(final_state) != _shape(state) or _shape(o) != (q.shape[0], 1, *v.shape[1:]):
@@ -400,7 +402,7 @@ def _kda_prefill_fake(q, k, v, g, beta, state):
 # MLA
 # --------------------------------------------------------------------------------------
 
-def _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, *, prefill: bool) -> None:
+def validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, *, prefill: bool) -> None:
     if prefill:
         nd, ql_lay, qr_lay, kv_lay = 4, "[M, T, H, L]", "[M, T, H, R]", "[M, T, L+R]"
     else:
@@ -433,7 +435,7 @@ def _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, *, prefill: 
     _check_same_device({"q_lat": q_lat, "q_rope": q_rope, "kv_new": kv_new, "kv_cache": kv_cache, "seq_lens": seq_lens})
 
 
-def _mla_check_lengths(seq_lens: torch.Tensor, T: int, S_max: int) -> int | None:
+def mla_check_lengths(seq_lens: torch.Tensor, T: int, S_max: int) -> int | None:
     """Data-dependent checks. Returns the number of cache positions needed (max end), or None if skipped."""
     if not _data_checks_allowed(seq_lens):
         return None
@@ -455,12 +457,12 @@ def _mla_check_lengths(seq_lens: torch.Tensor, T: int, S_max: int) -> int | None
     return hi + T
 
 
-def _mla_core(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
+def mla_core(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
     """Batched reference. q_lat [M, T, H, L], q_rope [M, T, H, R], kv_new [M, T, L+R]. Mutates kv_cache."""
     M, T, H, L = q_lat.shape
     S_max = kv_cache.shape[1]
     dev = kv_cache.device
-    n = _mla_check_lengths(seq_lens, T, S_max)
+    n = mla_check_lengths(seq_lens, T, S_max)
     lens = seq_lens.to(device=dev, dtype=torch.long)
     if M == 0 or T == 0:
         return q_lat.new_empty(q_lat.shape)
@@ -488,12 +490,12 @@ def _mla_core(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
 
 def mla_decode_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
     """Reference math for mla_decode (mutates ``kv_cache``)."""
-    return _mla_core(q_lat[:, None], q_rope[:, None], kv_new[:, None], kv_cache, seq_lens, scale)[:, 0]
+    return mla_core(q_lat[:, None], q_rope[:, None], kv_new[:, None], kv_cache, seq_lens, scale)[:, 0]
 
 
 def mla_prefill_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale) -> torch.Tensor:
     """Reference math for mla_prefill (mutates ``kv_cache``)."""
-    return _mla_core(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
+    return mla_core(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 
 
 @torch.library.custom_op("k3model::mla_decode", mutates_args=("kv_cache",))
@@ -505,13 +507,13 @@ def mla_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
+    validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
     return mla_decode_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 
 
 @mla_decode.register_fake
 def _mla_decode_fake(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale):
-    _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
+    validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=False)
     return q_lat.new_empty(q_lat.shape)
 
 
@@ -524,11 +526,11 @@ def mla_prefill(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=True)
+    validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=True)
     return mla_prefill_reference(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 
 
 @mla_prefill.register_fake
 def _mla_prefill_fake(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale):
-    _validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=True)
+    validate_mla(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, prefill=True)
     return q_lat.new_empty(q_lat.shape)

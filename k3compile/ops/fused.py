@@ -302,105 +302,6 @@ def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-@torch.library.custom_op("k3::decode_gemm_normed", mutates_args=())
-def decode_gemm_normed(x: Tensor, g: Tensor, eps: float, w: Tensor) -> Tensor:
-    """rms_norm(x, g, eps) @ w.T (model.functional.rms_norm: fp32 math, rounded to x's dtype) for a
-    weight w [N, K]; on CUDA one kernel where the tuned table picks the CUDA-core GEMV
-    (kernels/choose.GEMV_TABLE): r * ((x * g) @ w.T), the squares summed in the product's loop (the
-    normed x not rounded to x's dtype), else a norm kernel and the decode GEMM."""
-    return _run("decode_gemm_normed", ref.decode_gemm_normed, x, g, eps, w)
-
-
-@decode_gemm_normed.register_fake
-def _(x, g, eps, w):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-@torch.library.custom_op("k3::residual_norm_gemm", mutates_args=())
-def residual_norm_gemm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
-                       w_qk: Optional[Tensor], g: Tensor, eps: float, w: Tensor) -> tuple[Tensor, Tensor]:
-    """(updated, out): updated = residual + delta; out = (the AttnRes mixer of updated over `blocks`,
-    RMSNorm(g) when there are none) @ w.T, for a weight w [N, K] (k3::residual_norm at TP=1, then
-    k3::decode_gemm, in one op). On CUDA one Triton kernel (kernels/triton_resgemm.py) where the tuned
-    table runs this weight on the MMA decode GEMM and the rows fit one tile; else those two ops' kernels."""
-    return _run("residual_norm_gemm", ref.residual_norm_gemm, delta, residual, blocks, w_norm, w_qk, g, eps, w)
-
-
-@residual_norm_gemm.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, w):
-    return torch.empty_like(residual), residual.new_empty(residual.shape[0], w.shape[0])
-
-
-@torch.library.custom_op("k3::residual_norm_router_latent", mutates_args=())
-def residual_norm_router_latent(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
-                                w_qk: Optional[Tensor], g: Tensor, eps: float, w_router: Tensor,
-                                w_down: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(updated, router logits, latent): updated = residual + delta; x = the AttnRes mixer of updated
-    (RMSNorm(g) without blocks); x @ W_r.T and x @ W_down.T (TP=1: the post-attention norm folded into
-    the MoE input's router + latent GEMM). On CUDA one launch of kernels/triton_resgemm.py over the
-    stacked weights where the rows fit its tile and the stacked shape has an MMA config; else
-    the norm kernel and the stacked GEMM."""
-    return _run("residual_norm_router_latent", ref.residual_norm_router_latent, delta, residual, blocks, w_norm,
-                w_qk, g, eps, w_router, w_down)
-
-
-@residual_norm_router_latent.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
-    M = residual.shape[0]
-    return torch.empty_like(residual), residual.new_empty(M, w_router.shape[0]), residual.new_empty(M, w_down.shape[0])
-
-
-@torch.library.custom_op("k3::router_latent_topk", mutates_args=())
-def router_latent_topk(x: Tensor, w_router: Tensor, w_down: Tensor, bias: Tensor, k: int, scale: float,
-                       ids_int32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(router logits, latent, ids, weights) at TP=1: k3::router_latent_sharded's (x @ W_r.T, x @ W_down.T),
-    then k3::router_topk of the logits. On CUDA one launch (launch.router_latent_topk): the stacked GEMM,
-    the last program to store a tile of the logits running the selection; else the two ops' kernels."""
-    return _run("router_latent_topk", ref.router_latent_topk, x, w_router, w_down, bias, k, scale, ids_int32)
-
-
-@router_latent_topk.register_fake
-def _(x, w_router, w_down, bias, k, scale, ids_int32=False):
-    M = x.shape[0]
-    return (x.new_empty(M, w_router.shape[0]), x.new_empty(M, w_down.shape[0]),
-            x.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64), x.new_empty(M, k, dtype=torch.float32))
-
-
-@torch.library.custom_op("k3::residual_norm_router_latent_topk", mutates_args=())
-def residual_norm_router_latent_topk(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
-                                     w_qk: Optional[Tensor], g: Tensor, eps: float, w_router: Tensor, w_down: Tensor,
-                                     bias: Tensor, k: int, scale: float,
-                                     ids_int32: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(updated, router logits, latent, ids, weights): k3::residual_norm_router_latent, then k3::router_topk
-    of its logits, in one launch on CUDA where both fit (the selection in the launch's router epilogue)."""
-    return _run("residual_norm_router_latent_topk", ref.residual_norm_router_latent_topk, delta, residual, blocks,
-                w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32)
-
-
-@residual_norm_router_latent_topk.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k, scale, ids_int32=False):
-    M = residual.shape[0]
-    return (torch.empty_like(residual), residual.new_empty(M, w_router.shape[0]), residual.new_empty(M, w_down.shape[0]),
-            residual.new_empty(M, k, dtype=torch.int32 if ids_int32 else torch.int64),
-            residual.new_empty(M, k, dtype=torch.float32))
-
-
-@torch.library.custom_op("k3::shared_expert_async_resnorm", mutates_args=())
-def shared_expert_async_resnorm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
-                                w_qk: Optional[Tensor], g: Tensor, eps: float, w_gate_up: Tensor, w_down: Tensor,
-                                beta: float, linear_beta: float, after: Optional[Tensor] = None) -> Tensor:
-    """k3::shared_expert_async of the AttnRes-normed residual + delta (TP=1): on CUDA the side stream's
-    gate-up GEMM folds the norm as k3::residual_norm_router_latent does. `after`: ordering only."""
-    return _run("shared_expert_async_resnorm",
-                lambda *a: ref.shared_expert_resnorm(*a[:11]),
-                delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta, after)
-
-
-@shared_expert_async_resnorm.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta, after=None):
-    return residual.new_empty(residual.shape[0], w_down.shape[0])
-
-
 @torch.library.custom_op("k3::decode_bmm", mutates_args=())
 def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
@@ -434,10 +335,4 @@ OPS = {
     "mla_decode_uv": torch.ops.k3.mla_decode_uv.default,
     "decode_gemm": torch.ops.k3.decode_gemm.default,
     "decode_bmm": torch.ops.k3.decode_bmm.default,
-    "decode_gemm_normed": torch.ops.k3.decode_gemm_normed.default,
-    "residual_norm_gemm": torch.ops.k3.residual_norm_gemm.default,
-    "residual_norm_router_latent": torch.ops.k3.residual_norm_router_latent.default,
-    "shared_expert_async_resnorm": torch.ops.k3.shared_expert_async_resnorm.default,
-    "router_latent_topk": torch.ops.k3.router_latent_topk.default,
-    "residual_norm_router_latent_topk": torch.ops.k3.residual_norm_router_latent_topk.default,
 }

@@ -147,49 +147,12 @@ def kda_step_decode_(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, s
     return rms_norm(o, o_norm, o_eps) * torch.sigmoid(gate.reshape(o.shape))
 
 
-def decode_gemm_normed(x, g, eps, w):
-    """k3::decode_gemm_normed: the model's rms_norm(x, g, eps), then x @ w.T."""
-    return torch.mm(rms_norm(x, g, eps), w.t())
-
-
-def residual_norm_gemm(delta, residual, blocks, w_norm, w_qk, g, eps, w):
-    """k3::residual_norm_gemm: k3::residual_norm at TP=1 (no all-reduce), then its normed output @ w.T."""
-    updated, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
-    return updated, torch.mm(normed, w.t())
-
-
-def residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down):
-    """k3::residual_norm_router_latent: k3::residual_norm at TP=1, then the router and latent GEMMs of its
-    normed output (k3::router_latent_sharded at TP=1)."""
-    updated, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
-    return updated, F.linear(normed, w_router), F.linear(normed, w_down)
-
-
-def router_latent_topk(x, w_router, w_down, bias, k, scale, ids_int32=False):
-    """k3::router_latent_topk: the TP=1 router and latent GEMMs, then the router's selection of the logits."""
-    logits, lat = F.linear(x, w_router), F.linear(x, w_down)
-    return (logits, lat, *router_topk(logits, bias, k, scale, ids_int32))
-
-
-def residual_norm_router_latent_topk(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down, bias, k,
-                                     scale, ids_int32=False):
-    """k3::residual_norm_router_latent_topk: k3::residual_norm_router_latent, then the router's selection."""
-    upd, logits, lat = residual_norm_router_latent(delta, residual, blocks, w_norm, w_qk, g, eps, w_router, w_down)
-    return (upd, logits, lat, *router_topk(logits, bias, k, scale, ids_int32))
-
-
 def shared_expert_split(x, w_gate, w_down, beta, linear_beta, w_up=None):
     """k3::shared_expert_async's math: the SiTU MLP over [gate; up] (one weight, or two with w_up)."""
     if w_up is None:
         return shared_expert(x, w_gate, w_down, beta, linear_beta)
     gu = torch.cat([F.linear(x, w_gate), F.linear(x, w_up)], -1)
     return F.linear(situ(gu, beta, linear_beta), w_down)
-
-
-def shared_expert_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, w_gate_up, w_down, beta, linear_beta):
-    """k3::shared_expert_async_resnorm: the shared expert of k3::residual_norm's normed output (TP=1)."""
-    _, normed = residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, None)
-    return shared_expert(normed, w_gate_up, w_down, beta, linear_beta)
 
 
 def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from ..options import CUDA_PROFITABLE_M, CUDA_UNMEASURED, K3Options
+from ..options import K3Options
 from ..patterns.structure import GraphInfo
 from ..report import PassReport
+from .pipeline import CUDA_PROFITABLE_M, CUDA_UNMEASURED
 
 
 def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
-    """Why the profitability gate keeps `name` (a pass, or "prefetch") out of this graph, or None:
-    on CUDA with Inductor and gate="measured", only the M in options.CUDA_PROFITABLE_M[name]. A
+    """Why the profitability gate keeps `name` (a pass, or a feature such as "prefetch") out of this
+    graph, or None: on CUDA with Inductor and gate="measured", only the M in its pipeline row's cuda_m. A
     dynamic-M graph (vLLM's general graph) gets every pass with a non-empty range: its ops switch to
     their unfused paths at run time outside the tuned ranges (kernels/cuda.py ONESHOT_M)."""
     if opts.gate != "measured" or opts.mode != "inductor" or info.device != "cuda" or name in opts.ungated:
@@ -28,11 +29,10 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     if name in CUDA_UNMEASURED:
         return (f"not applied ({where}): on CUDA with Inductor a pass applies only where the per-layer "
                 f"benchmark measured it faster, and {name} has not been measured on the GPU yet "
-                f"(options.CUDA_PROFITABLE_M); gate='off', K3_GATE=off or K3_UNGATED={name} applies it")
+                f"(passes/pipeline.py); gate='off', K3_GATE=off or K3_UNGATED={name} applies it")
     measured = f"M in [{lo}, {hi}]" if lo <= hi else "no M"
     return (f"not applied ({where}): on CUDA with Inductor the per-layer benchmark "
-            f"measured {name} faster than Inductor alone at {measured} (options.CUDA_PROFITABLE_M, "
-            "BENCHMARKS.md 'Per layer'); gate='off' or K3_GATE=off applies it")
+            f"measured {name} faster than Inductor alone at {measured} (passes/pipeline.py); gate='off' or K3_GATE=off applies it")
 
 
 class K3Pass:
@@ -43,9 +43,9 @@ class K3Pass:
     # "KDA" / "MLA": the pass rewrites the reference model's attention-core op of that kind; in a graph
     # whose layers were found by role and that has none of the known core ops, it is skipped with that reason
     core: str | None = None
-    # passes whose emitted ops this one anchors on: where one of them does not run in a compile
-    # (disabled, skipped, gated off or rolled back), this pass is skipped with that reason, not
-    # reported as 0/N sites with a near-miss at every site
+    # passes whose emitted ops this one anchors on (its pipeline row's, set by @register): where one of
+    # them does not run in a compile (disabled, skipped, gated off or rolled back), this pass is skipped
+    # with that reason, not reported as 0/N sites with a near-miss at every site
     needs: tuple[str, ...] = ()
 
     def expected(self, info: GraphInfo) -> int:

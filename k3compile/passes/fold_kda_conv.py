@@ -18,10 +18,10 @@ state into the cache (a copy kernel, 1 us at decode on an H200) goes away. Its C
 Triton kernel (kernels/triton_conv.py) instead of Inductor's window concatenation, the state
 slice, the conv + SiLU, the contiguous copies of q, k, v the recurrence op takes and the
 write-back; its reference is the model's math (ops/reference.kda_conv_decode_), bit-identical
-on CPU. (K3_CONV_INPLACE=0 emits the functional k3::kda_conv_decode instead, whose new state the
+on CPU. (K3_KNOBS=conv_inplace=0 emits the functional k3::kda_conv_decode instead, whose new state the
 graph writes back.)
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16: at M=1 with the other passes 3.4 us faster per
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16: at M=1 with the other passes 3.4 us faster per
 KDA layer step on an H200, 4 kernels fewer; slower alone; at M = 4, 16 faster with fold_kda_gate and
 fold_kda_fb; without fb, 02711a2: +1.2 / +0.2 us). Near-miss: a core whose v is not a slice of such a
 conv (the step where the chain differs: not SiLU, not a sum over the window, more than one new
@@ -29,21 +29,23 @@ token, a window used elsewhere). Prefill (kda_prefill, T > 1 tokens) is left as 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ..ops import OPS
 from ..patterns.kda import match_kda_conv
 from ..patterns.structure import op_name
+from ..config import knob_flag
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, emit_functionalized, getitem, last_of, replace
 
 _CORES = ("k3model::kda_decode", "k3::kda_decode_gated", "k3::kda_decode_fb")
-# the in-place op by default (K3_CONV_INPLACE=0 / 1 overrides: the A/B rows of bench/layer_bench.py)
+# the in-place op by default (K3_KNOBS=conv_inplace=0 / 1 overrides: the A/B rows of bench/layer_bench.py)
 INPLACE = True
 
 
+@register
 class FoldKdaConv(K3Pass):
     name = "fold_kda_conv"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
@@ -61,7 +63,7 @@ class FoldKdaConv(K3Pass):
         v2 = not any(n.target is torch.ops.higher_order.auto_functionalized for n in cores)
         for s in self.collect(cores, match_kda_conv, report):
             after = last_of(graph, [s.xq, s.xk, s.xv, s.state, s.w])
-            if os.environ.get("K3_CONV_INPLACE", "1" if INPLACE else "0") == "0":   # the functional op
+            if not knob_flag("conv_inplace", INPLACE):   # the functional op
                 op = emit(graph, after, OPS["kda_conv_decode"], (s.xq, s.xk, s.xv, s.state, s.w))
             else:
                 op = emit_functionalized(graph, after, OPS["kda_conv_decode_"], dict(xq=s.xq, xk=s.xk, xv=s.xv, w=s.w),

@@ -17,7 +17,7 @@ weight stored [in, out], another dtype), or the product or its view has other re
 Expected: one site per KDA decode core; a core fold_kda_gate left as k3model::kda_decode is a
 near-miss that says so. Skipped: model dtype / TP size
 not supported, static M outside the pass's batch range; on CUDA with Inductor, M outside
-options.CUDA_PROFITABLE_M (M = 1..16: 2.2 us per KDA layer step at M=1 on an H200, one kernel fewer).
+its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16: 2.2 us per KDA layer step at M=1 on an H200, one kernel fewer).
 """
 from __future__ import annotations
 
@@ -25,15 +25,16 @@ from ..ops import OPS
 from ..patterns.graph import Fail, dtype, match_linear, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import kda_decode_cores, retarget_functionalized
 
 _CORE = "k3::kda_decode_gated"
 
 
+@register
 class FoldKdaFb(K3Pass):
     name = "fold_kda_fb"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
-    needs = ("fold_kda_gate",)
     description = "KDA gate up-projection (f_b GEMV) + the gated recurrence -> k3::kda_decode_fb"
     pattern = "kda_decode_gated(..., f=view(mm(fa, f_b^T)), ...) (per KDA decode layer, after fold_kda_gate)"
     emits = "k3::kda_decode_fb, in place of kda_decode_gated"

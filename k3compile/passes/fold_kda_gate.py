@@ -15,7 +15,7 @@ its reference is the matched math followed by the model's own kda_decode. Numeri
 normalises by sqrt(sum(x^2) + 1e-6) and keeps the normalised q, k in fp32 (the model rounds them
 to q's dtype); the CPU reference is exact.
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16: 1.3-1.6 us faster per KDA layer step at
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16: 1.3-1.6 us faster per KDA layer step at
 M=1 alone; at 4 and 16 faster only with fold_kda_conv and fold_kda_fb, the three 9.3 / 7.8 us). Prefill (kda_prefill) is left as it is.
 """
 from __future__ import annotations
@@ -25,11 +25,13 @@ from ..patterns.graph import Fail
 from ..patterns.kda import match_kda_prologue
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import retarget_functionalized
 
 _KDA_DECODE = "k3model::kda_decode"
 
 
+@register
 class FoldKdaGate(K3Pass):
     name = "fold_kda_gate"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it

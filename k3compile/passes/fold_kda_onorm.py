@@ -19,7 +19,7 @@ Near-misses: the core is not fold_kda_step's (that pass did not apply), o (or a 
 the norm's output) is read by more than the norm, the norm has no [V] weight, the gate is not
 sigmoid(view(G)) of a [M, H * V] tensor, or the dtypes differ.
 Expected: one site per KDA decode core. Skipped: model dtype / TP size not supported, static M
-outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16:
+outside the pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16:
 0.8 / 1.8 us faster per KDA layer step at M = 1 / 4 on an H200, 2.5 at 16 with fold_kda_step, which
 the gate lets through to 16 for it).
 """
@@ -32,6 +32,7 @@ import torch
 from ..patterns.graph import Fail, aten, dtype, is_call, match_rms_norm, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import KDA_DECODE_CORES, kda_decode_cores, retarget_functionalized
 
 _CORE = "k3::kda_step_decode_"
@@ -64,10 +65,10 @@ def _between(src, dst, order) -> set:
     return down
 
 
+@register
 class FoldKdaOnorm(K3Pass):
     name = "fold_kda_onorm"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
-    needs = ("fold_kda_step",)
     description = "KDA output norm (per-head RMSNorm(o) * sigmoid(g)) -> into k3::kda_step_decode_'s kernel"
     pattern = "mul(rms_norm(o, W_o), sigmoid(view(g))) with o = kda_step_decode_(...)[0] (per KDA decode layer)"
     emits = "k3::kda_step_decode_ with o_norm, gate, o_eps (its o normed and gated)"

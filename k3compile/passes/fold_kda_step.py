@@ -18,7 +18,7 @@ Its reference is kda_conv_decode_'s, then kda_decode_fb's: exact on CPU.
 Near-misses: the core is not fold_kda_fb's (that pass did not apply: disabled, gated off or a
 near-miss), its q, k, v are not one kda_conv_decode_'s outputs, or those are read elsewhere too.
 Expected: one site per KDA decode core. Skipped: model dtype / TP size not supported, static M
-outside the pass's batch range; on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M (M = 1..16:
+outside the pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16:
 2.7 us per KDA layer step at M=4 on an H200, a tie at M=1; at 16 slower alone, 2.5 us faster with
 fold_kda_onorm, which needs it).
 """
@@ -32,6 +32,7 @@ from ..ops import OPS
 from ..patterns.graph import Fail, is_call, strip
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import emit_functionalized, getitem, kda_decode_cores, last_of
 
 _CORE = "k3::kda_decode_fb"
@@ -57,10 +58,10 @@ def _outputs(n) -> dict:
     return out
 
 
+@register
 class FoldKdaStep(K3Pass):
     name = "fold_kda_step"
     core = "KDA"   # rewrites the reference model's KDA attention-core op: skipped (with a reason) without it
-    needs = ("fold_kda_conv", "fold_kda_fb")
     description = "KDA short conv + the f_b-folded recurrence -> k3::kda_step_decode_ (one kernel for the step)"
     pattern = "kda_decode_fb(view(q), view(k), view(v), ...) with q, k, v = kda_conv_decode_(...) (per KDA decode layer)"
     emits = "k3::kda_step_decode_, auto-functionalized on the conv state and the state"

@@ -16,7 +16,7 @@ Near-miss: an MLA output read by anything else than one such bmm (the step where
 differs), views that are not that permute (checked by replaying them on an index tensor; a dynamic
 M at its example value), a gate computed after the attention from values only the attention precedes.
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M. Prefill (mla_prefill) is left as it is.
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py). Prefill (mla_prefill) is left as it is.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..ops import OPS
 from ..patterns.graph import Fail, is_call, replays_to, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import retarget_functionalized
 from .lower_decode_gemm import _CHAIN_OPS
 
@@ -36,10 +37,10 @@ from .lower_decode_gemm import _CHAIN_OPS
 _CORE = "k3::mla_decode_normed"
 
 
+@register
 class FoldMlaOutput(K3Pass):
     name = "fold_mla_output"
     core = "MLA"   # rewrites the reference model's MLA attention-core op: skipped (with a reason) without it
-    needs = ("fold_mla_prologue", "lower_decode_gemm")
     description = "MLA split combine + value up-projection (+ output gate) -> k3::mla_decode_uv"
     pattern = "k3::decode_bmm(permute(o), W_uv, w_nk, G), o = mla_decode_normed(...) (per MLA decode layer)"
     emits = "k3::mla_decode_uv, in place of mla_decode_normed"

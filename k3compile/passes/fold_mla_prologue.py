@@ -17,7 +17,7 @@ Near-miss: a kv_new that is not that cat of one kv_a's normalised latent and its
 step where it differs: no RMSNorm, a norm without its [L] weight, other column ranges, kv_a not
 unit-stride). A q_rope that is not a contiguous copy is passed as it is (not a near-miss).
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M. Prefill (mla_prefill, T > 1 tokens) is left as it is.
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py). Prefill (mla_prefill, T > 1 tokens) is left as it is.
 """
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ from ..patterns.graph import Fail
 from ..patterns.mla import match_mla_prologue
 from ..patterns.structure import op_name
 from .base import K3Pass
+from .pipeline import register
 from .common import retarget_functionalized
 
 _MLA_DECODE = "k3model::mla_decode"
 
 
+@register
 class FoldMlaPrologue(K3Pass):
     name = "fold_mla_prologue"
     core = "MLA"   # rewrites the reference model's MLA attention-core op: skipped (with a reason) without it

@@ -17,7 +17,7 @@ and lowers the matched layer's expert op, where it is k3model::mxfp4_experts, to
 another dtype than the model's (fp32 plain-torch experts) are cast to it first (the model casts the
 finalized sum; this rounds each expert's result, within bf16 tolerance).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off; the reason is in the report). A site whose latent all-reduce +
 RMSNorm vLLM already fused (`patterns.vllm_forms`) is left as vLLM fused it, listed in a note and
 not counted as expected.
@@ -34,6 +34,7 @@ from ..patterns.moe import finalize, moe_partial, tail_add, topk_weights
 from ..patterns.roles import ResidualAdd
 from ..patterns.vllm_forms import prefused
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, last_of, replace, users_through_views
 
 
@@ -47,6 +48,7 @@ def _only_user(n, what):
     return us[0]
 
 
+@register
 class FoldMoeFinalize(K3Pass):
     name = "fold_moe_finalize"
     description = "top-k finalize + latent all-reduce + RMSNorm + up-proj shard + add -> k3::moe_latent_tail"

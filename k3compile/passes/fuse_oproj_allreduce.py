@@ -9,7 +9,7 @@ where a graph has no role-found layers, the first GEMM after each known attentio
 Emits:
     updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off; the reason is in the report). A site whose GEMM is not followed
 by exactly this chain is a near-miss, reported with the node where matching stopped. A site whose
 all-reduce vLLM already fused (FlashInfer/AITER all-reduce + residual + RMSNorm,
@@ -25,9 +25,11 @@ from ..patterns.graph import why_not_rms_norm
 from ..patterns.structure import op_name
 from ..patterns.vllm_forms import prefused
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, forward_gemm, getitem, last_of, replace, users_through_views
 
 
+@register
 class FuseOprojAllreduce(K3Pass):
     name = "fuse_oproj_allreduce"
     description = "o-proj GEMM + all-reduce + residual add (+ RMSNorm/AttnRes post-norm) -> k3::oproj_allreduce_residual"

@@ -18,7 +18,7 @@ elsewhere too stays, and only the add and the norm are fused (a note says so). A
 that vLLM's all-reduce fusion already took (FlashInfer / AITER, patterns.vllm_forms) is left as it is,
 named in a note and not counted as expected.
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range; on CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off). A mixer that does not parse (patterns.attnres) is a near-miss.
 """
 from __future__ import annotations
@@ -29,10 +29,12 @@ from ..patterns.graph import (Fail, aten, describe, is_call, match_all_reduce, m
                               shape, strip)
 from ..patterns.vllm_forms import is_vllm_fused_allreduce
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, getitem, last_of, replace, users_through_views
 from .fuse_oproj_allreduce import FuseOprojAllreduce
 
 
+@register
 class FuseResidualNorm(K3Pass):
     name = "fuse_residual_norm"
     description = "layer-input all-reduce + residual add + AttnRes/RMSNorm -> k3::residual_norm"

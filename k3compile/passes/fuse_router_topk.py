@@ -19,7 +19,7 @@ torch.topk's two (a radix select and a sort: 8.6 + 3.9 us at M=1, E=896 on an H2
 renormalisation: 5.2-5.4 us at M = 1..64 (bench/router_bench.py, BENCHMARKS.md). Its reference is
 the chain above in PyTorch (ops/reference.router_topk), bit-identical on CPU.
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
-Inductor, M outside options.CUDA_PROFITABLE_M. Near-miss: expert ids that are not the indices of
+Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py). Near-miss: expert ids that are not the indices of
 a topk over `sigmoid(logits) + bias` (say which step differs), or a selection that differs
 (softmax scores, the top-k values used, no renormalisation: match_router_topk's reason).
 """
@@ -32,6 +32,7 @@ from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_convert
 from ..patterns.moe import selection
 from ..patterns.router import match_router_topk
 from .base import K3Pass
+from .pipeline import register
 from ..patterns.structure import EXPERT_OPS, op_name
 from .common import emit, getitem, replace
 
@@ -52,6 +53,7 @@ def router_logits(ids):
     return strip_converts(strip(sig[0]).args[0])
 
 
+@register
 class FuseRouterTopk(K3Pass):
     name = "fuse_router_topk"
     description = "the router's selection (sigmoid, + bias, topk, gather, renormalise) -> k3::router_topk"

@@ -1,6 +1,6 @@
 """lower_decode_gemm: the decode GEMMs the other passes leave in the graph, onto k3's decode GEMM.
 
-Runs after the other rewrites (only fold_norm_gemv and fold_mla_output, which take the ops it emits,
+Runs after the other rewrites (only fold_mla_output, which takes the ops it emits,
 come after it), over what they left: the attention input projections (KDA in_proj and
 f_b, MLA qkv_a and q_b), the dense MLP, the LM head, and the MoE GEMMs of any MoE pass that did
 not apply. Inductor hands these to cuBLAS, whose kernels read a decode weight at 1.3-3.9 TB/s on
@@ -27,7 +27,7 @@ nothing else (the MLA output gate), G joins the op, `k3::decode_bmm(x, W, w_nk, 
 multiply goes: one kernel where Inductor launched a separate gate kernel. The op's result is
 stored token-major, so the views back to [M, H, N] and the o-proj's reshape copy nothing.
 Skipped: model dtype / TP size not supported, static M outside [1, 16] (one MMA tile of tokens);
-on CUDA with Inductor, M outside options.CUDA_PROFITABLE_M.
+on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..ops import OPS
 from ..patterns.graph import Fail, _weight_of, dtype, is_call, is_weight_like, replays_to, shape, strip, val
 from .base import K3Pass
+from .pipeline import register
 
 aten = torch.ops.aten
 
@@ -124,6 +125,7 @@ def _has_weight(n) -> bool:
     return any(is_weight_like(_weight_of(o)[0] if i else strip(o, converts=True)) for i, o in enumerate(ops))
 
 
+@register
 class LowerDecodeGemm(K3Pass):
     name = "lower_decode_gemm"
     description = "decode GEMMs left in the graph (x @ W.T, W a weight) -> k3::decode_gemm; per-head bmm -> k3::decode_bmm"

@@ -34,8 +34,10 @@ from ..patterns.structure import EXPERT_OPS
 from ..patterns.vllm_forms import Prefused
 from .base import K3Pass
 from .common import emit, last_of, replace
+from .pipeline import register
 
 
+@register
 class LowerMxfp4Experts(K3Pass):
     name = "lower_mxfp4_experts"
     description = "routed MXFP4 experts in plain torch (dequantise + einsum) -> k3::mxfp4_experts"

@@ -1,4 +1,4 @@
-"""Runs the K3 passes in a fixed order over a post-grad graph and writes the match report.
+"""Runs the K3 passes in the order of passes/pipeline.py over a post-grad graph and writes the match report.
 
 Used as Inductor's `post_grad_custom_post_pass` (a `CustomGraphPass`, so the FX graph cache
 keys on `uuid()`), or directly on a graph in the backend's "eager" mode and in the CLI.
@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import os
 import pathlib
 import time
 import warnings
@@ -22,42 +21,19 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph
 
 from ..ops import describe_kernels
+from ..config import knobs
 from ..options import K3Options
 from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
 from ..patterns.vllm_forms import has_vllm_attn_res
-from . import (fold_kda_conv, fold_kda_fb, fold_kda_gate, fold_kda_onorm, fold_kda_step, fold_mla_output,
-               fold_mla_prologue, fold_resnorm_gemm, fold_resnorm_moe, fold_router_topk,
-               fold_moe_finalize, fold_norm_gemv, fuse_oproj_allreduce, fuse_residual_norm, fuse_router_topk,
-               lower_decode_gemm, lower_mxfp4_experts, overlap_shared_expert, shard_router_latent)
+from .pipeline import passes as _pipeline_passes
 
 log = logging.getLogger("k3compile")
 
-PASSES = {
-    p.name: p for p in (
-        shard_router_latent.ShardRouterLatent(),
-        fuse_router_topk.FuseRouterTopk(),
-        lower_mxfp4_experts.LowerMxfp4Experts(),
-        fold_moe_finalize.FoldMoeFinalize(),
-        fuse_oproj_allreduce.FuseOprojAllreduce(),
-        fuse_residual_norm.FuseResidualNorm(),
-        fold_kda_gate.FoldKdaGate(),
-        fold_kda_conv.FoldKdaConv(),
-        fold_kda_fb.FoldKdaFb(),
-        fold_kda_step.FoldKdaStep(),
-        fold_kda_onorm.FoldKdaOnorm(),
-        fold_mla_prologue.FoldMlaPrologue(),
-        overlap_shared_expert.OverlapSharedExpert(),
-        lower_decode_gemm.LowerDecodeGemm(),
-        fold_norm_gemv.FoldNormGemv(),
-        fold_mla_output.FoldMlaOutput(),
-        fold_resnorm_gemm.FoldResnormGemm(),
-        fold_resnorm_moe.FoldResnormMoe(),
-        fold_router_topk.FoldRouterTopk(),
-    )
-}
+# every pass of the pipeline table (passes/pipeline.py), in its order
+PASSES = _pipeline_passes()
 
 
 class K3StrictError(RuntimeError):
@@ -89,10 +65,6 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
-# environment variables the passes and patterns read while they rewrite a graph (part of the uuid)
-REWRITE_ENV = ("K3_ATTENTION_OPS", "K3_EXPERT_OPS", "K3_CONV_INPLACE")
-
-
 class PassManager(CustomGraphPass):
     def __init__(self, opts: K3Options | None = None, passes: dict | None = None, name: str = "graph",
                  dump: bool = False, observer=None, compile_range: tuple[int, int] | None = None):
@@ -116,10 +88,9 @@ class PassManager(CustomGraphPass):
         import torch.distributed as dist
         rank = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         # the rewrite bakes in this rank's shard offsets, so the rank is part of the key; so are the
-        # environment switches read while rewriting (the options read theirs when made: in opts.key()),
-        # so that a changed switch never reuses a graph Inductor's cache holds from before
-        env = ",".join(f"{k}={os.environ[k]}" for k in REWRITE_ENV if k in os.environ)
-        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{env}"
+        # options (the user switches read when they were made) and every experiment knob (config.Knobs),
+        # so that a changed setting never reuses a graph Inductor's cache holds from before
+        return f"{_source_hash()}:{self.opts.key()}:{rank}:{torch.__version__}:{knobs().key()}"
 
     def __call__(self, graph: Graph) -> None:
         register_inductor_fallbacks()

@@ -25,7 +25,7 @@ plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetc
 flow, not a side-effect op, so no scheduler can drop or reorder it away from its all-reduce.
 On CPU both are ordering no-ops (the reference runs the shared expert in line).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside
-the pass's batch range; on CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+the pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off). The prefetch has its own gate entry, "prefetch", which is
 empty: the per-layer benchmark measured it slower at every M, so by default it is not placed (a
 note in the report says why); gate="off" with options.prefetch places it.
@@ -43,6 +43,7 @@ from ..patterns.moe import finalize, selection
 from ..patterns.roles import ResidualAdd
 from ..patterns.vllm_forms import count_vllm_fused_allreduces
 from .base import K3Pass, gated_off
+from .pipeline import register
 from .common import emit, forward_gemm, last_of, replace, users_through_views
 
 _ELEMENTWISE = {
@@ -52,6 +53,7 @@ _ELEMENTWISE = {
 }
 
 
+@register
 class OverlapSharedExpert(K3Pass):
     name = "overlap_shared_expert"
     description = "shared expert -> side stream (k3::shared_expert_async + k3::stream_join); L2 prefetch during all-reduces"

@@ -21,7 +21,7 @@ table has the stacked shape and M, else each GEMM as lower_decode_gemm would run
 one input, the router's 896 rows alone filling a part of the SMs: 7.0 us for 2.9 us of bytes.)
 The router's selection on those logits is the next pass's (fuse_router_topk).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
-pass's batch range. On CUDA with Inductor, M outside its options.CUDA_PROFITABLE_M range (the
+pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off; the reason is in the report). Near-miss: (E + L) not divisible
 by TP, router and latent weights of different dtypes, no router GEMM on the same input.
 """
@@ -39,9 +39,11 @@ from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, dtype, is_call,
 from ..patterns.moe import finalize, selection, topk_weights
 from ..patterns.roles import ResidualAdd
 from .base import K3Pass
+from .pipeline import register
 from .common import emit, getitem, last_of, replace
 
 
+@register
 class ShardRouterLatent(K3Pass):
     name = "shard_router_latent"
     description = ("replicated router + latent down-projection -> k3::router_latent_sharded (GEMM on 1/TP rows "

@@ -5,13 +5,12 @@ delta is (an attention o-proj, a dense MLP, a MoE with its router top-k), whatev
 the attention cores and experts are. The expected site count of every pass derives from these
 (an o-proj per layer, a router per MoE layer), so a site that fails to match shows up as
 "matched < expected". Known opaque ops are mapped to roles as well (`ATTENTION_OPS`,
-`EXPERT_OPS`, plus names a user adds in K3_ATTENTION_OPS / K3_EXPERT_OPS, comma-separated
+`EXPERT_OPS`, plus names a user adds in K3_KNOBS attention_ops / K3_KNOBS expert_ops, comma-separated
 `ns::name`): the folds that rewrite an attention core need its op; where a graph has no role-found
 layers (a graph cut inside a layer), the layers counted from these ops stand in.
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,7 +29,8 @@ EXPERT_OPS = {"k3model::mxfp4_experts", "k3::mxfp4_experts"}  # the second: afte
 
 
 def _extra(var: str) -> set[str]:
-    return {s.strip() for s in os.environ.get(var, "").split(",") if s.strip()}
+    from ..config import knob
+    return {s.strip() for s in knob(var).split(",") if s.strip()}
 
 
 @dataclass
@@ -101,7 +101,7 @@ def resolve_group(name: str) -> tuple[int, int]:
 
 def analyze(graph) -> GraphInfo:
     info = GraphInfo()
-    attn_ops, exp_ops = ATTENTION_OPS | _extra("K3_ATTENTION_OPS"), EXPERT_OPS | _extra("K3_EXPERT_OPS")
+    attn_ops, exp_ops = ATTENTION_OPS | _extra("attention_ops"), EXPERT_OPS | _extra("expert_ops")
     dtypes, ms = Counter(), Counter()
     for n in graph.nodes:
         name = op_name(n)

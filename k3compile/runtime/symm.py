@@ -15,12 +15,12 @@ quotes. Workspaces live until `release()` (registered with atexit) or process ex
 from __future__ import annotations
 
 import atexit
-import os
+from ..config import env, knob
 from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BYTES = int(os.environ.get("K3_SYMM_BYTES", 16 << 20))
+DEFAULT_BYTES = int(env("K3_SYMM_BYTES") or 16 << 20)
 # the last FLAG_BYTES of the buffer: per-tile flags of the CuTe push GEMM (int32 [world, 128] per
 # rank; zeroed at allocation), outside the two data halves
 FLAG_BYTES = 64 << 10
@@ -64,14 +64,20 @@ _WS: dict[tuple[str, int], Workspace] = {}
 _WHY: dict[str, str] = {}  # group -> why it has no workspace
 
 
+def note_unavailable(key: str, why: str) -> None:
+    """Record why symmetric memory could not serve a call (`key`: the group, or "group/what"); the first
+    reason for a key is kept (status() lists them)."""
+    _WHY.setdefault(key, why)
+
+
 def unavailable_reason(group: str | None) -> str | None:
     """Why symmetric memory cannot serve `group` (None: it can, or may once allocated)."""
     if not group:
         return "no TP group"
     if group in _WHY:
         return _WHY[group]
-    if os.environ.get("K3_SYMM", "1") == "0":
-        return "K3_SYMM=0"
+    if knob("symm", "1") == "0":
+        return "K3_KNOBS=symm=0"
     if not torch.cuda.is_available():
         return "no CUDA"
     try:

@@ -11,7 +11,7 @@
   sm_90a on a machine with no GPU (fake tensors) into a cubin + PTX + JSON manifest per variant,
   cached by (kernel source, shapes / tile config, DSL version). `build.ensure` builds one
   variant the same way: the JIT path, which `choose._find` takes on first use when the DSL is
-  installed and no artifact fits (`K3_CUTE_JIT=0` turns it off; never inside a CUDA graph
+  installed and no artifact fits (`K3_KNOBS=cute_jit=0` turns it off; never inside a CUDA graph
   capture). Run on the H200 with the DSL installed there (BENCHMARKS.md).
 - `loader.py`: loads a cubin with the CUDA driver and launches it (no DSL at run time).
 - `choose.py` (in `kernels/`): CuTe or the default path per op and M.

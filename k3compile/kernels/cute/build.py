@@ -33,7 +33,7 @@ artifact on first use: when the loader finds no artifact for a wanted shape and 
 names the variants that cover it, `ensure` compiles each into the artifact directory with this
 same code (fake tensors, `--gpu-arch sm_90a` whatever GPU the process runs on, the same cache
 key and manifest checks) under a per-variant file lock (TP ranks share the directory), and the
-loader looks again. `K3_CUTE_JIT=0` turns it off; it never compiles inside a CUDA graph capture. A
+loader looks again. `K3_KNOBS=cute_jit=0` turns it off; it never compiles inside a CUDA graph capture. A
 stale artifact (another key) is still used as found; only a missing one is built. Tested on CPU
 (tests/test_cute.py) and on the H200 (tests/test_gpu_cute.py, with the DSL installed from wheels).
 """
@@ -55,7 +55,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def default_dir() -> Path:
-    return Path(os.environ.get("K3_CUTE_DIR") or Path.home() / ".cache" / "k3compile" / "cute")
+    from ...config import env
+    return Path(env("K3_CUTE_DIR") or Path.home() / ".cache" / "k3compile" / "cute")
 
 
 def variants(alt: bool = False) -> list[dict]:
@@ -90,7 +91,7 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # halved: 4-15% faster at every measured batch, 6db8633 and bab4aec), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # variants of the f16x2 kernels, by tag (choose.mxfp4_tag picks one by shape and batch; benchmarks
-# force one with env K3_CUTE_MXFP4_TAG=tag; "alt" ones are built only with --alt). "xf" (built by
+# force one with env K3_KNOBS=cute_mxfp4_tag=tag; "alt" ones are built only with --alt). "xf" (built by
 # default: dispatch takes it at <= choose.CUTE_XF_MAX_N tokens where "ldgd" has no range) is a
 # gate-up that issues its activation loads before the first cp.async wait (1-10% faster at 1-2
 # tokens, slower at 8-16; bab4aec) and pairs with the default down; "m32" keeps mid in fp32, the
@@ -117,7 +118,7 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # the shift dequantisation (3.75 integer ops per code pair), the default until the
               # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
               "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
-              # probes (wrong results; loader.find_mxfp4 serves them only with K3_CUTE_PROBE=1, for
+              # probes (wrong results; loader.find_mxfp4 serves them only with K3_KNOBS=cute_probe=1, for
               # bench/experts_probe.py): xf's gate-up without the math (what its loads cost) and
               # without the weight loads (what its math costs); ldgnm / ldgnl the same of ldgd
               "nomath": dict(probe="nomath", x_first=True, modes=("gate_up",), alt=True),

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from ...config import knob
 
 # CUtensorMap enums (cuda.h)
 TMA_DTYPE = {"bf16": 9, "fp16": 6, "fp32": 7, "u8": 0}           # CU_TENSOR_MAP_DATA_TYPE_*
@@ -378,7 +378,7 @@ def find_mxfp4(art_dir: Path, I: int, L: int, K: int, math: str = "f32",
         except ValueError:
             continue
         op, sh = man.get("variant", {}).get("op"), man.get("shapes", {})
-        if man.get("probe") and os.environ.get("K3_CUTE_PROBE") != "1":
+        if man.get("probe") and knob("cute_probe") != "1":
             continue        # a timing probe with wrong results (build.MXFP4_TAGS): benchmarks only
         if (op in ("mxfp4_gate_up", "mxfp4_down") and man.get("math", "f32") == math and sh.get("I") == I and sh.get("L") == L
                 and man.get("tag", "") == tag and (op == "mxfp4_down" or sh.get("K") == K)

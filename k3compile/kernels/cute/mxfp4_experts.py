@@ -50,7 +50,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   `griddepcontrol.launch_dependents` once its weight bytes are in flight, and the down kernel
   issues its own weight and scale loads, then `griddepcontrol.wait`s before it reads mid. The
   loader launches down with programmatic stream serialisation (manifest "pdl": "wait") unless
-  K3_CUTE_PDL=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
+  K3_KNOBS=cute_pdl=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
 - Options: mid="bf16" (the f16x2 artifacts' default) stores gate-up's output as bf16, and down

@@ -1,7 +1,7 @@
 """Compile the Triton kernels for sm_90 on a machine without a GPU (catches compile errors that
 the CPU interpreter does not see, and lets tests inspect the PTX).
 
-    python -m k3compile.kernels.aot_check [--quick]
+    python -m bench.aot_check [--quick]   (from the repository root)
 """
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import triton_comm as K
-from . import triton_cols as KL
-from . import triton_moe as KM
-from . import triton_gemv as KG
-from . import triton_router as KR
-from . import triton_conv as KC
-from . import triton_kda as KK
-from . import triton_mla as KA
-from . import triton_resgemm as KRG
+from k3compile.kernels import triton_comm as K
+from k3compile.kernels import triton_cols as KL
+from k3compile.kernels import triton_moe as KM
+from k3compile.kernels import triton_gemv as KG
+from k3compile.kernels import triton_router as KR
+from k3compile.kernels import triton_conv as KC
+from k3compile.kernels import triton_kda as KK
+from k3compile.kernels import triton_mla as KA
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -61,13 +60,9 @@ def variants():
                 out.append((f"ar_residual_norm w{world} nb{nb} res{has_res} norm{has_norm}", K.ar_residual_norm_kernel,
                             ints, dict(RANK=0, WORLD=world, NB=nb, HAS_NORM=has_norm, HAS_RES=has_res,
                                        BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1)))
-        if world == 1:   # K3_GEMV_PDL: the layer-input op at TP=1 letting the GEMV after it launch at once
+        if world == 1:   # K3_KNOBS gemv_pdl: the layer-input op at TP=1 letting the GEMV after it launch at once
             out.append(("trigger ar_residual_norm w1 nb3", K.ar_residual_norm_kernel, ints,
                         dict(RANK=0, WORLD=1, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
-                             TRIGGER=1)))
-        if world == 1:   # K3_MMA_PDL: the tail letting the up GEMM after it launch at once
-            out.append(("trigger latent_tail w1", K.latent_tail_kernel, ints,
-                        dict(TOPK=16, RANK=0, WORLD=1, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1,
                              TRIGGER=1)))
         out.append((f"latent_tail w{world}", K.latent_tail_kernel, ints,
                     dict(TOPK=16, RANK=0, WORLD=world, BLOCK_N=4096, BLOCK_SP=8192, DTYPE=tl.bfloat16, SEQ=1)))
@@ -92,17 +87,17 @@ def variants():
     out.append(("loop ar_residual_norm w8", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
     # seven blocks (four loaded together, launch.AR_PRELOAD), and each block row loaded just before its
-    # reduction (K3_AR_PRELOAD=0)
+    # reduction (K3_KNOBS=ar_preload=0)
     for nb, pre in ((7, 1), (3, 0), (8, 1)):
         out.append((f"preload{pre} ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=8, NB=nb, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PRELOAD=pre)))
-    # the AttnRes sources one after another (K3_AR_JOINT=0), at group sizes 1 and 8
+    # the AttnRes sources one after another (K3_KNOBS=ar_joint=0), at group sizes 1 and 8
     for world in (1, 8):
         out.append((f"seq ar_residual_norm w{world} nb3", K.ar_residual_norm_kernel, ints,
                     dict(RANK=0, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          JOINT=0)))
-    # the CAS-handshake barrier (K3_BARRIER_SEQ=0)
+    # the CAS-handshake barrier (K3_KNOBS=barrier_seq=0)
     out.append(("cas ar_residual_norm w2", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=2, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=0)))
     out.append(("l2_prefetch", K.l2_prefetch_kernel, ints, dict(LANES=128)))
@@ -113,7 +108,7 @@ def variants():
     out.append(("router_topk E896 int32 ids", KR.router_topk_kernel, dict(ints, logits="*bf16", bias="*fp32",
                                                                           ids="*i32", scale="fp32"),
                 dict(K=16, KP=16, BLOCK=1024)))   # what fuse_router_topk emits before the expert ops
-    gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32", g="*bf16", eps="fp32")
+    gv = dict(ints, x="*bf16", w="*bf16", out="*bf16", K="i32", sxm="i32", swn="i32", som="i32")
     for mp, bn, bk in ((1, 8, 512), (4, 4, 1024), (8, 16, 256)):  # M = 1 / 4 / 8 tiles of the sweep
         out.append((f"gemv MP{mp} BN{bn} BK{bk}", KG.gemv_kernel, gv,
                     dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=1, ACC=0)))
@@ -122,57 +117,25 @@ def variants():
     out.append(("gemv lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, LAZY=1)))
     out.append(("gemv lazy MP2 ragged", KG.gemv_kernel, gv, dict(MP=2, BLOCK_N=8, BLOCK_K=512, EVEN_K=0, ACC=0, LAZY=1)))
     out.append(("gemv pdl", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=1, ACC=0, PDL=1, GDC=1)))
-    # K3_GEMV_PDL: the lazy and stacked (TWO) forms with the weight slice's L2 prefetch before the wait
+    # K3_KNOBS gemv_pdl: the lazy and stacked (TWO) forms with the weight slice's L2 prefetch before the wait
     out.append(("gemv pdl pf lazy", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,
                                                              GDC=1, LAZY=1, PF=16384, LANES=128)))
     out.append(("gemv pdl pf two", KG.gemv_kernel, dict(gv, N1="i32", swn2="i32", som2="i32"), dict(MP=1, BLOCK_N=4, BLOCK_K=1024, EVEN_K=1, ACC=0, PDL=1,
                                                             GDC=1, LAZY=1, TWO=1, PF=65536, LANES=128)))
-    # the MLA q_b GEMV at M=1 with the q_a RMSNorm in its x loads (fold_norm_gemv's k3::decode_gemm_normed)
-    out.append(("gemv norm", KG.gemv_kernel, gv, dict(MP=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=0, ACC=0, NORM=1)))
-    out.append(("rms_norm", KG.rms_norm_kernel, dict(ints, x="*bf16", g="*bf16", out="*bf16", K="i32", sxm="i32",
-                                                      som="i32", eps="fp32"), dict(BLOCK=2048)))
-    mg = dict(gv, part="*fp32", cnt="*i32", w2="*bf16", out2="*bf16", N1="i32", swn2="i32", som2="i32",
-              beta="fp32", lbeta="fp32")
+    mg = dict(gv, part="*fp32", cnt="*i32", w2="*bf16", out2="*bf16", N1="i32", swn2="i32", som2="i32")
     for sw, bn in ((0, 32), (1, 64)):
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
                         dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
-    # K3_MMA_PDL: the PDL secondary with its rows' L2 prefetch before the wait (plain and swapped)
-    out.append(("mma_gemm pdl pf split2", KG.mma_gemm_kernel, mg,
-                dict(BM=16, BN=32, BK=128, SPLIT=2, SWAP=0, EVEN_K=1, ACC=0, PDL=1, PF=16384, LANES=128)))
-    out.append(("mma_gemm pdl pf swap", KG.mma_gemm_kernel, mg,
-                dict(BM=16, BN=64, BK=256, SPLIT=1, SWAP=1, EVEN_K=1, ACC=1, PDL=1, PF=16384, LANES=128)))
     # two weights in one launch (the router + latent down-projection at TP=1: launch.mma_gemm2)
     out.append(("mma_gemm two swap split4", KG.mma_gemm_kernel, mg,
                 dict(BM=16, BN=64, BK=128, SPLIT=4, SWAP=1, EVEN_K=1, ACC=0, TWO=1)))
-    # the shared expert's down GEMM with its SiTU in the x loads (launch.situ_mlp)
-    out.append(("mma_gemm swap situ", KG.mma_gemm_kernel, mg,
-                dict(BM=16, BN=64, BK=128, SPLIT=1, SWAP=1, EVEN_K=1, ACC=0, SITU=1)))
-    # the layer-input residual + AttnRes norm in the GEMM that reads it (k3::residual_norm_gemm), as the
-    # KDA in_proj (unswapped, unsplit) and the MLA qkv_a (split) configs take it, 3 blocks and none
-    rg = dict(ints, res="*bf16", od="i64", upd="*bf16", g="*bf16", w_norm="*bf16", w_qk="*bf16", w="*bf16",
-              out="*bf16", part="*fp32", cnt="*i32", K="i32", swn="i32", som="i32", w2="*bf16", out2="*bf16",
-              N1="i32", swn2="i32", som2="i32", **{f"o{i}": "i64" for i in range(8)})
-    for nb, bn, bk, sp, sw in ((3, 32, 256, 1, 0), (3, 32, 128, 2, 0), (0, 32, 256, 1, 0), (3, 64, 128, 2, 1)):
-        out.append((f"resnorm_gemm nb{nb} {'swap ' if sw else ''}split{sp}", KRG.resnorm_gemm_kernel, rg,
-                    dict(NB=nb, BM=16, BN=bn, BK=bk, SPLIT=sp, SWAP=sw, EVEN_K=1, IEEE=0, ALIGNED=1)))
-    out.append(("resnorm_gemm nb3 two swap split2", KRG.resnorm_gemm_kernel, rg,   # router + latent (TP=1)
-                dict(NB=3, BM=16, BN=64, BK=128, SPLIT=2, SWAP=1, EVEN_K=1, IEEE=0, ALIGNED=1, TWO=1)))
-    # the latent tail at TP=1 in the up-projection GEMM (launch.tail_gemm): the world-1 latent up's
-    # config (mmas 64/256/1/4/3) at M=1, top-16 (16 rows), and at 32 rows (BK halved), split
-    tg = dict(ints, y="*bf16", tw="*fp32", g="*bf16", w="*bf16", sp="*bf16", out="*bf16", part="*fp32", cnt="*i32",
-              K="i32", eps="fp32", swn="i32", ssp="i32", som="i32")
-    for bx, bk, sp in ((16, 256, 1), (32, 128, 2)):
-        out.append((f"tail_gemm rows{bx} swap split{sp}", KRG.tail_gemm_kernel, tg,
-                    dict(TOPK=16, BM=16, BX=bx, BN=64, BK=bk, SPLIT=sp, SWAP=1, EVEN_K=1, IEEE=0)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
                out="*bf16", H="i32", CH="i32", NS="i32", scale="fp32", sqm="i32", sqh="i32", srm="i32", srh="i32",
                scm="i32", scs="i32", som="i32", soh="i32", snm="i32", kv_w="*bf16", eps="fp32")
     out.append(("mla_split L512", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0)))
     # with the kv_a RMSNorm in the kernel (fold_mla_prologue's k3::mla_decode_normed)
     out.append(("mla_split L512 norm", KA.mla_split_kernel, mla, dict(L=512, R=64, BH=16, BS=32, IEEE=0, NORM=1)))
-    out.append(("mla_split L512 norm pipe", KA.mla_split_kernel, mla,
-                dict(L=512, R=64, BH=16, BS=32, IEEE=0, NORM=1, PIPE=1)))
     out.append(("kda_conv_decode", KC.kda_conv_decode_kernel,
                 dict(ints, CQ="i32", sxq="i32", sxk="i32", sxv="i32", ssm="i32", ssc="i32", sst="i32", snm="i32",
                      snc="i32", snt="i32"),

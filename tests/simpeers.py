@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import launch
-from ..runtime.symm import max_programs
+from k3compile.kernels import launch
+from k3compile.runtime.symm import max_programs
 
 
 class SimGroup:
@@ -83,7 +83,7 @@ def _mixer_case(g, world: int, M: int, N: int, nblocks: int, dtype, device, mine
     """What the o-proj and layer-input cases share: residual, AttnRes blocks and weights, the
     partials (this rank's from mine(), the peers' random) held by a simulated group, and the
     reference (updated, normed) over them."""
-    from ..model.functional import attnres_mix
+    from k3compile.model.functional import attnres_mix
     res = _rnd(g, device, dtype, M, N)
     blocks = [_rnd(g, device, dtype, M, N) for _ in range(nblocks)]
     w_norm, w_qk, gam = ((torch.rand(N, generator=g, device=device) + 0.5).to(dtype) for _ in range(3))
@@ -138,7 +138,7 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     (finalize + all-reduce + RMSNorm kernel, then the up-projection shard [up, L] into columns
     [0, up) of the shared partial); reference from PyTorch over the same partials."""
     import torch.nn.functional as F
-    from ..model.functional import rms_norm
+    from k3compile.model.functional import rms_norm
     g = torch.Generator(device=device).manual_seed(seed)
     y = _rnd(g, device, dtype, M, topk, L)
     tw = torch.softmax(torch.randn(M, topk, generator=g, device=device), -1)
