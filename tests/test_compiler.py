@@ -34,6 +34,9 @@ def _expect_full_match(passes, tp):
         assert error is None, (name, error)
         if skipped == "disabled by options":
             continue
+        if name == "lower_mxfp4_experts":   # the reference model's experts are an expert op already
+            assert skipped and "no plain-torch experts" in skipped, (name, skipped)
+            continue
         assert skipped is None, (name, skipped)
         assert matched == expected > 0, (name, matched, expected)
 

@@ -41,9 +41,16 @@ def _passes(rep):
     return {p["name"]: p for p in rep["passes"]}
 
 
+# passes with nothing to do on this model, and the reason their report gives
+NOT_APPLICABLE = {"lower_mxfp4_experts": "no plain-torch experts to lower"}   # its experts are an expert op
+
+
 def _full_match(rep, tp):
     for name, p in _passes(rep).items():
         assert p["error"] is None, (name, p["error"])
+        if name in NOT_APPLICABLE:
+            assert p["skipped"] and NOT_APPLICABLE[name] in p["skipped"], (name, p["skipped"])
+            continue
         assert p["skipped"] is None, (name, p["skipped"])
         assert p["matched"] == p["expected"] > 0, (name, p["matched"], p["expected"], p["near_misses"][:3])
 

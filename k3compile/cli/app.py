@@ -173,10 +173,10 @@ def _execute(spec, graph=None, trust_code=False, sym=None, rank=None, tp_given=N
         fail(str(e), 2)
     except GraphFileError as e:
         fail(str(e))
-    except Exception as e:  # noqa: BLE001 - one line for the user; K3C_DEBUG=1 for the traceback
-        if knob("cli_debug"):
+    except Exception as e:  # noqa: BLE001 - one line for the user; the cli_debug knob for the traceback
+        if knob("cli_debug") not in ("", "0"):
             raise
-        fail(_one_line(e) + "  (K3C_DEBUG=1 shows the traceback)")
+        fail(_one_line(e) + "  (K3_KNOBS=cli_debug=1 shows the traceback)")
 
 
 def _one_line(e: Exception) -> str:

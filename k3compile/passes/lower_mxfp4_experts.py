@@ -13,7 +13,7 @@ Emits:
 CUDA the op runs the MXFP4 expert kernels (CuTe or Triton); the model's region dequantised every
 selected expert's weights into fp32 tensors first.
 Not counted as expected: a MoE whose experts are already an expert op (k3model::mxfp4_experts, an
-op named in K3_EXPERT_OPS). Near-miss: experts in an opaque op of another project, a value table
+op named in the expert_ops knob). Near-miss: experts in an opaque op of another project, a value table
 that is a graph input (its values are not known when compiling), another weight layout or
 activation (the evaluation differs).
 Skipped: every MoE's experts an expert op already (the reference model); model dtype not in
