@@ -8,10 +8,10 @@ Variants (launch module settings; every variant in the same run, cold weights: `
   k3           the defaults (early reads, one vector atomic to signal / poll the peers)
   k3_late      peer-independent reads after the barrier wait (COMM_EARLY=0)
   k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
-  k3_before    both: the 45ff89b kernels
+  k3_before    both: the kernels before COMM_EARLY / COMM_VEC
   gemm         the op's GEMM alone (torch.mm, cold)
   k3_fat / k3_lean  (oproj, resnorm) the all-reduce + norm kernel without / with launch.AR_LEAN at
-               every group size (the default: by group size, launch._ar_form); until e6cb7a8 "k3" was lean
+               every group size (the default: by group size, launch._ar_form); before that default "k3" was lean
   k3_w8/_w16/_w32  (oproj, resnorm) that kernel with 8 / 16 / 32 warps (launch.AR_WARPS; the default
                by width, 16 at group size >= 8 and M=1)
   k3_fat_w16   both
@@ -44,7 +44,7 @@ AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w
                "k3_joint_w32": {"AR_JOINT": True, "AR_WARPS": 32},
                "k3_w1_late": {"AR_W1_FIRST": False}}  # group size 1: the block rows loaded after the store
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
-# AR_VARIANTS; until 9a1fa9c "k3" was the kernel without the preload and k3_preload the one with it
+# AR_VARIANTS; before AR_PRELOAD's default "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}
 # every op: the column-split kernels (triton_cols, launch.COLS, the default at M <= COLS_MAX_M) with other
 # widths, and the row kernels

@@ -149,7 +149,7 @@ def main():
                     # the output buffer must not hold an earlier variant's (correct) result: keep
                     # those alive and leave a NaN-filled block of this size for the allocator to
                     # reuse, so rows a kernel never writes fail the check (the dn2x down that could
-                    # read mid too early passed it at M=4 in 04ea468's run: the race, or stale memory)
+                    # read mid too early passed it at M=4 in one run: the race, or stale memory)
                     torch.full((M, TOPK, L), float("nan"), dtype=x.dtype, device="cuda")
                     out = fn(r=ids)
                     keep.append(out)

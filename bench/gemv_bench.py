@@ -3,7 +3,7 @@ tensor-core split-K `mma_gemm_kernel`) over a config sweep vs cuBLAS (torch.mm),
 one GPU, cold weights (each captured call reads the next of enough weight copies to exceed the
 L2), CUDA-graphed, per weight shape and M. The MMA configs are tiles (MMA_TILES) crossed with
 splits along K, kept where the grid has between MMA_MIN_PROGRAMS and MMA_MAX_PROGRAMS programs
-(`mma_configs`); the CUDA-core GEMV runs only its two best configs of the e2f234a sweep
+(`mma_configs`); the CUDA-core GEMV runs only its two best configs of an earlier full sweep
 (`--all-gemv`: all of CONFIGS). cuBLAS is timed first and last (drift shows).
 
 Shapes (N, K) are the bf16 GEMMs of the per-layer benchmark's ranks (tp8 = TP=8 per-rank widths
@@ -49,7 +49,7 @@ SHAPES = {  # name: (N, K)
 }
 CONFIGS = [(2, 1024, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4),
            (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 8, 3)]
-GEMV_BEST = [(2, 1024, 4, 4), (4, 1024, 4, 3)]   # the only winners of the e2f234a sweep
+GEMV_BEST = [(2, 1024, 4, 4), (4, 1024, 4, 3)]   # the only winners of an earlier full sweep
 # MMA GEMM tiles (BN, BK, stages, swap), 4 warps, crossed with splits along K
 MMA_TILES = [(16, 256, 4, False), (32, 256, 4, False), (32, 128, 6, False), (64, 128, 4, False),
              (64, 256, 3, False), (64, 128, 4, True), (64, 256, 3, True), (128, 128, 3, True)]

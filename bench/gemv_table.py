@@ -11,9 +11,9 @@ The shapes named in --keep, and the shapes not swept, keep GEMV_TABLE's entries 
 config was picked for the side stream beside the router top-k, not for the GEMM alone.
 The shapes named in --mma-only (default: the router + latent down stacked at TP=1, 4480x7168) take the
 sweep's best tensor-core ("mma") config, also where cuBLAS timed faster: launch.mma_gemm2 runs the two stacked weights in one launch only
-with an MMA config, and a CUDA-core GEMV config there splits it into two GEMMs. On an H100 at b8043ff
+with an MMA config, and a CUDA-core GEMV config there splits it into two GEMMs. On an H100
 the two took 8.0 + 22.5 us of the KDA step's replay against 26.1 stacked
-(bench/results/layer_kda_tp8_w1_h100_b8043ff_tab.json, BENCHMARKS.md thirty-fifth session).
+(bench/results/layer_kda_tp8_w1_h100_b8043ff_tab.json, BENCHMARKS.md).
 """
 from __future__ import annotations
 

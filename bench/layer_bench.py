@@ -19,8 +19,8 @@ step of that layer, CUDA-graphed, for:
               GEMVs), k3-cute_pdl (the CuTe GEMVs without Programmatic Dependent Launch
               between gate-up and down, K3_KNOBS=cute_pdl=0) and k3-gemv (every GEMM on cuBLAS: no tuned
               decode GEMM in the ops or in lower_decode_gemm's op, K3_KNOBS=gemv=0); all of them without
-              the L2 prefetch, which the gate applies nowhere (until
-              commit d4e7aeb they had it, which mixed its cost into every pass's row);
+              the L2 prefetch, which the gate applies nowhere (earlier
+              runs had it, which mixed its cost into every pass's row);
               --ablate-passes P,Q keeps only those passes' rows (with k3none, k3-prefetch, k3-gemv)
   inductor_pdl / k3_pdl - (--pdl) Inductor and k3 with Inductor's Programmatic Dependent Launch
   k3_push   - (--push) k3 with the o-proj GEMM as the CuTe push-epilogue kernel (K3_KNOBS=cute_push=1:

@@ -115,7 +115,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
             one = forced(kop[op], k3, True)
             variants["k3_late"] = with_knobs(one, COMM_EARLY=False)
             variants["k3_loop"] = with_knobs(one, COMM_VEC=False)
-            variants["k3_before"] = with_knobs(one, COMM_EARLY=False, COMM_VEC=False)   # the 45ff89b kernels
+            variants["k3_before"] = with_knobs(one, COMM_EARLY=False, COMM_VEC=False)   # the kernels before COMM_EARLY / COMM_VEC
             if op == "latent_tail":   # w_up pulled into L2 on the side stream during the all-reduce
                 variants["k3_prefetch_up"] = forced(kop[op], prefetch, True)
         part_us = {}

@@ -34,7 +34,7 @@ class K3Options:
     bake_module_floats: bool = True
     # Programmatic Dependent Launch in Inductor's Triton kernels (config triton.enable_pdl): "auto" turns
     # it on for CUDA graphs on Hopper or newer where this torch has the option; "on" / "off" force it
-    # (K3_PDL). Measured on 2 x H200 (BENCHMARKS.md "Inductor's Programmatic Dependent Launch", commit 6eecf90): k3 4.2-14.9 us faster per
+    # (K3_PDL). Measured on 2 x H200 (BENCHMARKS.md "Inductor's Programmatic Dependent Launch"): k3 4.2-14.9 us faster per
     # layer step (KDA / MLA, TP=8 shapes, M=1 and 16), errors unchanged; plain Inductor gained at
     # most 6.2 us and lost up to 8.7 with it
     pdl: str = "auto"

@@ -2,15 +2,15 @@
 
 `CUTE_M[op] = (lo, hi)`: the M range where the CuTe kernel measured faster on the GPU
 (BENCHMARKS.md). `mxfp4_experts`: the CuTe f16x2 GEMVs (`cute_h2`) were 1.14-1.38x faster than
-Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200, commit 4477321),
-so they are the default there for bf16 activations; up to M=128 since c958188's and be22071's
+Triton v3 at every measured M (TP=8 shapes M=1/4/16/64, TP=2 M=1/16; one H200),
+so they are the default there for bf16 activations; up to M=128 after later
 runs (uniform routing, TP=8 / TP=2 shapes): 1.4-1.6x v3 at M = 96, 128, 256, and faster than
 the expert-grouped v3g up to M=128 (at 128: 1.14x / 1.02x), slower from 192 (0.92x / 0.77x),
-where the grouped Triton kernel is the default (v4g since the twenty-fifth session, 1.4-1.5x v3g at
+where the grouped Triton kernel is the default (v4g, 1.4-1.5x v3g at
 M=256; up to launch.MXFP4_GROUPED_MAX_N = 256, the largest M run). With skewed routing v3g was faster from
 M=16 on, but dispatch cannot see the routing. `oproj` (the skinny GEMM) has no range: it
 measured equal to cuBLAS at best. `oproj_push` (the skinny GEMM with the push all-reduce
-epilogue, `push_gemm`) has none: on 2 x H200 (c9fc013, cold weights, 3 AttnRes blocks) the op was
+epilogue, `push_gemm`) has none: on 2 x H200 (cold weights, 3 AttnRes blocks) the op was
 within 0.5 us of the pull path at TP=8 shapes M = 1..64 (22.1 vs 22.6 us at M=1), and the KDA /
 MLA layers with it within their rounds' spread (+2.1 / +2.4 us at M=1). `K3_KNOBS=cute=1` forces CuTe wherever an artifact fits, `K3_KNOBS=cute=0`
 turns it off; `K3_CUTE_DIR` is where `python -m k3compile.kernels.cute.build` put the artifacts.
@@ -30,15 +30,15 @@ import warnings
 import torch
 from ..config import knob
 
-# mxfp4_experts up to 79 since the twenty-sixth session: with v4g's bf16x2 scale (6e8cc72, TP=8 / TP=2
+# mxfp4_experts up to 79: with v4g's bf16x2 scale (TP=8 / TP=2
 # shapes, cold routings, cute_h2 / v4g us) M=64: 551 / 620, 2220 / 2232; M=80: 683 / 687, 2795 / 2473;
-# M=96: 811 / 754, 3308 / 2696. (Before that form, 182a112: up to 96.)
+# M=96: 811 / 754, 3308 / 2696. (Before that form: up to 96.)
 CUTE_M: dict[str, tuple[int, int]] = {"mxfp4_experts": (1, 79)}   # from GPU benchmark runs (docstring)
 # Programmatic Dependent Launch of the CuTe MXFP4 down kernel (it starts while gate-up drains): on at
 # every batch. Measured with a different routing each call, as in a model (`experts_bench.py --cold 8`,
-# d5905b1, one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
+# one H200, each case 4 times in alternating order; BENCHMARKS.md): TP=8 shapes (I=384)
 # M = 1/2/4/8 -0.2/-1.5/-1.9/-2.0 us with it, TP=2 shapes (I=1536) -1.7/-1.4/0.0/-6.7 us. (With the same
-# routing every call, d86b84b, M=1 at TP=8 had been 0.9-1.3 us slower with it: its 35 MB of experts
+# routing every call, M=1 at TP=8 had been 0.9-1.3 us slower with it: its 35 MB of experts
 # stayed in the L2 between calls.) K3_KNOBS=cute_pdl=0 turns it off.
 _WHY: dict[str, str] = {}
 
@@ -62,13 +62,13 @@ def wanted(op: str, m: int) -> bool:
 
 # the CuTe f16x2 gate-up with its activation loads before the first cp.async wait ("xf") up to this
 # many tokens: 1.0-1.8 us faster at 1 token, 0.1-0.6 us at 2, mixed at 4, slower at 8-16 (cold
-# routings, one H200, bab4aec: bench/results/experts_alt_cold8_h200_bab4aec.json)
+# routings, one H200: bench/results/experts_alt_cold8_h200_bab4aec.json)
 CUTE_XF_MAX_N = 2
 # the register-staged kernels ("ldgd", build.MXFP4_TAGS) up to this many tokens, by per-rank expert
 # width I. Cold routings, one H200, alternating repeats in one run (bench/results/experts_alt_cold8_h200_*):
-# with 8 + 8 gate-up rows per CTA (d225cce) against the kernels dispatch took before (xf up to 2
+# with 8 + 8 gate-up rows per CTA against the kernels dispatch took before (xf up to 2
 # tokens, untagged above), TP=8 (I=384) M = 1/2/4/8/16: 1.16 / 1.12-1.13 / 1.11 / 1.04-1.07 /
-# 1.07-1.12x; the 16 + 16 rows now built against those 8 + 8 (3ee2541): TP=8 1.01-1.04x at M <= 16,
+# 1.07-1.12x; the 16 + 16 rows now built against those 8 + 8: TP=8 1.01-1.04x at M <= 16,
 # and against the old kernels at TP=2 (I=1536) M = 2/4/8/16: 1.03 / 1.05-1.08 / 1.05-1.11 /
 # 1.04-1.08x (M=1: 1.02-1.03x over the 8 + 8 rows, which were 1.03-1.05x over xf). Not run above 16.
 CUTE_MXFP4_LDG = {384: 16, 1536: 16}
@@ -150,9 +150,9 @@ CUTE_GEMM_OPS = ("oproj",)  # the GEMMs the CuTe skinny GEMM was built for (N = 
 # {M: config name, or None where cuBLAS measured at least as fast}; a call with M takes the entry of
 # the smallest measured M >= M (none: cuBLAS). Config names as bench/gemv_bench.py writes them
 # ("mma[s] BN/BK/SPLIT/warps/stages": the tensor-core split-K kernel; "gemv BN/BK/warps/stages":
-# the CUDA-core GEMV). From the sweep at 3aa472c (bench/results/gemv_mma_h200_3aa472c.json, one
-# H200, cold weights, graphed; BENCHMARKS.md, thirteenth session): an entry where the best config
-# was >= 1.03x cuBLAS, None below; checked again against cuBLAS at 3dba9ee (other weights, 3
+# the CUDA-core GEMV). From the sweep in bench/results/gemv_mma_h200_3aa472c.json (one
+# H200, cold weights, graphed; BENCHMARKS.md): an entry where the best config
+# was >= 1.03x cuBLAS, None below; checked again against cuBLAS (other weights, 3
 # alternating repeats, M = 1 / 2 / 4 / 8 / 16): every entry 1.04-1.53x but (6144, 7168) at M=2, 0.99x. These are the per-rank shapes of the layer bench
 # (TP=8 widths on 2 GPUs, and TP=2); every other shape runs cuBLAS. K3_KNOBS=gemv_table=<gemv_bench
 # JSON> uses a sweep's result instead; K3_KNOBS=gemv_cfg="NxK=config;NxK=cublas" forces one weight
@@ -165,8 +165,8 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (3584, 3584): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},  # latent up shard
     # shared gate-up, TP=8: alone cuBLAS (split-K + a reduce kernel) was as fast at M = 1 / 4, but on the
     # side stream beside the routed path the MMA kernel with 96 programs leaves SMs to the one-program
-    # router top-k (which ran 4x slower beside cuBLAS's): k3 per layer step at world 1 (30bb50b,
-    # bench/results/layer_*_tp8_w1_h200_30bb50b_sharedmma.json), us at M = 1 / 4 / 16, cuBLAS -> this:
+    # router top-k (which ran 4x slower beside cuBLAS's): k3 per layer step at world 1
+    # (bench/results/layer_*_tp8_w1_h200_30bb50b_sharedmma.json), us at M = 1 / 4 / 16, cuBLAS -> this:
     # KDA 144.2 / 188.6 / 280.0 -> 133.6 / 178.1 / 278.8, MLA 149.0 / 172.3 / 278.1 -> 140.0 / 167.1 / 277.8
     # (192 programs, "mma 32/128/4/4/6": 136.6 / 180.4 / 279.7 and 143.7 / 168.2 / 275.1)
     (1536, 7168): {1: "mmas 64/128/4/4/4", 4: "mmas 64/128/4/4/4", 16: "mmas 64/128/4/4/4"},
@@ -181,32 +181,32 @@ GEMV_TABLE: dict[tuple[int, int], dict] = {
     (8256, 7168): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/128/1/4/4"},  # MLA qkv_a, TP=2
     (9216, 1536): {1: None, 4: None, 16: None},                                               # MLA q_b, TP=2
     # TP=1 at TP=8 head widths (layer_bench --world 1): the router, latent down and latent up whole.
-    # Sweep at 331e9a6 (bench/results/gemv_w1_h200_331e9a6.json, same rule): 1.09-1.11x, 1.05x at M=1
+    # Sweep in bench/results/gemv_w1_h200_331e9a6.json (same rule): 1.09-1.11x, 1.05x at M=1
     # (1.02x at 4 and 16: None), 1.13 / 1.14 / 1.03x
     (896, 7168): {1: "mmas 64/128/8/4/4", 4: "mmas 64/128/8/4/4", 16: "mmas 64/128/8/4/4"},   # router, TP=1
     (3584, 7168): {1: "mmas 64/128/4/4/4", 4: None, 16: None},                                # latent down, TP=1
     (7168, 3584): {1: "mmas 64/256/1/4/3", 4: "mmas 64/256/1/4/3", 16: "mmas 64/256/1/4/3"},  # latent up, TP=1
-    # the router and latent down stacked (launch.mma_gemm2, shard_router_latent at TP=1). Sweep at 5f8936e
-    # (bench/results/gemv_w1_stacked_h200_5f8936e.json): 19.2 / 19.4 / 19.5 us at M = 1 / 4 / 16 (cuBLAS
+    # the router and latent down stacked (launch.mma_gemm2, shard_router_latent at TP=1). Sweep in
+    # bench/results/gemv_w1_stacked_h200_5f8936e.json: 19.2 / 19.4 / 19.5 us at M = 1 / 4 / 16 (cuBLAS
     # 20.3 / 20.2 / 21.1), where the two alone took 7.4 + 16.2 us
     (4480, 7168): {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4", 16: "mmas 64/128/2/4/4"},
 }
 # Per-card rows over GEMV_TABLE (which was tuned on the H200), merged per M: the rows of the first key
 # that is a substring of the GPU's name. K3_KNOBS=gemv_card=<key> forces a key's rows, K3_KNOBS=gemv_card=none
 # turns them off; K3_KNOBS gemv_table and K3_KNOBS gemv_cfg take precedence. H100: the in_proj GEMMs at M=1 on
-# the CUDA-core GEMV (H100 sweep at b8043ff, bench/results/gemv_tune_h100_b8043ff.json; in the layer at
-# 8321eed, bench/results/layer_{kda,mla}_tp8_w1_h100_8321eed_gemvrows.json, us per step launch hidden:
-# KDA 142.1 -> 140.1, MLA 143.4 -> 141.5; the same configs on an H200 (048c4bd): KDA 114.9 -> 117.9,
+# the CUDA-core GEMV (H100 sweep: bench/results/gemv_tune_h100_b8043ff.json; in the layer:
+# bench/results/layer_{kda,mla}_tp8_w1_h100_8321eed_gemvrows.json, us per step launch hidden:
+# KDA 142.1 -> 140.1, MLA 143.4 -> 141.5; the same configs on an H200: KDA 114.9 -> 117.9,
 # MLA 120.1 -> 120.7, hence not in GEMV_TABLE). At M = 4 the H100 sweep's table changed nothing (177.6 /
-# 188.0 -> 177.6 / 188.3), so only M=1 rows. In place, on another H100 (680df18, ..._h100_680df18_card.json):
+# 188.0 -> 177.6 / 188.3), so only M=1 rows. In place, on another H100 (..._h100_680df18_card.json):
 # KDA 139.8 -> 138.9, MLA 140.9 -> 139.8.
 # The stacked router + latent down (4480 x 7168, TP=1; launch.mma_gemm2 with the GEMV's TWO form) at M=1:
-# forced in the layer on an H100 at f5fc5d7 (..._h100_f5fc5d7_rlgemv.json): KDA 138.5 -> 137.0, MLA
+# forced in the layer on an H100 (..._h100_f5fc5d7_rlgemv.json): KDA 138.5 -> 137.0, MLA
 # 140.0 -> 138.8 ("gemv 8/512/4/3": 140.7 / 143.8). The shared gate-up on the GEMV there was slower
 # (139.7 / 141.4): beside the routed kernels it wants the MMA kernel's programs.
-# Then the GEMV's LAZY form (one K sum after the loop, "gemvl"): swept alone at M=1 on an H100 (5fec68c,
-# bench/results/gemv_lazy_h100_5fec68c.json) it took 0.3-0.6 us less than the plain picks on these four
-# shapes; in the layer (a8800d9, ..._h100_a8800d9_lazyx.json, 5 rounds) all four at once: KDA 140.0 ->
+# Then the GEMV's LAZY form (one K sum after the loop, "gemvl"): swept alone at M=1 on an H100
+# (bench/results/gemv_lazy_h100_5fec68c.json) it took 0.3-0.6 us less than the plain picks on these four
+# shapes; in the layer (..._h100_a8800d9_lazyx.json, 5 rounds) all four at once: KDA 140.0 ->
 # 139.0, MLA 140.9 -> 139.5 (the stacked one alone: 139.1 / 140.2).
 GEMV_TABLE_BY_CARD: dict[str, dict[tuple[int, int], dict]] = {
     "H100": {(6284, 7168): {1: "gemvl 8/512/4/3"},     # KDA in_proj, TP=8

@@ -23,8 +23,8 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 # (one posted write per peer), 0 = the CAS handshake. Read once: every rank and every kernel of a
 # process must use the same one (the two leave different values in the signal slots).
 SEQ_BARRIER = int(knob("barrier_seq", "1"))
-# bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, the
-# twenty-seventh session's run "96a1ab8", where K3_KNOBS ar_warps was read at each launch for layer_bench's env
+# bench sweeps only: warps of the all-reduce/norm kernel (0: by width). At group size 1 (one H200, a
+# run where K3_KNOBS ar_warps was read at each launch for layer_bench's env
 # variants; layer_*_tp8_w1_h200_96a1ab8_warps.json, BENCHMARKS.md)
 # 16 warps were equal to the 8 of _warps and 32 slower (+1.5-4 us per layer step at M = 1 / 4 / 16)
 AR_WARPS = int(knob("ar_warps", "0"))
@@ -35,7 +35,7 @@ COMM_EARLY = knob("comm_early", "1") == "1"
 COMM_VEC = knob("comm_vec", "1") == "1"
 # AR_PRELOAD: the all-reduce / norm kernel loads the first four AttnRes block rows together before
 # reducing them (triton_comm._ar_pre; the same values, errors 0 against the reference on the H200).
-# One H200, simulated peers, 9a1fa9c (bench/results/comm_sim_resnorm_b{3,7}_h200_9a1fa9c.json): the
+# One H200, simulated peers (bench/results/comm_sim_resnorm_b{3,7}_h200_9a1fa9c.json): the
 # layer-input op with 3 blocks 6.5-6.8 vs 6.7-7.0 us at world 1, M = 1..16; at group size 8 27.2 /
 # 28.9 / 29.2 vs 27.1 / 31.0 / 31.0 us (M = 1 / 4 / 16); 7 blocks 0.3-0.5 us faster. K3_KNOBS=ar_preload=0: the
 # kernel before (each block row loaded just before it is reduced).
@@ -44,24 +44,24 @@ AR_PRELOAD = knob("ar_preload", "1") == "1"
 # LEAN: g and the AttnRes query loaded where used, the residual row in the model dtype); None = by
 # group size (_ar_form), True / False = always / never (K3_KNOBS=ar_lean=1 / 0). ptxas (sm_90a, 8 warps, 3
 # AttnRes blocks): spills per thread at group size 8 3.2 KB -> 0.7 KB, at 2 108 -> 56 bytes. One H200,
-# simulated peers, 3 blocks, e6cb7a8 (bench/comm_sim_bench.py AR_VARIANTS; BENCHMARKS.md, seventeenth
-# session), us, lean / not: group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
+# simulated peers, 3 blocks (bench/comm_sim_bench.py AR_VARIANTS; BENCHMARKS.md), us, lean / not:
+# group size 8, layer-input op M = 1 / 16: 26.2 / 27.9, 16.4 / 29.3; o-proj op
 # 38.3 / 37.9, 25.4 / 44.1; group size 2 and 1 it was 0.2-1.0 us slower (10.5 / 10.1, 7.3 / 6.6 at M=1).
 # AR_WARPS_M1: the warps at group size >= 8 and one row (M=1): 22.5 (16 warps) vs 26.2 (8) for the
-# layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4). Since
-# a57f020 32, with the joint reductions (AR_JOINT below).
+# layer-input op, 31.6 vs 38.3 for the o-proj op; at M=16 16 warps were slower (25.1 vs 16.4). Now
+# 32, with the joint reductions (AR_JOINT below).
 AR_LEAN = {"1": True, "0": False}.get(knob("ar_lean"))
 # AR_JOINT: the kernel's AttnRes sources four at a time, their sums of squares in one reduction and
 # their logits in a second (triton_comm._mix4), and at group size 1 the updated row among them
 # (_ar_row_w1: 3 reductions with up to 3 blocks, not 9). None = at group size 1 only (_ar_form); K3_KNOBS=ar_joint=1 /
-# 0: always / never. One H200, simulated peers, 3 AttnRes blocks, 679bc84 (comm_sim_bench AR_VARIANTS k3_seq;
+# 0: always / never. One H200, simulated peers, 3 AttnRes blocks (comm_sim_bench AR_VARIANTS k3_seq;
 # bench/results/comm_sim_ar_joint_h200_679bc84.json), us, joint / one by one: group size 1, layer-input op
 # M = 1 / 4 / 16: 5.47 / 6.63, 5.77 / 6.77, 5.81 / 6.76; o-proj op 13.25 / 14.60 at M=1. Group size 8 (lean):
 # M=1 22.4 / 22.7, but M = 4 / 16 26.0 / 15.9 and 26.7 / 16.6 (o-proj 38.7 / 24.7 at M=4): slower there.
-# At group size 8 and one row, joint with 32 warps (AR_WARPS_M1) was faster than any other form: a57f020
+# At group size 8 and one row, joint with 32 warps (AR_WARPS_M1) was faster than any other form
 # (comm_sim_ar_w8_h200_a57f020.json), us, layer-input op / o-proj op: 15.5 / 23.7 against 22.4 / 31.3 (lean,
 # 16 warps, one by one: the form before), 23.3 / 31.2 one by one with 32 warps, 22.5 / 31.2 joint with 16;
-# the same at 679bc84 (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
+# the same in comm_sim_ar_joint_h200_679bc84.json (15.4 / 23.6). Simulated peers: no NVLink trip in these times.
 AR_JOINT = {"1": True, "0": False}.get(knob("ar_joint"))
 AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # COLS: the column-split forms of the all-reduce / norm and latent-tail kernels (triton_cols) at
@@ -69,7 +69,7 @@ AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # the rows' reductions are exchanged once between the programs. Read at launch, for bench variants:
 # K3_KNOBS=cols=0 / 1 (the row kernels / this form at any group size), K3_KNOBS cols_max_m, K3_KNOBS cols_w.
 # COLS_MAX_PROGRAMS keeps the grid barrier's programs all resident. One H200, simulated peers
-# (f1f0e95, `bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
+# (`bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
 # rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
 # tail (+ up GEMM) 13.3 / 15.6; group size 1: 6.5 / 5.2, 15.1 / 13.3, 10.4 / 10.6. At M=4 and at 256
 # columns per program the AttnRes form took 80-700 us (spills: COLS_MAX_TILE below), so: M=1, group
@@ -78,7 +78,7 @@ COLS, COLS_MIN_WORLD, COLS_MAX_M, COLS_W, COLS_MAX_PROGRAMS = True, 2, 1, 128, 6
 # COLS_MAX_TILE: the most elements of the [rows, sources, columns] tile one program holds. On the GPU
 # machine's Triton 3.6 the AttnRes form at 512 (one row, 4 sources, 128 columns) compiled to 168
 # registers without spills, at 1024 and more to 32 registers and 1.4-5.3 KB of spills per thread, and
-# took 82-707 us (bench/cols_probe.py at 41ffe02, bench/results/cols_probe_h200_41ffe02.json; with the
+# took 82-707 us (bench/cols_probe.py, bench/results/cols_probe_h200_41ffe02.json; with the
 # grid barrier skipped still 16-615 us): beyond it (e.g. 5-8 AttnRes sources at 7168 columns, which
 # would need more than COLS_MAX_PROGRAMS programs) the row kernels run.
 COLS_MAX_TILE = 512
@@ -586,18 +586,18 @@ def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
 
 # GEMV_PDL_PF: bytes of each program's weight rows the CUDA-core GEMV requests into L2 before its PDL wait, by
 # weight shape, where the GEMV reads the output of the one-program TP=1 all-reduce / norm kernel (which lets it
-# launch at its start: TRIGGER). One H200, bench/pdl_probe.py at 51d35a4 (bench/results/pdl_probe_h200_51d35a4.json),
+# launch at its start: TRIGGER). One H200, bench/pdl_probe.py (bench/results/pdl_probe_h200_51d35a4.json),
 # norm + GEMV pair, us, no PDL / PDL alone / 8 / 16 / 32 / 64 KiB: MLA qkv_a (gemvl 4/1024/4/3) 19.82 / 19.86 /
 # 17.15 / 17.11 / 18.39 / 21.15; KDA in_proj (gemvl 8/512/4/3) 28.47 / 28.44 / 25.70 / 25.52 / 26.67 / 29.22; the
 # stacked router + latent (gemvl 2/1024/4/4, 2240 programs) 24.00 / 23.86 / 24.99 / 25.20 / 26.93 / 26.41: slower,
 # so not in the table. PDL with no prefetch gains nothing, and a GEMV launched with PDL after a kernel that does not
 # trigger (the MLA q_b after Inductor's norm) took 5.44 us against 4.77 in the layer: only the pair gets it.
-# One H100, the same probe at f41d0ef (pdl_probe_h100_f41d0ef.json), us, no PDL / 8 / 16 / 32 / 64 KiB: qkv_a 24.77 /
+# One H100, the same probe (pdl_probe_h100_f41d0ef.json), us, no PDL / 8 / 16 / 32 / 64 KiB: qkv_a 24.77 /
 # 20.06 / 19.83 / 21.59 / 24.23, in_proj 37.19 / 32.94 / 32.62 / 33.74 / 34.86, router + latent 28.74 / 27.06 /
 # 28.27 / 30.40 / 29.64 (the H200 runs these three on the MMA GEMM, where no PDL applies). In the layers at M=1
 # (layer_{kda,mla}_tp8_w1_h100_f41d0ef_pdl.json), us with the launch hidden, no PDL / qkv_a and in_proj at 16 KiB:
 # KDA 138.8 / 135.2, MLA 139.4 / 135.1, every round of the second below every round of the first. With the router +
-# latent at 8 KiB too (843c313, layer_*_h100_843c313_pdl1.json; no PDL / without that entry / this table): KDA
+# latent at 8 KiB too (layer_*_h100_843c313_pdl1.json; no PDL / without that entry / this table): KDA
 # 139.0 / 135.2 / 132.4, MLA 139.4 / 134.9 / 132.5; M = 4 and 16 (MMA GEMMs there) unchanged within 0.4 us.
 GEMV_PDL_PF = {(3648, 7168): 16384, (6284, 7168): 16384, (4480, 7168): 8192}
 GEMV_PDL_DEFAULT = True   # GEMV_PDL_PF applied with K3_KNOBS gemv_pdl unset
@@ -770,7 +770,7 @@ ROUTER_TOPK_MAX_E = 4096  # one row in one program's registers
 
 # the router top-k's selection: Triton's bitonic top-k (tl.topk over the packed keys, one pass, 8 warps)
 # instead of k max-reduction rounds (4 warps); K3_KNOBS=router_sort=0/1 overrides. One H200, E = 896, top-16
-# (bench/router_bench.py at 82d2ce6, bench/results/router_topk_h200_82d2ce6.json), us at M = 1 / 4 / 16:
+# (bench/router_bench.py, bench/results/router_topk_h200_82d2ce6.json), us at M = 1 / 4 / 16:
 # rounds 4 warps 5.24 / 5.24 / 5.27; bitonic 4 warps 4.75 / 4.77 / 4.79, 8 warps 3.79 / 3.84 / 3.86,
 # 16 warps 4.09 / 4.09 / 4.13. (E > 1024 not measured; those take 16 warps bitonic, 8 by rounds.)
 ROUTER_SORT = True
@@ -800,7 +800,7 @@ def router_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float, 
 # heads per program, cache rows per tile, programs aimed at, fewest cache rows per split, warps. A split's
 # fp32 partial (H x L) costs as much to write and combine as 2 x H / (L + R) of its rows cost to read (at
 # 12 heads and a 1025-row context, splits of 32 rows write 0.8 MB of partials for 1.2 MB of cache), yet
-# more programs win at decode: one H200, 12 heads, context 1024, 917d221 (bench/mla_bench.py,
+# more programs win at decode: one H200, 12 heads, context 1024 (bench/mla_bench.py,
 # bench/results/mla_sweep_h200_917d221.json), us at M = 1 / 4 / 16, fewest rows 32 / 64 / 128 (4 warps):
 # 10.0 / 11.0 / 14.3, 10.6 / 11.4 / 15.1, 24.4 / 24.4 / 24.1 (the op's PyTorch reference 61.2, 80.8,
 # 184.2); 8 warps no better; tiles of 64 rows do not fit in shared memory.
@@ -808,8 +808,8 @@ MLA_BH, MLA_BS, MLA_PROGRAMS, MLA_MIN_CH, MLA_WARPS = 16, 32, 132, 32, 4
 # columns of the latent per combine program where the (token, head) rows alone give fewer programs than
 # MLA_PROGRAMS (a TP=8 rank at M=1 has 12 heads: 12 programs, each reading every split's [L] partial);
 # 0: one program per row. MLA layer at TP=8 widths, one H200, replay timeline, combine kernel us at M = 1 /
-# 4 / 16 with 0 / 64 / 128 columns: 4.16 / 3.10 / 4.61, 4.42 / 4.19 / 5.50, 1.98 / 4.06 / 3.68 (5854264,
-# bench/results/layer_mla_tp8_w1_h200_5854264_mlaout.json; M=16 has 192 rows: split there it is slower).
+# 4 / 16 with 0 / 64 / 128 columns: 4.16 / 3.10 / 4.61, 4.42 / 4.19 / 5.50, 1.98 / 4.06 / 3.68
+# (bench/results/layer_mla_tp8_w1_h200_5854264_mlaout.json; M=16 has 192 rows: split there it is slower).
 # K3_KNOBS mla_combine_bl overrides at every M (0: never split)
 MLA_COMBINE_BL = 64
 
@@ -829,12 +829,12 @@ def mla_decode_fits(q_lat, q_rope, kv_new, kv_cache) -> bool:
 
 # value columns per program of the MLA combine + value up-projection kernel (K3_KNOBS mla_uv_bv overrides).
 # MLA layer at TP=8 widths, one H200, 16 vs 32 columns, us at M = 1 / 4 / 16: 122.8 / 162.7 / 268.8 vs
-# 122.0 / 161.0 / 270.1 (ad84e26, bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
+# 122.0 / 161.0 / 270.1 (bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json): within noise
 MLA_UV_BV = 16
 # the combine + value up-projection with the split count a constant (triton_mla._combine_splits_flat;
 # warps MLA_UV_WARPS), FLAT up to MLA_UV_FLAT_MAX_M tokens. K3_KNOBS mla_uv_flat (at every M) / K3_KNOBS mla_uv_warps
-# override. MLA layer at TP=8 widths, one H200, us at M = 1 / 4 / 16 (a867659,
-# bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 / 158.8 / 267.0, FLAT 123.6 /
+# override. MLA layer at TP=8 widths, one H200, us at M = 1 / 4 / 16
+# (bench/results/layer_mla_tp8_w1_h200_a867659_pipe.json): default 125.9 / 158.8 / 267.0, FLAT 123.6 /
 # 159.0 / 267.9 (combine kernel 5.15 -> 4.29 us at M=1)
 MLA_UV_FLAT, MLA_UV_FLAT_MAX_M, MLA_UV_WARPS = True, 1, 4
 
@@ -895,8 +895,8 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
 
 
 # channels per program of the KDA short conv (K3_KNOBS conv_block overrides; a power of two >= 32). KDA layer
-# at TP=8 widths on one H200, k3 with 1024 / 256 / 128, us at M=1: 139.5 / 137.1 / 138.2 (5f8936e),
-# 141.6 / 138.7 / 138.7 (6d00e84); M=4, 16 within 1 us (bench/results/layer_kda_tp8_w1_h200_*_{onegemm,tl}.json).
+# at TP=8 widths on one H200, k3 with 1024 / 256 / 128, us at M=1: 139.5 / 137.1 / 138.2 and
+# 141.6 / 138.7 / 138.7 in two runs; M=4, 16 within 1 us (bench/results/layer_kda_tp8_w1_h200_*_{onegemm,tl}.json).
 # 1024 gave a TP=8 rank's 4608 channels 5 programs at M=1, 256 gives 18
 CONV_BLOCK = 256
 
@@ -1061,9 +1061,9 @@ def _divisor(n: int, options=(128, 64, 32, 16)) -> int:
 
 MXFP4_VARIANTS = ("v1", "dot", "v2b", "v3", "v3g", "v4g", "cute", "cute_h2")
 # From this many tokens the default Triton kernel is v4g (pairs grouped by expert), below it v3.
-# v4g replaced v3g there: cold routings, one H200, TP=8 / TP=2 shapes (e611435, BENCHMARKS.md
-# twenty-fifth session), v4g (BL=128) vs v3g 1.22-1.20x at M=16, 1.25-1.23x at 64, 1.48-1.39x at
-# 256; MUL2 (the scales by bf16x2 multiplies) 1.20-1.23x more at M = 64, 256 (3fae985). (v3g vs v3
+# v4g replaced v3g there: cold routings, one H200, TP=8 / TP=2 shapes (BENCHMARKS.md),
+# v4g (BL=128) vs v3g 1.22-1.20x at M=16, 1.25-1.23x at 64, 1.48-1.39x at
+# 256; MUL2 (the scales by bf16x2 multiplies) 1.20-1.23x more at M = 64, 256. (v3g vs v3
 # before: 0.94-0.95x at M=64, 1.14-1.88x at M = 96..192, 2.2-2.3x at M=256.)
 # Not run above M=256: v3 stays the default there. MXFP4_GROUPED_MAX_P: the grouping is one
 # program over all P = M * top-k expert ids and all experts (mxfp4_experts_ok refuses more of either).
@@ -1078,7 +1078,7 @@ CUTE_FALLBACK = "v3"
 # Tiles by batch (tokens N <= bound), from the tile sweeps on the H200 (BENCHMARKS.md, TP=8 shapes).
 # v2b: at M=1 num_warps=8 was best, 35.6 us vs 43.9 us; at M=16 the pipelined loop with 32 rows,
 # 378 us vs 519 us. v3: its defaults at M=1 (22.8 us; the best of 9 tiles, BL=64, was 22.1 us,
-# within noise); at M=16 k steps of 128 bytes in gate-up, 231.3 us vs 246.5 us (commit 15adc9c).
+# within noise); at M=16 k steps of 128 bytes in gate-up, 231.3 us vs 246.5 us.
 # Shapes these tiles do not fit use the variant's defaults.
 MXFP4_TUNED = {"v2b": ((4, {"num_warps": 8}), (1 << 30, {"LOOP": 1, "num_stages": 3, "BI": 32})),
                "v3": ((4, {}), (1 << 30, {"BKB_GU": 128}))}

@@ -6,7 +6,7 @@ reference in Triton's CPU interpreter (tests/test_kernels.py) and on the H200 (t
 bf16, graphed). On by default: importing k3compile registers it (with torch.library, for the CUDA
 dispatch key; K3_KNOBS=mla_triton=0 leaves the reference), so the eager baseline of the benchmarks gets it
 as well as the compiled modes (the best standalone kernel in every mode, as fla-core is for the KDA
-decode). One H200, MLA layer at TP=8 widths, context 1024, a0b32af, the same call
+decode). One H200, MLA layer at TP=8 widths, context 1024, the same call
 (bench/results/layer_mla_tp8_w1_h200_a0b32af{,_triton}.json): k3 238.2 -> 169.3 us at M=1, 273.0 ->
 181.9 at 4, 458.6 -> 279.7 at 16; Inductor 286.2 -> 218.5 at M=1. The model itself knows nothing of
 this module.

@@ -16,7 +16,7 @@ previous kernel (`gdc_wait`) before it reads x, and lets the next kernel launch 
 wrote). A chain of such GEMVs streams weights across kernel boundaries instead of ramping up and
 draining each time, which a cuBLAS call cannot do. Across a chain of GEMVs that gains nothing (each
 fills the GPU, so the next one's programs find no room early): a KDA step's six GEMMs took 81.6 us with
-it, 77.6 without (`bench/gemv_bench.py --chain`, 2 x H200, 92e6e28). After a one-program kernel that
+it, 77.6 without (`bench/gemv_bench.py --chain`, 2 x H200). After a one-program kernel that
 triggers its dependents at its start (the TP=1 all-reduce / norm), with PF bytes of each program's rows
 requested into L2 before the wait, it hides most of that kernel (launch.gemv_pdl: 4.5-5 us per pair on
 an H100, bench/pdl_probe.py).

@@ -5,7 +5,7 @@ the cache, then attends in fp32 over the whole cache slice it needs: it casts th
 zeroes the slots past each sequence, and runs two batched GEMMs and a softmax on them. On an H200
 that is most of an MLA layer's attention time at decode (one MLA step at TP=8 widths, context 1024:
 the cache copies, the masked fill, the fp32 bmm's and the softmax, about 40 us of kernels for a
-1.2 MB cache row; bench/layer_bench.py --attribute, BENCHMARKS.md, seventeenth session).
+1.2 MB cache row; bench/layer_bench.py --attribute, BENCHMARKS.md).
 
 Here (flash-decoding): `mla_split_kernel`, grid (M, head blocks of BH, splits of the cache), writes
 the new token's row into the cache (one program) and takes it from kv_new everywhere else, reads

@@ -23,7 +23,7 @@ graph writes back.)
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
 Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (M = 1..16: at M=1 with the other passes 3.4 us faster per
 KDA layer step on an H200, 4 kernels fewer; slower alone; at M = 4, 16 faster with fold_kda_gate and
-fold_kda_fb; without fb, 02711a2: +1.2 / +0.2 us). Near-miss: a core whose v is not a slice of such a
+fold_kda_fb; without fb: +1.2 / +0.2 us). Near-miss: a core whose v is not a slice of such a
 conv (the step where the chain differs: not SiLU, not a sum over the window, more than one new
 token, a window used elsewhere). Prefill (kda_prefill, T > 1 tokens) is left as it is.
 """

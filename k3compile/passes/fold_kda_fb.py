@@ -10,7 +10,7 @@ Emits, in the same auto_functionalized node (the state update stays functionalis
 whose CUDA path is one Triton kernel (kernels/triton_kda.py): per (token, head, 32 value columns)
 the head's f (a K x R GEMV, rounded to the model dtype as F.linear's output), the norms, the gate,
 beta's sigmoid and the recurrence, where a cuBLAS GEMV and fla-core's fused_recurrent_kda ran one
-after the other (at M=1, TP=8 widths, 2.6 + 3.9 us and a 0.4 us gap on an H200, 8ceaf85 timeline).
+after the other (at M=1, TP=8 widths, 2.6 + 3.9 us and a 0.4 us gap on an H200, kernel timeline).
 Its reference is the mm, then k3::kda_decode_gated's reference: exact on CPU.
 Near-misses: f is not a linear of a [H * K, R] weight (a bias or residual folded into addmm, a
 weight stored [in, out], another dtype), or the product or its view has other readers.

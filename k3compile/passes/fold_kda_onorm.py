@@ -13,7 +13,7 @@ Emits: the same node with o_norm=W_o, gate=G, o_eps=eps added, its o now y (the 
 it; the norm's nodes go). On CUDA the step kernel's last program per head (the one that already
 shifts the head's q / k conv state) reads the head's V outputs back and writes them normed and gated:
 the Inductor norm kernel and its launch go (1.2 us and about 1 us of gaps at M=1, TP=8 widths, an
-H200, d50de8b timeline). Reference: kda_step_decode_'s, then model.functional.rms_norm and the
+H200, kernel timeline). Reference: kda_step_decode_'s, then model.functional.rms_norm and the
 sigmoid product: exact on CPU.
 Near-misses: the core is not fold_kda_step's (that pass did not apply), o (or a node between o and
 the norm's output) is read by more than the norm, the norm has no [V] weight, the gate is not

@@ -4,8 +4,7 @@ Runs after the other rewrites (only fold_mla_output, which takes the ops it emit
 come after it), over what they left: the attention input projections (KDA in_proj and
 f_b, MLA qkv_a and q_b), the dense MLP, the LM head, and the MoE GEMMs of any MoE pass that did
 not apply. Inductor hands these to cuBLAS, whose kernels read a decode weight at 1.3-3.9 TB/s on
-an H200 (the KDA in_proj at TP=8 widths, 90 MB, at 2.4-2.9; bench/gemv_bench.py, BENCHMARKS.md,
-thirteenth session).
+an H200 (the KDA in_proj at TP=8 widths, 90 MB, at 2.4-2.9; bench/gemv_bench.py, BENCHMARKS.md).
 
 Matches, per site: every `mm(x, W^T)` (F.linear without bias; W a 2-D weight, a graph input, in
 F.linear's [out, in] layout; x [M, K] of the model dtype, M static <= 16 or dynamic).

@@ -233,7 +233,7 @@ def register_inductor_fallbacks() -> int:
     new. Inductor's implicit path first logs `operator_str(target, args, kwargs)`, which torch 2.11
     formats eagerly, and an argument's IR string holds the whole chain of fallback kernels before it,
     shared inputs repeated: in a graph of k3 ops it doubles with each op (the 4-layer tiny model's
-    compile spent minutes in it on the GPU at 00795e4: BENCHMARKS.md, thirty-first session). vLLM
+    compile spent minutes in it on the GPU: BENCHMARKS.md). vLLM
     takes its own ops past that path for the same reason. Best-effort: where Inductor's internals
     differ, the implicit path runs as before."""
     try:

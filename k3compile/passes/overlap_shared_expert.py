@@ -16,9 +16,9 @@ gated off), or with options.pin_shared_fork off, the fork goes right after x, un
 Where s's only user is k3::moe_latent_tail, that op takes h and joins the side stream itself: no
 stream_join, no copy of s. History (bench/results, BENCHMARKS.md): forking after the router's selection,
 beside the routed experts only, measured slower (KDA / MLA at M=1 138.5 / 151.2 us against 133.6 /
-138.0, c46f57b); with the fork unpinned, Inductor put it beside the top-k in the KDA layer (good) but
-beside the router + latent GEMM in the MLA layer (+4.1 us on that GEMM, 140a20f), and a fork merely
-placed after the GEMM in the graph was launched after the top-k (6218490). Hence the pin.
+138.0); with the fork unpinned, Inductor put it beside the top-k in the KDA layer (good) but
+beside the router + latent GEMM in the MLA layer (+4.1 us on that GEMM), and a fork merely
+placed after the GEMM in the graph was launched after the top-k. Hence the pin.
 Then, at TP > 1 and with options.prefetch, gives every communication op the weights the graph
 reads right after it (up to options.prefetch_bytes): the `prefetch` list of each fused op, and
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data

@@ -88,19 +88,19 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # math: "f32" (fp32 FMAs, exact products) or "f16x2" (packed fp16 FMAs per 32-code block with a
 # per-thread power-of-two activation scale; ~20% fewer instructions; see mxfp4_experts.py), and the
 # dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
-# halved: 4-15% faster at every measured batch, 6db8633 and bab4aec), f32 math in fp32 (its point is accuracy)
+# halved: 4-15% faster at every measured batch), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
 # variants of the f16x2 kernels, by tag (choose.mxfp4_tag picks one by shape and batch; benchmarks
 # force one with env K3_KNOBS=cute_mxfp4_tag=tag; "alt" ones are built only with --alt). "xf" (built by
 # default: dispatch takes it at <= choose.CUTE_XF_MAX_N tokens where "ldgd" has no range) is a
 # gate-up that issues its activation loads before the first cp.async wait (1-10% faster at 1-2
-# tokens, slower at 8-16; bab4aec) and pairs with the default down; "m32" keeps mid in fp32, the
-# default before 6db8633's measurement
+# tokens, slower at 8-16) and pairs with the default down; "m32" keeps mid in fp32, the
+# default before bf16 mid measured faster
 MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # both kernels load their weight vectors into registers, one stage of 4 rows ahead of
               # the math (mxfp4_experts wload="ldg"), with xf's activation order; gate-up 16 gate + 16
               # up rows per CTA (32 rows per thread, stages of 4), down its default tile. Built by
-              # default: choose.CUTE_MXFP4_LDG's batches. Tried and dropped (02b50b7 / 3ee2541 runs):
+              # default: choose.CUTE_MXFP4_LDG's batches. Tried and dropped (measured):
               # 8 + 8 gate-up rows (2-9% slower at TP=2, 1-3% at TP=8), 4 + 4 (slower), down tiles of
               # 32 x 8, 64 x 16 and 128 x 16 rows x groups (slower but 128 x 16 at TP=8 M=1), stages of
               # 8 gate-up rows (slower).
@@ -110,13 +110,13 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               "ldg": dict(wload="ldg", x_first=True, modes=("gate_up",), gu=dict(rows=16, stages=8), alt=True),
               "m32": dict(mid="f32", modes=("gate_up", "down"), alt=True),
               # 16 rows per thread in down (BL = 2x the default; TP=2 only: at TP=8 down's 96 threads
-              # cannot reduce 128 rows): within run-to-run noise of the default (37f8de8). Kept as
+              # cannot reduce 128 rows): within run-to-run noise of the default. Kept as
               # the regression case of the PDL hazard ptx.ld_v4_dep avoids (with .nc loads ptxas
               # hoisted its mid reads above griddepcontrol.wait). (32 gate-up rows per thread,
-              # BI=16, measured 7-15% slower at every batch, 04ea468, and was removed.)
+              # BI=16, measured 7-15% slower at every batch, and was removed.)
               "dn2x": dict(bl2x=True, modes=("down",), alt=True),
               # the shift dequantisation (3.75 integer ops per code pair), the default until the
-              # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster (390620b)
+              # byte-permute one (2.75, mxfp4_experts.PB_PAIRS) measured faster
               "sh": dict(deq="shift", modes=("gate_up", "down"), alt=True),
               # probes (wrong results; loader.find_mxfp4 serves them only with K3_KNOBS=cute_probe=1, for
               # bench/experts_probe.py): xf's gate-up without the math (what its loads cost) and

@@ -18,7 +18,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   TP=8: 16 rows -> 28 KB per CTA). wload="ldg" (the "ldgd" kernels dispatch takes at up to 16
   tokens, choose.mxfp4_tag): the vectors go into registers, one stage of rows ahead of the stage
   being summed, so the sums overlap the loads instead of following most of them (Nsight Compute,
-  TP=8 M=1, cp.async gate-up: DRAM 37%, 0.39 issued warps per scheduler cycle; probes of d72f3fd:
+  TP=8 M=1, cp.async gate-up: DRAM 37%, 0.39 issued warps per scheduler cycle; probes:
   that gate-up takes 11.2 us, its loads alone 8.3, its math alone 7.8; the ldg one 8.9).
 - Dequantisation two codes per 3 integer ops (v3's trick): for a word w (8 codes, code j in nibble
   j) and k in 0..3, n = (k < 2 ? w : w >> 8) & (k even ? 0x000F000F : 0x00F000F0);
@@ -35,7 +35,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   partials each, then one thread per row sums the Q results; the epilogue (SiTU of gate row i and
   up row i; bf16 rounding for down) stores one value per row.
 - math="f16x2" (the "_h2" artifacts): codes as f16x2 patterns ((c & 7) << 9) | ((c & 8) << 12) =
-  value * 2^-14. deq="prmt" (the default since 390620b's measurement: median 1.06x the "shift" kernels over
+  value * 2^-14. deq="prmt" (the default, measured: median 1.06x the "shift" kernels over
   TP=8 / TP=2, M = 1..64, graphed, 0.97-1.28x; SASS 1600 instead of 1856 instructions per gate-up thread): the patterns' high bytes
   of a word's even and of its odd codes, 4 at a time (7 integer ops per word), then one byte
   permute per pair, 2.75 ops per pair (see PB_PAIRS); deq="shift" (the "sh" alternate): 3.75 ops
@@ -56,7 +56,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
 - Options: mid="bf16" (the f16x2 artifacts' default) stores gate-up's output as bf16, and down
   reads 64 bytes of it per thread instead of 128: every down CTA re-reads its pairs' mid rows
   (as many bytes as its weights with fp32), and Nsight Compute showed down's L1 at 84% of its
-  throughput and its DRAM at 50% at TP=8 M=16 (64% with bf16; 4-15% faster graphed, 6db8633 and bab4aec);
+  throughput and its DRAM at 50% at TP=8 M=16 (64% with bf16; 4-15% faster graphed);
   x_first emits gate-up's activation loads, ordered, ahead of its weights (in the default they
   are pure asm and the SASS issues them after the first cp.async wait, so their latency follows
   that stage's; with x_first ptxas still schedules them after the weights' cp.async, but before
@@ -205,8 +205,8 @@ class Mxfp4ExpertGemvSm90:
     arrived; with "ldg" they overlap the loads (gate-up alone, TP=8 M=1: 8.9 instead of 11.1 us).
     In down, ptxas moves the register loads below griddepcontrol.wait: with PDL its weights are
     then fetched after gate-up ends, not before (an L2 prefetch issued before the wait measured
-    slower, d28bc20; so did coherent loads, which ptxas keeps above the wait: tags ldgde / ldgde1
-    of 24a47c9, 1-4% slower at TP=8, c31c5e5).
+    slower; so did coherent loads, which ptxas keeps above the wait: tags ldgde / ldgde1,
+    1-4% slower at TP=8).
     probe (benchmarks only, wrong results): "nomath" replaces each block's dot by an XOR of its
     words (what the loads alone cost), "noload" skips the weight loads (what the math alone costs)."""
 
