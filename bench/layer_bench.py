@@ -499,7 +499,7 @@ def main():
                     help="one more k3 variant NAME, compiled, run and captured with these environment variables")
     ap.add_argument("--cache", choices=["random", "zero"], default="random",
                     help="the KV cache, KDA state and conv state the step starts from: random values (as after many "
-                         "steps; the default since the twenty-seventh session) or zeros (the runs before it)")
+                         "steps; the default) or zeros")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     envs = {}

@@ -233,7 +233,7 @@ def main():
     ap.add_argument("--comm", action="store_true",
                     help="o-proj and latent tail also with the communication kernels' options: k3_late (peer-"
                          "independent reads after the barrier wait), k3_loop (peers signalled and polled one "
-                         "by one), k3_before (both: the 45ff89b kernels); the latent tail with w_up "
+                         "by one), k3_before (both: the kernels before COMM_EARLY and COMM_VEC); the latent tail with w_up "
                          "prefetched into L2 on the side stream")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
