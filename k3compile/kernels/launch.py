@@ -69,7 +69,7 @@ AR_LEAN_MIN_WORLD, AR_WARPS_M1 = 4, 32
 # the rows' reductions are exchanged once between the programs. Read at launch, for bench variants:
 # K3_KNOBS=cols=0 / 1 (the row kernels / this form at any group size), K3_KNOBS cols_max_m, K3_KNOBS cols_w.
 # COLS_MAX_PROGRAMS keeps the grid barrier's programs all resident. One H200, simulated peers
-# (`bench/gpu_session.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
+# (`bench/gpu_steps.sh cols`, bench/results/comm_sim_cols_h200_f1f0e95.json), us, columns /
 # rows at M=1: group size 8: layer-input op 9.9 / 15.6, o-proj op (GEMM included) 18.6 / 23.8, latent
 # tail (+ up GEMM) 13.3 / 15.6; group size 1: 6.5 / 5.2, 15.1 / 13.3, 10.4 / 10.6. At M=4 and at 256
 # columns per program the AttnRes form took 80-700 us (spills: COLS_MAX_TILE below), so: M=1, group

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call, many steps: bench/gpu_session.sh STEP [STEP...]  (env: K3_MS, K3_ABLATE and
+# One device call, many steps: bench/gpu_steps.sh STEP [STEP...]  (env: K3_MS, K3_ABLATE and
 # K3_LB_EXTRA (more flags: --pdl, --attribute, --gemv-table F) for the layer steps, K3_VARIANTS for the expert steps)  (run from the repo root on the
 # GPU machine). The results name the commit from .k3_commit (here, before the call:
 # `git rev-parse --short HEAD > .k3_commit`, and carry it: it is git-ignored) or K3_COMMIT. Each step's output goes
@@ -100,8 +100,8 @@ for st in "$@"; do
     mlatests) step mla_tests 120 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "mla or reduce_overhead or tp1" ;;
     # test_gpu.py only; a test still running after 120 s dumps every thread's stack into the log
     gputest) step gpu_tests_main 420 python3 -m pytest -m gpu -q -rA --durations=25 -o faulthandler_timeout=120 tests/test_gpu.py ;;
-    # the reduce-overhead test that ran past 420 s at a96ee5a and 5d56fa4 (BENCHMARKS.md, thirtieth
-    # session), with each of the session-28/30 KDA folds skipped in turn, 100 s each, stacks after 60 s
+    # the reduce-overhead test that once ran past 420 s, with each of the later KDA folds skipped in
+    # turn, 100 s each, stacks after 60 s
     hang) for sk in none fold_kda_onorm fold_kda_step fold_kda_fb; do
             step "hang_$sk" 100 env K3_SKIP=$([ $sk = none ] || echo $sk) python3 -m pytest -m gpu -q -rA -x \
               -o faulthandler_timeout=60 tests/test_gpu.py -k reduce_overhead_uses_cuda_graphs
