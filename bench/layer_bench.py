@@ -92,20 +92,8 @@ def _layer_id(cfg, kind: str) -> int:
     return (mid or [i for i in ids if not cfg.is_dense(i)])[0]
 
 
-def _materialise(module, device, gen):
-    """Random weights in place of the meta ones: normal / sqrt(fan-in), norms near 1, MXFP4 codes
-    uniform, block scales 2^-9..2^-4 (unit-scale activations stay unit-scale)."""
-    import torch
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if t.dtype == torch.uint8:
-                lo, hi = (118, 124) if "scale" in name else (0, 256)
-                t.copy_(torch.randint(lo, hi, t.shape, generator=gen, device=device, dtype=torch.uint8))
-            elif "norm" in name or name.endswith((".g", "_g")) or t.dim() == 1:
-                t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=gen, device=device))
-            else:
-                t.copy_(torch.randn(t.shape, generator=gen, device=device) * t.shape[-1] ** -0.5)
+# random weights for the meta ones: the same as `k3c bench` (k3compile/cli/bench.py)
+from k3compile.cli.bench import materialise as _materialise  # noqa: E402
 
 
 def _floor_bytes(layer, cfg, tp_size: int, M: int, ctx: int, distinct_experts: int) -> int:

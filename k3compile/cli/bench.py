@@ -64,7 +64,7 @@ def layer_ids(cfg, kinds: list[str]) -> list[int]:
     return ids
 
 
-def _materialise(module, device, gen):
+def materialise(module, device, gen):
     """Random weights for the meta ones: normal / sqrt(fan-in), norms near 1, MXFP4 codes uniform,
     block scales 2^-9..2^-4 (unit-scale activations stay unit-scale)."""
     import torch
@@ -188,7 +188,7 @@ def run(kinds: list[str], tp: int, ms: list[int], ctx: int = 1024, rounds: int =
         raise BenchError(f"{len(ids)} layer(s) at TP={tp} widths need {need / 2**30:.1f} GiB of weights; "
                          f"the GPU has {free / 2**30:.1f} GiB free: use fewer layers or a larger --tp")
     gen = torch.Generator(device=dev).manual_seed(0)
-    _materialise(model.layers, dev, gen)
+    materialise(model.layers, dev, gen)
     layers = [model.layers[str(i)] for i in ids]
     nb = cfg.blocks_before(ids[0])
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
