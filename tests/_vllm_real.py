@@ -435,19 +435,41 @@ def compile_vllm_route(model, vc, k3_options: dict | None = None, compile_range=
 # all-reduced on its own, then added; "column" is tier 2 (prefill sizes on CUDA; every size on vLLM's CPU
 # platform, which turns the shared-experts stream off): W_up's rows of this rank added into the shared
 # partial's columns, then one all-reduce
-TAIL_TIERS = {"overlap": "ALLREDUCE_OVERLAP", "column": "COLUMN_PARALLEL"}
+# "overlap_flashinfer": tier 1 where FlashInfer is installed (Hopper): the latent's all-reduce + RMSNorm is
+# FlashInfer's fused op with a residual of zeros (tests/_vllm_ranks.py's CPU stand-in of that op)
+TAIL_TIERS = {"overlap": "ALLREDUCE_OVERLAP", "column": "COLUMN_PARALLEL", "overlap_flashinfer": "ALLREDUCE_OVERLAP"}
+_FI_SAVED: dict = {}
 
 
-def tail_tier(name: str | None) -> None:
-    """Make LatentMoERunner take tail tier `name` (TAIL_TIERS) whatever the token count (None: vLLM's choice)."""
+def tail_tier(name: str | None, model=None) -> None:
+    """Make LatentMoERunner take tail tier `name` (TAIL_TIERS) whatever the token count (None: vLLM's choice),
+    with FlashInfer's all-reduce + RMSNorm for the latent for "overlap_flashinfer" (the runner's zero
+    residual buffers of `model` dropped, so that, as in a server's first, compiled call, the trace makes it)."""
+    import vllm.model_executor.layers.fused_allreduce_gemma_rms_norm as far
     from vllm.models.kimi_k3.nvidia.latent_moe_runner import LatentMoERunner, LatentTailTier
     if not hasattr(LatentMoERunner, "_k3_select_tail_tier"):
         LatentMoERunner._k3_select_tail_tier = LatentMoERunner._select_tail_tier
+    keys = ("flashinfer_trtllm_fused_allreduce_norm", "_AR_RESIDUAL_RMS_NORM", "_can_use_flashinfer")
+    if not _FI_SAVED:
+        _FI_SAVED.update({k: getattr(far, k) for k in keys})
+    for k in keys:
+        setattr(far, k, _FI_SAVED[k])
     if name is None:
         LatentMoERunner._select_tail_tier = LatentMoERunner._k3_select_tail_tier
-    else:
-        tier = getattr(LatentTailTier, TAIL_TIERS[name])
-        LatentMoERunner._select_tail_tier = lambda self, fused_output, shared_output: tier
+        return
+    tier = getattr(LatentTailTier, TAIL_TIERS[name])
+    LatentMoERunner._select_tail_tier = lambda self, fused_output, shared_output: tier
+    if name == "overlap_flashinfer":
+        from _vllm_ranks import FI_OP, register_flashinfer_lookalike
+        register_flashinfer_lookalike()
+        far.flashinfer_trtllm_fused_allreduce_norm = getattr(torch.ops.vllm, FI_OP).default
+        far._AR_RESIDUAL_RMS_NORM = 1   # flashinfer.comm.AllReduceFusionPattern.kARResidualRMSNorm
+        far._can_use_flashinfer = lambda hidden_states, tp_size: (True, 64)
+        for m in (model.modules() if model is not None else ()):
+            runner = getattr(m, "runner", None) or getattr(m, "_runner", None)
+            for obj in (m, runner):
+                if obj is not None and "_zero_residual" in getattr(obj, "__dict__", {}):
+                    del obj.__dict__["_zero_residual"]
 
 
 def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (None,), subsets: dict | None = None) -> dict:
@@ -476,7 +498,7 @@ def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (Non
         ref = step(model, vc, ids, new_state(model, batch))
     runs = {}
     for tier in tiers:
-        tail_tier(tier)
+        tail_tier(tier, model)
         out: dict = {}
         results = {}
         for name, opts in (("k3", {}), ("none", None)):

@@ -50,14 +50,15 @@ def tp1():
 def tp2():
     """Both ranks of TP=2 on gloo (vLLM's all-reduce as torch.ops.vllm.all_reduce on its TP group), with each
     of vLLM's two latent-MoE tails (tests/_vllm_real.py TAIL_TIERS): "overlap" (what CUDA runs at decode sizes:
-    the full replicated W_up, the shared partial all-reduced on its own) first, then "column"."""
+    the full replicated W_up, the shared partial all-reduced on its own) first, then "column", then "overlap"
+    with the latent's all-reduce + RMSNorm as FlashInfer's fused op (where FlashInfer is installed)."""
     from _vllm_real import real_model_worker
 
     from k3compile.distributed import run_ranks
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_TARGET_DEVICE", "cpu")
         mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-        return run_ranks(real_model_worker, 2, 2, ("overlap", "column"))
+        return run_ranks(real_model_worker, 2, 2, ("overlap", "column", "overlap_flashinfer"))
 
 
 def _one(fn):
@@ -190,7 +191,7 @@ def test_plugin_makes_vllm_compile_kimi_k3_with_the_k3_pass():
     _check_sites(r["report"], 1)
 
 
-@pytest.mark.parametrize("tier", ["overlap", "column"])
+@pytest.mark.parametrize("tier", ["overlap", "column", "overlap_flashinfer"])
 def test_real_model_tp2_sites_match_per_pass(tp2, tier):
     """TP=2, each latent-MoE tail of vLLM: on each rank every pass matches the sites the roles give (the o-proj
     GEMM + all-reduce + AttnRes residual + mixer; the router + latent GEMMs as 1/TP of their rows and an
@@ -211,10 +212,14 @@ def test_real_model_tp2_tail_reduces_the_moe_partials_only_in_the_k3_op(tp2):
     k3::moe_latent_tail, which adds this rank's rows of the tail (W_up [128, 128] of [256, 128]) into the
     shared partial, whose one all-reduce the next layer input's k3::residual_norm takes."""
     for r in tp2:
-        overlap, column = r["tiers"]["overlap"], r["tiers"]["column"]
+        overlap, column, fi = (r["tiers"][t] for t in ("overlap", "column", "overlap_flashinfer"))
         assert overlap["none"]["ops"]["moe_partial_all_reduces"] == 4
         assert column["none"]["ops"]["moe_partial_all_reduces"] == 2
-        for run in (overlap, column):
+        # FlashInfer's op all-reduces the latent (and normalises it); the shared partial on its own
+        assert fi["none"]["ops"]["moe_partial_all_reduces"] == 2
+        assert fi["none"]["ops"]["count"].get("vllm::flashinfer_trtllm_fused_allreduce_norm") == 2
+        assert "vllm::flashinfer_trtllm_fused_allreduce_norm" not in fi["k3"]["ops"]["count"]
+        for run in (overlap, column, fi):
             assert run["k3"]["ops"]["moe_partial_all_reduces"] == 0
             assert run["k3"]["ops"]["tail_w_up"] == [(128, 128)] * 2
 

@@ -28,9 +28,11 @@ another dtype than the model's (fp32 plain-torch experts) are cast to it first (
 finalized sum; this rounds each expert's result, within bf16 tolerance).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
-profitability gate, base.gated_off; the reason is in the report). A site whose latent all-reduce +
-RMSNorm vLLM already fused (`patterns.vllm_forms`) is left as vLLM fused it, listed in a note and
-not counted as expected.
+profitability gate, base.gated_off; the reason is in the report). The latent all-reduce + RMSNorm as
+vLLM's FlashInfer op (norm_out given, a residual of zeros: vLLM's AllReduceFusionPass, or its latent-MoE
+runner on Hopper) is taken as that all-reduce + RMSNorm (`vllm_forms.flashinfer_norm_only`); one with
+another residual or pattern (`patterns.vllm_forms`) is left as vLLM fused it, listed in a note and not
+counted as expected.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from ..patterns.graph import (CONVERT_OPS, Fail, aten, c10d, describe, dtype, is
                               why_not_rms_norm)
 from ..patterns.moe import finalize, moe_partial, tail_add, topk_weights
 from ..patterns.roles import ResidualAdd, op_name
-from ..patterns.vllm_forms import moe_op_outputs, prefused
+from ..patterns.graph import RmsNormSite
+from ..patterns.vllm_forms import Prefused, flashinfer_norm_only, flashinfer_release, moe_op_outputs, prefused
 from .base import K3Pass
 from .pipeline import register
 from .common import emit, last_of, replace, users_through_views
@@ -88,6 +91,8 @@ class FoldMoeFinalize(K3Pass):
                 ar = emit(graph, fused, c10d.all_reduce.default, (fused, "sum", s["reduce"]))
                 fused = emit(graph, ar, c10d.wait_tensor.default, (ar,))
             replace(graph, s["final"], fused)
+            if s.get("flashinfer") is not None:
+                flashinfer_release(s["flashinfer"])
             if s["y"].target is _MODEL_EXPERTS:
                 s["y"].target = OPS["mxfp4_experts"]
             report.matched += 1
@@ -140,10 +145,20 @@ class FoldMoeFinalize(K3Pass):
         return self.tail(routed, None, routed, info, norms, final)
 
     def tail(self, y, w, routed_partial, info, norms, final=None):
+        """`_tail`, with the norm-only FlashInfer op it took (if any) as the site's "flashinfer"."""
+        got = self._tail(y, w, routed_partial, info, norms, final)
+        if isinstance(got, dict):
+            us = users_through_views(routed_partial) if info.tp > 1 else []
+            got["flashinfer"] = us[0] if len(us) == 1 and isinstance(
+                flashinfer_norm_only(us[0], routed_partial), RmsNormSite) else None
+        return got
+
+    def _tail(self, y, w, routed_partial, info, norms, final=None):
         """From the finalized output on: [all-reduce ->] RMSNorm -> up GEMM -> add into the shared
         partial (`final`: the MoE's output before its all-reduce, where the layer was found by role)."""
         group = None
         routed = routed_partial
+        norm = None
         if info.tp > 1:
             ar = _only_user(routed_partial, "finalized output")
             if isinstance(ar, Fail):
@@ -151,17 +166,23 @@ class FoldMoeFinalize(K3Pass):
             wait = next(iter(ar.users), None) if is_call(ar) else None
             arm = match_all_reduce(wait) if wait is not None else Fail(ar, "no all-reduce after the finalize")
             if isinstance(arm, Fail):
-                pre = prefused(routed_partial)  # vLLM fused this all-reduce with the latent RMSNorm
-                if pre is not None:
-                    return pre
-                return Fail(ar, f"finalized output is not all-reduced ({arm.reason})")
-            routed, group = arm.out, arm.group
-        cand = [s for s in {id(s): s for k in {routed, strip_converts(routed)} for s in norms.get(k, [])}.values()
-                if s.weight is not None]
-        if len(cand) != 1:
-            why = why_not_rms_norm(routed) or why_not_rms_norm(strip_converts(routed))
-            return Fail(routed, "routed output is not followed by one weighted RMSNorm" + (f" ({why})" if why else ""))
-        norm = cand[0]
+                fi = flashinfer_norm_only(ar, routed_partial)   # vLLM's FlashInfer all-reduce + RMSNorm, no residual
+                if isinstance(fi, RmsNormSite):
+                    norm, group = fi, info.group
+                else:
+                    pre = prefused(routed_partial)  # vLLM fused this all-reduce with the latent RMSNorm
+                    if pre is not None:
+                        return Prefused(pre.node, f"{pre.reason} ({fi.reason})") if fi is not None else pre
+                    return Fail(ar, f"finalized output is not all-reduced ({arm.reason})")
+            else:
+                routed, group = arm.out, arm.group
+        if norm is None:
+            cand = [s for s in {id(s): s for k in {routed, strip_converts(routed)} for s in norms.get(k, [])}.values()
+                    if s.weight is not None]
+            if len(cand) != 1:
+                why = why_not_rms_norm(routed) or why_not_rms_norm(strip_converts(routed))
+                return Fail(routed, "routed output is not followed by one weighted RMSNorm" + (f" ({why})" if why else ""))
+            norm = cand[0]
         up = _only_user(norm.out, "latent norm")
         if isinstance(up, Fail):
             return up

@@ -7,7 +7,9 @@ us as `auto_functionalized(torch.ops.vllm.flashinfer_trtllm_fused_allreduce_norm
 residual=..., norm_out=..., ...)`; on ROCm the AITER variant emits `torch.ops.vllm.rocm_aiter_fused_allreduce_rmsnorm*`.
 Such a site is already fused: the K3 passes leave it as vLLM fused it and say so in the report
 (`Prefused`, a `Fail` that `K3Pass.collect` turns into a note instead of a near-miss, and that
-does not count towards the pass's expected sites).
+does not count towards the pass's expected sites). The one exception is the norm-only form with a
+residual of zeros on a MoE's latent (`flashinfer_norm_only`): it is the latent tail's own all-reduce +
+RMSNorm, which k3::moe_latent_tail computes together with the up-projection and the add.
 
 Also vLLM's Kimi K3 forms: its AttnRes Triton kernel as ATen math (`attn_res_aten`, used by the
 canonicalisation), and its opaque MoE op's arguments and outputs (`moe_op_args`, `moe_op_outputs`) with
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from .graph import CONVERT_OPS, VIEW_OPS, Fail, NoSite, aten, dtype, is_call, prims, shape, val
+from .graph import CONVERT_OPS, VIEW_OPS, Fail, NoSite, RmsNormSite, aten, dtype, is_call, prims, shape, val
 from .structure import op_name
 
 VLLM_FUSED_ALLREDUCE_OPS = {
@@ -56,6 +58,63 @@ def prefused(x: Any) -> Prefused | None:
             if is_call(u) and (u.target in VIEW_OPS or u.target in CONVERT_OPS):
                 stack.append(u)
     return None
+
+
+# flashinfer.comm.AllReduceFusionPattern.kARResidualRMSNorm: all-reduce + residual add + RMSNorm
+_FI_AR_RESIDUAL_RMS_NORM = 1
+_ZEROS = ("aten::zeros", "aten::zeros_like", "aten::new_zeros")
+_FILLS = ("aten::full", "aten::full_like", "aten::new_full", "aten::fill")
+
+
+def _zeros(n: Any) -> bool:
+    """n is all zeros by construction: zeros / zeros_like / full(.., 0), through views and slices."""
+    while is_call(n) and (n.target in VIEW_OPS or n.target in CONVERT_OPS or op_name(n) in (
+            "aten::slice", "aten::view", "aten::as_strided", "aten::expand")):
+        n = n.args[0]
+    name = op_name(n)
+    if name in _ZEROS:
+        return True
+    return name in _FILLS and len(n.args) > 1 and n.args[1] in (0, 0.0)
+
+
+def flashinfer_norm_only(n: Any, x: Node):
+    """Where `n` is vLLM's FlashInfer fused all-reduce (in auto_functionalized) of `x` with a norm output and a
+    residual of zeros (`allreduce_in=x, residual=zeros, norm_out=buf, rms_gamma=g, rms_eps=eps`: what vLLM's
+    AllReduceFusionPass makes of all-reduce + RMSNorm, and what its Kimi K3 latent-MoE runner calls for the
+    latent on Hopper): the RMSNorm of all_reduce(x) it computes, as an RmsNormSite (out: the norm output's
+    new value; x: `x`, before its all-reduce). With a norm output the op writes the sum into allreduce_in
+    and leaves the residual as it was (vLLM's `call_trtllm_fused_allreduce_norm`). A Fail saying why where
+    `n` is that op in another form; None where it is not that op."""
+    if op_name(n) != "vllm::flashinfer_trtllm_fused_allreduce_norm":
+        return None
+    from ..passes.canonicalize import _OpCall   # noqa: PLC0415 - canonicalize imports this module
+    c = _OpCall(n)
+    views = [k for k in ("allreduce_in", "norm_out") if any(f"_{k}{v}" in n.kwargs for v in (
+        "_size", "_stride", "_storage_offset", "_slice_dim", "_alias"))]
+    norm_out = c.new("norm_out")
+    if views or c.arg("allreduce_in") is not x or len(norm_out) != 1 or any(
+            not (is_call(u, operator.getitem) and isinstance(u.args[1], int)) for u in n.users):
+        return Fail(n, "not the norm-only form (allreduce_in the finalized output, one norm output read)")
+    if c.arg("pattern_code") != _FI_AR_RESIDUAL_RMS_NORM or c.arg("weight_bias") not in (None, 0, 0.0) or any(
+            c.arg(k) is not None for k in ("quant_out", "scale_out", "scale_factor")):
+        return Fail(n, f"pattern {c.arg('pattern_code')} (quantised or another fusion), not all-reduce + RMSNorm")
+    if not _zeros(c.arg("residual")):
+        return Fail(n, "its residual is not a tensor of zeros made in the graph: all-reduce + residual + RMSNorm")
+    if any(u.users for u in c.new("allreduce_in")):
+        return Fail(n, "the all-reduced sum it writes back is read too")
+    eps = c.arg("rms_eps")
+    if not isinstance(c.arg("rms_gamma"), Node) or not isinstance(eps, (int, float)):
+        return Fail(n, "its RMSNorm weight or eps is not a tensor and a constant")
+    return RmsNormSite(norm_out[0], x, c.arg("rms_gamma"), float(eps), [norm_out[0]])
+
+
+def flashinfer_release(n: Node) -> None:
+    """After a rewrite took the norm-only FlashInfer op `n` (`flashinfer_norm_only`): the residual's new value
+    (which that form leaves as it was) is read from the residual itself, so nothing keeps `n` alive."""
+    from ..passes.canonicalize import _OpCall   # noqa: PLC0415
+    c = _OpCall(n)
+    for g in c.new("residual"):
+        g.replace_all_uses_with(c.arg("residual"))
 
 
 def count_vllm_fused_allreduces(graph) -> int:
