@@ -109,7 +109,8 @@ def test_run_tp1_table_matches_report_and_dump_has_every_file(tiny_dump):
     summary = json.loads((d / "summary.json").read_text())
     rep = summary["report"]
     want = dict(attention_layers=TINY.num_layers, moe_layers=len(TINY.moe_layers), tp=1, m=2, dtype="bfloat16",
-                device="cpu", residual_adds=2 * TINY.num_layers, routers=len(TINY.moe_layers), unclassified=None)
+                device="cpu", residual_adds=2 * TINY.num_layers, routers=len(TINY.moe_layers), unclassified=None,
+                moe_ops=[])
     assert rep["structure"] == want
     assert row(out, "(no K3 pass)")[-2:] == ["0", "0"]
     for i, p in enumerate(rep["passes"], 1):

@@ -227,9 +227,11 @@ class FoldMoeFinalize(K3Pass):
         if isinstance(arm, Fail):
             return None
         width = shape(add)[-1]
-        if arm.group != group or shape(arm.inp) != shape(add):
+        if arm.group != group:
             return Fail(other, f"the shared partial is all-reduced on {arm.group}, the latent on {group}: "
                                "one all-reduce cannot take both")
+        if [str(d) for d in shape(arm.inp) or ()] != [str(d) for d in shape(add)]:
+            return Fail(other, f"the all-reduced tensor {describe(arm.inp)} is not the [M, hidden] shared partial")
         if width % info.tp:
             return Fail(lin.out, f"the up-projection's {width} rows do not split evenly over TP={info.tp}")
         if len(users_through_views(strip(other))) != 1 or not is_weight_like(lin.w):

@@ -203,10 +203,16 @@ def block_slot(blocks: Node, i: int) -> Node | None:
         if not is_call(n, aten.select_scatter.default) or len(n.args) < 4 or n.args[2] != 1:
             return None
         if n.args[3] == i:
-            src = n.args[1]
-            return src if dtype(src) == dtype(blocks) and shape(src) == shape(blocks)[:1] + shape(blocks)[2:] else None
+            src, bs = n.args[1], _sig(blocks)
+            return src if dtype(src) == dtype(blocks) and bs is not None and _sig(src) == bs[:1] + bs[2:] else None
         n = n.args[0]
     return None
+
+
+def _sig(n: Any) -> tuple | None:
+    """A node's shape as strings (a symbolic batch by name): compared without guarding on SymInts."""
+    s = shape(n)
+    return None if s is None else tuple(str(d) for d in s)
 
 
 def _strip_views(n: Any) -> Any:
@@ -228,7 +234,7 @@ def attn_res_aten(graph, prefix: Node, delta: Node | None, blocks: Node, norm_we
     logit by its reciprocal RMS after the dot product; here the source is normalised first (fp32
     rounding only). Returns (updated, the new block buffer, output), or None for shapes it cannot read."""
     ps, bs = shape(prefix), shape(blocks)
-    if ps is None or bs is None or len(ps) != 2 or len(bs) != 3 or (delta is not None and shape(delta) != ps):
+    if ps is None or bs is None or len(ps) != 2 or len(bs) != 3 or (delta is not None and _sig(delta) != _sig(prefix)):
         return None
     if not 0 <= num_blocks <= bs[1] or block_write_idx >= bs[1]:
         return None
