@@ -27,6 +27,12 @@ XV=${K3_VARIANTS:-v2b,v3}  # MXFP4 expert variants the experts / sweep8 steps ti
 LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1} ${K3_LB_EXTRA:-}"
 for st in "$@"; do
   case $st in
+    # the GPU tests of the fp32 router and the split gate / up shared expert
+    newtests) step new_gpu_tests 150 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "fp32_logits or separate_gate" ;;
+    # the user command: a 3 KDA + 1 MLA step at TP=8 per-rank widths, eager / Inductor / k3
+    kbench) step k3c_bench 300 python3 -m k3compile.cli bench --layers 3kda,1mla --tp 8 --ms ${K3_MS:-1,16,64} --rounds 3 --out "$R/k3c_bench.json" ;;
+    # one layer of tests/others/fused.py against the reference's (issue 52's GPU check)
+    others) step others_layer 200 python3 bench/others_layer_bench.py --ms 1,16 --rounds 3 --out "$R/others_layer.json" ;;
     tests) step gpu_tests 420 python3 -m pytest -m gpu -q -rA tests/ ;;
     tp2) step tp2_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k tp2 ;;  # the two-GPU tests only
     flatests) step fla_tests 420 python3 -m pytest -m gpu -q -rA -s --durations=0 tests/test_attention_ops.py ;;
