@@ -92,6 +92,19 @@ def _(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
     return x.new_empty(topk_ids.shape[0], topk_ids.shape[1], x.shape[1])
 
 
+def model_experts_on_kernels() -> None:
+    """For baselines (bench): the model's own `k3model::mxfp4_experts` runs on CUDA through the MXFP4
+    expert kernels that `k3::mxfp4_experts` dispatches to, instead of its capture-safe PyTorch path
+    (every pair's expert dequantised to fp32: 9-10x slower and GiBs of temporaries at M >= 16), so an
+    eager or Inductor step stands for a hand-written eager path and k3's lead is the passes'."""
+    from ..model.moe_ops import mxfp4_experts_gathered
+
+    def cuda_impl(*args):
+        k = dispatch.pick("mxfp4_experts", "cuda", *args)
+        return (k.fn if k is not None else mxfp4_experts_gathered)(*args)
+    torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
+
+
 # ----------------------------------------------------------------- 3. sharded router + latent projection
 @torch.library.custom_op("k3::router_latent_sharded", mutates_args=())
 def router_latent_sharded(x: Tensor, w_router: Tensor, w_down: Tensor, rank: int, tp: int,
