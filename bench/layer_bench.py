@@ -301,10 +301,10 @@ def _best_standalone_experts():
     kernel. k3 calls the same kernel through k3::mxfp4_experts, so what remains is the passes."""
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import moe
 
     def cuda_impl(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
-        return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
+        return moe.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
     torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
 
 
