@@ -4,8 +4,9 @@ tile sizes, warps and the thresholds between kernel forms.
 Each entry names what it decides and where the number came from: a result file under
 `bench/results/` (its bench script and card), or BENCHMARKS.md where no file holds it, or "not
 measured" with the reason for the value. The code that reads an entry reads it here at each call
-(`tuning.NAME`), so a benchmark or a test can set one for a run. Experiment knobs (`config.Knobs`)
-override some of them; the reading code says which.
+(`tuning.NAME`), so a benchmark or a test can set one for a run (AR_PRELOAD alone is read once, with
+its knob, into comm.AR_PRELOAD). Experiment knobs (`config.Knobs`) override some of them; the reading
+code says which.
 """
 from __future__ import annotations
 
