@@ -51,7 +51,7 @@ class Knobs:
     expert_ops: str = ""      # extra routed-expert op names (comma-separated)
     conv_inplace: str = ""    # 0: fold_kda_conv emits the functional conv op (default: in place)
     pin_fork: str = ""        # 0: overlap_shared_expert does not pin the side-stream fork (options.pin_shared_fork)
-    # communication kernels (kernels/launch.py documents each default and its measurement)
+    # communication kernels (kernels/comm.py documents each; kernels/tuning.py the measured defaults)
     barrier_seq: str = ""     # 0: the CAS-handshake barrier instead of sequence flags
     ar_warps: str = ""        # warps of the all-reduce / norm kernel (default: by width)
     comm_early: str = ""      # 0: the peer-independent reads after the barrier wait

@@ -15,7 +15,7 @@ kernels (and the reference), all in fp32: a logit is rsqrt(mean(x^2) + eps) * (x
 rounds the normed row to the model dtype before the dot), and the output norm's mean square is that
 of the mixed row before its rounding. The tests bound both against the reference.
 
-The grid barrier needs every program resident at once: launch.cols_plan keeps the programs well
+The grid barrier needs every program resident at once: comm.cols_plan keeps the programs well
 under the SM count. Under TRITON_INTERPRET=1 the programs run one after another, so the launch
 splits the kernel at the barrier into two launches (PHASE 1: everything up to the partials; PHASE 2:
 the rest, re-reading the updated row it stored); on the GPU it is one launch (PHASE 0).

@@ -1,7 +1,7 @@
 """The `k3::` custom ops that the passes emit.
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
-tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
+tracing, and a dispatch point (`k3compile.kernels.dispatch.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
 Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`, `k3::kda_decode_fb`,
 `k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
 `k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes, and
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels import registry as dispatch
+from ..kernels import dispatch
 from ..runtime import streams
 from . import reference as ref
 
@@ -305,7 +305,7 @@ def _(xq, xk, xv, state, w):
 @torch.library.custom_op("k3::decode_gemm", mutates_args=())
 def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T for a weight w [N, K] (F.linear without bias); on CUDA the tensor-core split-K
-    decode GEMM where the tuned table has this weight shape and M (kernels/choose.GEMV_TABLE),
+    decode GEMM where the tuned table has this weight shape and M (kernels/tuning.GEMV_TABLE),
     else cuBLAS."""
     return _run("decode_gemm", lambda a, b: torch.mm(a, b.t()), x, w)
 
@@ -320,7 +320,7 @@ def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) 
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
     transpose), x [H, M, K] of few tokens; with gate [M, H, N], times sigmoid(gate) transposed to
     [H, M, N]. The [H, M, N] result is stored token-major (a permuted view of a contiguous [M, H, N]).
-    On CUDA one Triton kernel (launch.head_bmm) instead of cuBLAS's batched GEMM (and the gate's kernel)."""
+    On CUDA one Triton kernel (kernels/gemm.head_bmm) instead of cuBLAS's batched GEMM (and the gate's kernel)."""
     return _run("decode_bmm", ref.decode_bmm, x, w, w_nk, gate)
 
 
