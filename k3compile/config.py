@@ -30,7 +30,7 @@ SWITCHES: dict[str, str] = {
     "K3_PDL": "auto (default) / on / off: Programmatic Dependent Launch in Inductor's Triton kernels",
     "K3_KERNELS": "0: every k3 op runs its PyTorch reference (no CUDA kernel)",
     "K3_SYMM_BYTES": "bytes of the symmetric-memory workspace per TP group (default 16 MiB)",
-    "K3_CUTE_DIR": "directory of the CuTe kernel artifacts (default ~/.cache/k3compile/cute)",
+    "K3_CUTE_DIR": "directory of CuTe kernel artifacts looked in before the packaged ones (default ~/.cache/k3compile/cute)",
 }
 KNOBS_VAR = "K3_KNOBS"
 

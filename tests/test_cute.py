@@ -482,6 +482,7 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
     does not fall back (benchmarks must not time another kernel)."""
     import shutil
     out, _ = built
+    _no_packaged(monkeypatch, tmp_path)
     old = tmp_path / "old"
     old.mkdir()
     for f in out.iterdir():
@@ -536,6 +537,7 @@ def _count_compiles(monkeypatch, fail: str = "") -> list[str]:
 
 
 def _jit_env(monkeypatch, d):
+    _no_packaged(monkeypatch, d)
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
     monkeypatch.setattr(artifacts, "_FOUND", {})
@@ -644,3 +646,52 @@ def test_cute_pdl_on_unless_turned_off(monkeypatch):
     assert moe.cute_pdl()
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl="0"))
     assert not moe.cute_pdl()
+
+
+def _no_packaged(monkeypatch, tmp_path):
+    """A lookup that sees only the user's directory (the packaged artifacts would serve every shape)."""
+    monkeypatch.setattr(artifacts, "packaged_dir", lambda: tmp_path / "no_packaged_artifacts")
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+
+
+def test_packaged_artifacts_are_the_build_of_this_source():
+    """The artifacts shipped in the package are every default variant of build.variants(), each with
+    its cubin and a manifest whose key is this source's (kernel file, ptx.py, build.py, variant, the
+    DSL version it was built with, sm_90a): a kernel or build change without a rebuild fails here.
+    Rebuild: python -m k3compile.kernels.cute.build --out k3compile/kernels/cute/aot (then rm aot/*.ptx)."""
+    import json
+    d = artifacts.packaged_dir()
+    mans = {mf.stem: json.loads(mf.read_text()) for mf in d.glob("*.json")}
+    want = {v["name"]: v for v in build.variants()}
+    assert set(mans) == set(want), (sorted(set(want) - set(mans)), sorted(set(mans) - set(want)))
+    for name, man in mans.items():
+        assert (d / f"{name}.cubin").stat().st_size > 1000, name
+        assert man["key"] == build.cache_key(want[name], dsl=man["dsl"]), f"{name}: stale, rebuild"
+        assert man["arch"] == "sm_90a"
+
+
+def test_fresh_install_finds_the_packaged_artifacts_and_the_report_says_so(tmp_path, monkeypatch):
+    """No K3_CUTE_DIR build (an empty user directory) and no DSL: the experts' and the o-proj GEMM's
+    lookups find the packaged artifacts; the report's kernel note names where they came from."""
+    from k3compile.kernels import cute
+    from k3compile.kernels.moe import experts_note
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    monkeypatch.setattr(cute, "dsl_available", lambda: False)
+    arts, why = artifacts.find("mxfp4", 384, 3584, 16, "f16x2")
+    assert arts is not None, why
+    assert all(a.path.parent == artifacts.packaged_dir() for a in arts)
+    art, why = artifacts.find("gemm", "oproj_gemm", 7168, 1536, 3)
+    assert art is not None and art.path.parent == artifacts.packaged_dir(), why
+    assert "(packaged with k3compile)" in experts_note(384, 3584, 16, 1, True)
+    # a user's build of the pair comes first (a pair is taken from one directory)
+    (tmp_path / "user").mkdir()
+    for a in arts:
+        for f in a.path.parent.glob(a.path.stem + ".*"):
+            (tmp_path / "user" / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    got, _ = artifacts.find("mxfp4", 384, 3584, 16, "f16x2")
+    assert [a.path.parent for a in got] == [tmp_path / "user"] * 2
+    assert "(" + str(tmp_path / "user") + ")" in experts_note(384, 3584, 16, 1, True)

@@ -1129,6 +1129,7 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cute, "dsl_available", lambda: False)
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(artifacts, "packaged_dir", lambda: tmp_path / "no_packaged")   # as without the package's
     monkeypatch.setattr(artifacts, "_FOUND", {})
     note = describe("cuda", None, (384, 3584, 16, 1, True))
     assert note.startswith("kernels: CUDA kernels, TP=1") and "MXFP4 experts: Triton v3 (no CuTe artifact directory" in note

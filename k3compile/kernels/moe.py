@@ -352,8 +352,8 @@ def experts_note(I: int, L: int, K: int, M: int | None, bf16: bool) -> str:
     if arts is None and not jit:
         return f"MXFP4 experts: Triton {_triton_mxfp4(M)} ({why})"
     where = "" if M is not None else f" at M in [{lo}, {hi}], Triton v4g above (M is dynamic)"
-    how = "built just in time on the first call into " if jit else ""
-    return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({how}{artifacts.artifact_dir()})"
+    src = f"built just in time on the first call into {artifacts.artifact_dir()}" if jit else artifacts.source(arts[0])
+    return f"MXFP4 experts: CuTe f16x2 GEMVs{where} ({src})"
 
 
 # ------------------------------------------------------------------ registrations

@@ -14,6 +14,7 @@ experts, cuBLAS for the GEMM), warns once per reason (`note`), and `fallbacks()`
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -46,8 +47,26 @@ def fallbacks() -> dict[str, str]:
 
 
 def artifact_dir():
+    """The user's artifact directory: `K3_CUTE_DIR`, else ~/.cache/k3compile/cute (the JIT path builds here)."""
     from .build import default_dir
     return default_dir()
+
+
+def packaged_dir() -> Path:
+    """The artifacts shipped in the package (`aot/`: the default variants' cubins and manifests for the
+    K3 shapes `build.variants()` lists, built with this source: tests/test_cute.py checks their keys)."""
+    return Path(__file__).resolve().parent / "aot"
+
+
+def search_dirs() -> list[Path]:
+    """Where a lookup looks, in order: the user's directory, then the packaged one."""
+    user, shipped = Path(artifact_dir()), packaged_dir()
+    return [user] + ([shipped] if shipped.is_dir() and shipped.resolve() != user.resolve() else [])
+
+
+def source(art) -> str:
+    """Where an artifact came from, for the report: 'packaged with k3compile' or its directory."""
+    return "packaged with k3compile" if Path(art.path).parent.resolve() == packaged_dir() else str(Path(art.path).parent)
 
 
 _FOUND: dict[tuple, tuple] = {}
@@ -74,10 +93,20 @@ def find(kind: str, *key, jit: bool = True):
     call can still build."""
     from . import loader
     d = artifact_dir()
-    k = (kind, str(d), *key)
+    dirs = search_dirs()
+    k = (kind, *map(str, dirs), *key)
     if k not in _FOUND:
         fn = loader.find if kind == "gemm" else loader.find_mxfp4
-        got = fn(d, *key)
+
+        def look():
+            whys = []
+            for path in dirs:
+                got = fn(path, *key)
+                if got[0] is not None:
+                    return got
+                whys.append(got[1])
+            return None, "; ".join(whys)
+        got = look()
         if got[0] is None:
             vs, why = jit_variants(kind, key)
             if why:
@@ -91,7 +120,7 @@ def find(kind: str, *key, jit: bool = True):
                 try:
                     for v in vs:
                         build.ensure(v, d)
-                    got = fn(d, *key)
+                    got = look()
                 except Exception as e:  # noqa: BLE001 - a failed build falls back, with the reason
                     got = None, f"JIT build failed: {type(e).__name__}: {e}"
         _FOUND[k] = got

@@ -161,12 +161,13 @@ def dsl_version() -> str:
     return version("nvidia-cutlass-dsl")
 
 
-def cache_key(v: dict) -> str:
+def cache_key(v: dict, dsl: str | None = None) -> str:
+    """The variant's build key; `dsl`: the DSL version it was built with (default: the installed one)."""
     h = hashlib.sha256()
     for f in (HERE / f"{v['kernel']}.py", HERE / "ptx.py", HERE / "build.py"):
         h.update(f.read_bytes())
     h.update(json.dumps(v, sort_keys=True).encode())
-    h.update(dsl_version().encode())
+    h.update((dsl or dsl_version()).encode())
     h.update(ARCH.encode())
     return h.hexdigest()[:32]
 
