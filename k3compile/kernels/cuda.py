@@ -39,7 +39,10 @@
 - kda_step_decode_: one Triton kernel (kernels/triton_kda.py): kda_decode_fb's with the short conv of
   the head's q, k, v channels in front, both states updated in place.
 
-Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The
+Each kernel accepts a call only where it is correct: bf16/fp16/fp32 2-D contiguous inputs. The norm
+kernels take the model's rounding order (the ops' rounding / mix_rounding arguments, launch.rnd_bits):
+where a norm is written in the 16-bit input dtype, or the AttnRes keys are normed with their own
+weight, the registration declines and the op's reference runs. The
 one-shot path needs a TP group with a symmetric-memory workspace large enough for the call and
 M within `ONESHOT_M` (measured); otherwise the op takes its NCCL path (GEMM, NCCL
 collective, our norm kernel), and `runtime.symm.status()` says why symmetric memory is absent.
@@ -110,52 +113,67 @@ def _prefetcher(weights: list[torch.Tensor]):
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _rounds_as_kernels(rounding: int, mix_rounding: int = 0) -> bool:
+    """Whether the norm kernels follow these rounding orders (ops/reference.py's bits; launch.rnd_bits):
+    not a norm computed in the 16-bit input dtype, nor AttnRes keys normed with their own weight
+    (the kernels dot the normed row with w_norm * w_qk): those run the op's reference."""
+    from ..ops import reference as ref
+    return not (rounding & ref.NORM_IN_DTYPE or mix_rounding & (ref.NORM_IN_DTYPE | ref.MIX_KEY_WEIGHTED))
+
+
+def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return (x.dim() == 2 and residual.dim() == 2 and x.dtype in _FLOAT and w.dtype == x.dtype
             and residual.dtype == x.dtype and len(blocks) <= 8 and residual.is_contiguous()
-            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
+            and _rounds_as_kernels(rounding, mix_rounding))
 
 
 @register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
-def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     M, N = residual.shape
+    rnd = launch.rnd_bits(rounding, mix_rounding)
     ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
     if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
         y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
-        return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
+        return launch.ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
     return launch.oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
-                        choose.push_gemm(x, w, peers, group))
+                        choose.push_gemm(x, w, peers, group), rnd)
 
 
-def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return (delta.dim() == 2 and delta.dtype in _FLOAT and delta.is_contiguous() and residual.dtype == delta.dtype
             and residual.shape == delta.shape and residual.is_contiguous() and len(blocks) <= 8
-            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
+            and _rounds_as_kernels(rounding, mix_rounding))
 
 
 @register("residual_norm", "cuda", "symm_oneshot_triton", _ok_resnorm)
-def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     M, N = residual.shape
     ok, peers = _peers(group, delta.device, M * N * delta.element_size(), "residual_norm", M)
     if not ok:  # NCCL path: NCCL all-reduce, then our residual + norm kernel
         delta, peers = _nccl_all_reduce_(delta.clone(), group), None
-    return launch.residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
+    return launch.residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
+                                launch.rnd_bits(rounding, mix_rounding))
 
 
-def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     return (y.dim() == 3 and y.dtype in _FLOAT and y.is_contiguous() and shared_partial.dtype == y.dtype
-            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2])
+            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2]
+            and _rounds_as_kernels(rounding))
 
 
 @register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
-def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     M, topk, L = y.shape
+    rnd = launch.rnd_bits(rounding)
     ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
         routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
-        _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
+        _, ln = launch.ar_residual_norm(routed, None, None, g_latent, None, None, [], eps, None, rnd)
         return launch.add_up_shard(shared_partial.clone(), ln, w_up, rank)
-    return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
+    return launch.moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch),
+                           rnd)
 
 
 def _ok_router(x, w_router, w_down, rank, tp, group, router_fp32=False):

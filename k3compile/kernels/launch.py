@@ -186,13 +186,23 @@ def _phases(device: torch.device) -> tuple[int, ...]:
     return (0,) if device.type == "cuda" else (1, 2)
 
 
+def rnd_bits(rounding: int = 0, mix_rounding: int = 0) -> int:
+    """The communication kernels' RND constexpr (triton_comm's docstring) from the ops' rounding
+    arguments (ops/reference.py's NORM_* / MIX_* bits): bit 0 the post-norm's NORM_CAST_FIRST, bit 1
+    MIX_KEY_FP32. The other bits are fp32-rounding-level spellings (rsqrt / div / reciprocal, softmax
+    or unrolled), which the kernels' fp32 math does not tell apart; the ops' registrations (cuda.py)
+    decline what the kernels cannot follow."""
+    from ..ops import reference as ref
+    return (1 if rounding & ref.NORM_CAST_FIRST else 0) | (2 if mix_rounding & ref.MIX_KEY_FP32 else 0)
+
+
 def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
                      g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
-                     pushed: tuple[int, int, torch.dtype] | None = None):
+                     pushed: tuple[int, int, torch.dtype] | None = None, rnd: int = 0):
     """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
     when g is None). `local` is this rank's [M, N] partial; peers None means TP=1.
     pushed = (M, N, dtype): the partials are already in the buffers (the CuTe push GEMM ran);
-    `local` is None."""
+    `local` is None. rnd: the rounding order (rnd_bits)."""
     if pushed is not None:
         M, N, dt = pushed
         local = residual if residual is not None else peers.ptrs   # a placeholder pointer, unread
@@ -213,7 +223,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
                 w_norm if w_norm is not None else g, w_qk if w_qk is not None else g, *bs, bar, slots, M, N, eps,
                 RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
                 HAS_RES=residual is not None, ROWS=plan.rows, W=plan.w, S_PAD=plan.s_pad, P_PAD=plan.p_pad,
-                DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4, **COLS_PROBE)
+                DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, RND=rnd, num_warps=4, **COLS_PROBE)
         return upd, nrm
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
@@ -228,15 +238,16 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
         PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST,
-        TRIGGER=trigger, num_warps=warps, **_comm())
+        TRIGGER=trigger, RND=rnd, num_warps=warps, **_comm())
     if trigger:
         _note_trigger(nrm)
     return upd, nrm
 
 
 def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: torch.Tensor,
-                shared_partial: torch.Tensor, eps: float):
-    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial."""
+                shared_partial: torch.Tensor, eps: float, rnd: int = 0):
+    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial.
+    rnd: the norm's rounding order (rnd_bits)."""
     M, TOPK, L = y.shape
     SP = shared_partial.shape[-1]
     dt = y.dtype
@@ -252,7 +263,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
                 peers.epoch if peers else ln, peers.half(dt) if peers else 0, g, ln, shared_partial, out, bar, slots,
                 M, L, SP, eps, TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
                 ROWS=plan.rows, W=plan.w, WSP=triton.next_power_of_2(triton.cdiv(SP, plan.programs)),
-                P_PAD=plan.p_pad, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4,
+                P_PAD=plan.p_pad, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, RND=rnd, num_warps=4,
                 **COLS_PROBE)
         return ln, out
     BLOCK = triton.next_power_of_2(L)
@@ -261,7 +272,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
         peers.epoch if peers else ln, peers.half(dt) if peers else 0,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
-        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER,
+        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=_TL[dt], SEQ=SEQ_BARRIER, RND=rnd,
         num_warps=_warps(BLOCK), **_comm())
     return ln, out
 
@@ -299,11 +310,12 @@ def _no_prefetch():
 
 
 def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
-          push=None):
+          push=None, rnd: int = 0):
     """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
     runs between the two and returns the function that joins the prefetch. push: the CuTe
     push-epilogue GEMM artifact (choose.push_gemm): the GEMM stores this rank's partial into every
-    rank's buffer and flags it, and the kernel after it reads only this rank's buffer."""
+    rank's buffer and flags it, and the kernel after it reads only this rank's buffer. rnd: the
+    rounding order (rnd_bits)."""
     if push is not None:
         push.launch_push(x.contiguous(), w.contiguous(), peers, peers.flag_off)
         pushed = (x.shape[0], w.shape[0], x.dtype)
@@ -312,16 +324,16 @@ def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, sta
         part = choose.gemm("oproj", x, w)  # CuTe where kernels/choose.py says so, else torch.mm
         pushed = None
     join = start_prefetch()
-    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed)
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed, rnd)
     join()
     return upd, nrm
 
 
 def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps, rank,
-             start_prefetch=_no_prefetch):
+             start_prefetch=_no_prefetch, rnd: int = 0):
     """The latent-tail op: finalize + all-reduce + norm kernel, then addmm into this rank's columns."""
     join = start_prefetch()
-    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
+    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps, rnd)
     join()
     return add_up_shard(out, ln, w_up, rank)
 
@@ -1039,11 +1051,12 @@ def kda_step_decode(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, st
     return o
 
 
-def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
+                  rnd: int = 0):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
     residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""
     join = start_prefetch()
-    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
     join()
     return out
 
