@@ -637,11 +637,13 @@ def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
 
 # The mixer spellings _mix_rounding tells apart (ops.reference.MIX_* bits), most common first: the keys
 # rounded or fp32, normalised alone or by a key RMSNorm with w_norm as its weight (rounded after it or,
-# transformers-style, before it), each with rsqrt / div / reciprocal norms, softmax or unrolled.
+# transformers-style, before it), each with rsqrt / div / reciprocal norms, softmax or unrolled; and
+# key norms computed in the 16-bit dtype itself.
 _KEY_FORMS = (0, ref.MIX_KEY_FP32, ref.MIX_KEY_WEIGHTED, ref.MIX_KEY_WEIGHTED | ref.NORM_CAST_FIRST,
               ref.MIX_KEY_WEIGHTED | ref.MIX_KEY_FP32)
-_MIX_CANDIDATES = tuple(k | inv | mix for mix in (0, ref.MIX_DIV) for inv in (0, ref.NORM_DIV, ref.NORM_RECIP)
-                        for k in _KEY_FORMS)
+_MIX_CANDIDATES = tuple(k | inv | mix for mix in (0, ref.MIX_DIV)
+                        for inv in (0, ref.NORM_DIV, ref.NORM_RECIP) for k in _KEY_FORMS) + tuple(
+    k | mix for mix in (0, ref.MIX_DIV) for k in (ref.NORM_IN_DTYPE, ref.NORM_IN_DTYPE | ref.MIX_KEY_WEIGHTED))
 _MIX_SEEN: dict = {}        # region signature -> mix_rounding (a model spells all its mixers alike)
 _MIX_ELEMENTS = 1 << 18     # elements of [S, M, H] replayed per mixer (in trials of the region's shape)
 

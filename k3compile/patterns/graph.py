@@ -237,6 +237,8 @@ def _match_inv_rms(r: Any, xf: Node, form: list | None = None) -> float | Fail:
     """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps (and appends
     the spelling's NORM_* bit to `form`: 0 for rsqrt, NORM_RECIP for reciprocal(sqrt))."""
     r = strip(r, views=False)
+    if is_call(r, aten.mul.Tensor) and 1.0 in [scalar(a) for a in r.args]:   # `1.0 / sqrt(...)`, decomposed
+        r = strip(next(a for a in r.args if isinstance(a, Node)), views=False)
     if is_call(r, aten.rsqrt.default):
         if form is not None:
             form.append(0)
