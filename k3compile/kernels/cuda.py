@@ -55,6 +55,7 @@ from ..config import knob
 import torch
 
 from ..model.functional import situ_mlp
+from ..ops import reference as ref
 from ..runtime import streams, symm
 from . import choose, launch
 from .registry import register
@@ -117,7 +118,6 @@ def _rounds_as_kernels(rounding: int, mix_rounding: int = 0) -> bool:
     """Whether the norm kernels follow these rounding orders (ops/reference.py's bits; launch.rnd_bits):
     not a norm computed in the 16-bit input dtype, nor AttnRes keys normed with their own weight
     (the kernels dot the normed row with w_norm * w_qk): those run the op's reference."""
-    from ..ops import reference as ref
     return not (rounding & ref.NORM_IN_DTYPE or mix_rounding & (ref.NORM_IN_DTYPE | ref.MIX_KEY_WEIGHTED))
 
 

@@ -17,6 +17,7 @@ from . import triton_cols as KC
 from . import triton_comm as K
 from ..runtime.symm import MAX_PROGRAMS
 from ..config import knob, knob_flag
+from ..ops import reference as _ref
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # the barrier protocol of the communication kernels (triton_comm's docstring): 1 = sequence flags
@@ -192,8 +193,7 @@ def rnd_bits(rounding: int = 0, mix_rounding: int = 0) -> int:
     MIX_KEY_FP32. The other bits are fp32-rounding-level spellings (rsqrt / div / reciprocal, softmax
     or unrolled), which the kernels' fp32 math does not tell apart; the ops' registrations (cuda.py)
     decline what the kernels cannot follow."""
-    from ..ops import reference as ref
-    return (1 if rounding & ref.NORM_CAST_FIRST else 0) | (2 if mix_rounding & ref.MIX_KEY_FP32 else 0)
+    return (1 if rounding & _ref.NORM_CAST_FIRST else 0) | (2 if mix_rounding & _ref.MIX_KEY_FP32 else 0)
 
 
 def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
