@@ -687,10 +687,11 @@ def _flat_args(args) -> list:
 def _mix_rounding(f: _Found, sources: list, w_norm: Node, w_qk: Node, eps: float) -> int:
     """The MIX_* bits whose reference (ops.reference.mix_logits / mix_sources over `sources` in this
     order) reproduces f's region as traced: the region replayed on random tensors in its own dtypes
-    (a few draws), each candidate's mixed output compared element by element, rounded (what the op
+    (up to 16 draws), each candidate's mixed output compared element by element, rounded (what the op
     returns) and, where the region rounds its fp32 sum last, before that rounding (which tells apart
-    spellings that round alike on most draws). The one with the fewest differing elements wins (none,
-    where the spelling is one of the candidates). In fp32 every candidate agrees to fp32 rounding: 0."""
+    spellings that round alike on most draws). After each draw only the candidates with the fewest
+    rounded differences stay; the one with the fewest differences wins (none, where the spelling is one
+    of the candidates). In fp32 every candidate agrees to fp32 rounding: 0."""
     lowp = [n for n in (*f.sources, f.mixed) if getattr(val(n), "dtype", None) in _LOW_PRECISION]
     if not lowp:
         return 0
@@ -703,6 +704,7 @@ def _mix_rounding(f: _Found, sources: list, w_norm: Node, w_qk: Node, eps: float
     trials = max(1, min(16, _MIX_ELEMENTS // max(numel, 1)))
     pre = f.mixed.args[0] if is_call(f.mixed) and f.mixed.target in CONVERT_OPS else None
     wrong = {c: [0, 0] for c in _MIX_CANDIDATES}
+    alive = list(_MIX_CANDIDATES)
     for t in range(trials):
         r = _replay(f, False, seed=4321 + t)
         if isinstance(r, Fail):
@@ -715,12 +717,21 @@ def _mix_rounding(f: _Found, sources: list, w_norm: Node, w_qk: Node, eps: float
         with unset_fake_temporarily(), torch.no_grad():
             srcs = [base[s] for s in sources]
             stacked = torch.stack(srcs, 0)
-            for c in _MIX_CANDIDATES:
-                mixed32 = _mixed_fp32(srcs, ref.mix_logits(stacked, wn, wq, eps, c), c)
+            logits: dict = {}
+            for c in alive:
+                k = c & ~ref.MIX_DIV   # the logits do not depend on how they are mixed
+                if k not in logits:
+                    logits[k] = ref.mix_logits(stacked, wn, wq, eps, c)
+                mixed32 = _mixed_fp32(srcs, logits[k], c)
                 wrong[c][0] += int((mixed32.to(out.dtype) != out).sum())
                 if exact is not None:
                     wrong[c][1] += int((mixed32 != exact).sum())
-    best = min(_MIX_CANDIDATES, key=lambda c: (*wrong[c], _MIX_CANDIDATES.index(c)))
+        # a candidate behind in rounded differences is out (the model's own spelling has none)
+        fewest = min(wrong[c][0] for c in alive)
+        alive = [c for c in alive if wrong[c][0] == fewest]
+        if len(alive) == 1 and t:
+            break
+    best = min(alive, key=lambda c: (*wrong[c], _MIX_CANDIDATES.index(c)))
     if len(_MIX_SEEN) > 256:
         _MIX_SEEN.clear()
     _MIX_SEEN[sig] = best
