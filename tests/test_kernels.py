@@ -1245,3 +1245,90 @@ def test_head_bmm_kernel_matches_bmm(dt, H, M, K, N, w_nk, gated):
     assert out.permute(1, 0, 2).is_contiguous()
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()   # fp32: the summation order only
     assert err < (1e-6 if dt == torch.float32 else 4e-3), err
+
+
+@pytest.mark.parametrize("form", ["rows", "cols"])
+@pytest.mark.parametrize("world,rank,nb,M", [(1, 0, 0, 3), (1, 0, 3, 4), (2, 1, 2, 4)])
+@pytest.mark.parametrize("cast_first,key_fp32", [(1, 0), (0, 1), (1, 1)])
+def test_norm_kernels_round_in_the_models_order(form, world, rank, nb, M, cast_first, key_fp32, monkeypatch):
+    """comm.ar_residual_norm with the rounding bits of a model written otherwise than the reference
+    model (the post-norm rounded to the model dtype before its weight multiply; the AttnRes keys kept
+    in fp32): its outputs are those of the op's reference in that order (ops.reference.attnres_mix_as),
+    within fp16's 1e-2, and closer to them than to the reference model's order wherever the two orders
+    differ. The column-split kernel's keys are fp32 in either order (its docstring); its norm follows
+    the bit. fp16: the interpreter rounds fp32 -> fp16 as the GPU does (bf16 it truncates)."""
+    from k3compile.ops import reference as ref
+    dt = torch.float16
+    rounding = ref.NORM_CAST_FIRST if cast_first else 0
+    mix_rounding = ref.MIX_KEY_FP32 if key_fp32 else 0
+    N = 200
+    if form == "cols":
+        monkeypatch.setattr(tuning, "COLS_W", 32)
+        monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+        monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+        monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
+    else:
+        monkeypatch.setattr(tuning, "COLS", False)
+    g = torch.Generator().manual_seed(31 * nb + M + world)
+    parts = [torch.randn(M, N, generator=g).to(dt) for _ in range(world)]
+    resid = torch.randn(M, N, generator=g).to(dt)
+    blocks = [(torch.randn(M, N, generator=g) * (1 + i)).to(dt) for i in range(nb)]
+    w_norm, _, gam = _weights(N, dt, g)
+    w_qk = (torch.randn(N, generator=g) * (6 / N ** 0.5)).to(dt)   # logits of a few units: a soft softmax
+    sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
+    programs = M
+    if form == "cols":
+        plan = comm.cols_plan(M, N, nb + 1, sim.peers if sim else None)
+        assert plan is not None
+        programs = plan.programs
+    if sim:
+        sim.peers.programs = programs
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dt, M, N).copy_(parts[p])
+        sim.arm(programs)
+    upd, nrm = comm.ar_residual_norm(parts[rank], sim.peers if sim else None, resid, gam, w_norm, w_qk, blocks,
+                                       1e-5, None, comm.rnd_bits(rounding, mix_rounding))
+    y = sum(x.float() for x in parts).to(dt)
+    want, want_upd = ref.attnres_mix_as(resid, y, blocks, w_norm, w_qk, gam, 1e-5, rounding, mix_rounding)
+    other, _ = ref.attnres_mix_as(resid, y, blocks, w_norm, w_qk, gam, 1e-5, 0, 0)
+    torch.testing.assert_close(upd, want_upd, **TOL[dt])
+    torch.testing.assert_close(nrm, want, **TOL[dt])
+    if form == "rows" or cast_first:
+        assert torch.equal(want, other) or int((nrm != want).sum()) < int((nrm != other).sum()), \
+            (int((nrm != want).sum()), int((nrm != other).sum()), nrm.numel())
+
+
+@pytest.mark.parametrize("form", ["rows", "cols"])
+@pytest.mark.parametrize("world,rank,M", [(1, 0, 3), (2, 1, 2)])
+def test_latent_tail_kernel_rounds_in_the_models_order(form, world, rank, M, monkeypatch):
+    """comm.latent_tail with the latent norm rounded to the model dtype before its weight multiply
+    (rnd_bits(NORM_CAST_FIRST)): its ln is the reference's in that order, closer to it than to the
+    reference model's order."""
+    from k3compile.ops import reference as ref
+    dt = torch.float16
+    L, H = 136, 200
+    if form == "cols":
+        monkeypatch.setattr(tuning, "COLS_W", 32)
+        monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+        monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+        monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
+    else:
+        monkeypatch.setattr(tuning, "COLS", False)
+    case = _TailCase(dt, world, rank, M, L=L, H=H, seed=3 * M + world)
+    sim = case.sim
+    plan = comm.cols_plan(M, L, 1, sim.peers if sim else None) if form == "cols" else None
+    programs = plan.programs if plan is not None else M
+    if sim:
+        sim.peers.programs = programs
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dt, M, L).copy_(case._mine(p))
+        sim.arm(programs)
+    ln, _ = comm.latent_tail(case.ys[rank], case.ws, sim.peers if sim else None, case.gam, case.sp, 1e-5,
+                               comm.rnd_bits(ref.NORM_CAST_FIRST))
+    routed = sum(case._mine(p).float() for p in range(world)).to(dt)
+    want = ref.rms_norm_as(routed, case.gam, 1e-5, ref.NORM_CAST_FIRST)
+    other = ref.rms_norm_as(routed, case.gam, 1e-5, 0)
+    torch.testing.assert_close(ln, want, **TOL[dt])
+    assert int((ln != want).sum()) < int((ln != other).sum()), (int((ln != want).sum()), int((ln != other).sum()))

@@ -38,6 +38,7 @@ import torch
 import triton
 
 from ..config import knob, knob_flag
+from ..rounding import MIX_KEY_FP32, MIX_KEY_WEIGHTED, NORM_CAST_FIRST, NORM_IN_DTYPE
 from ..runtime import streams, symm
 from ..runtime.symm import MAX_PROGRAMS
 from . import gemm, triton_cols, triton_comm, tuning
@@ -169,13 +170,29 @@ def _phases(device: torch.device) -> tuple[int, ...]:
     return (0,) if device.type == "cuda" else (1, 2)
 
 
+def rnd_bits(rounding: int = 0, mix_rounding: int = 0) -> int:
+    """The communication kernels' RND constexpr (triton_comm's docstring) from the ops' rounding
+    arguments (k3compile/rounding.py's bits): bit 0 the post-norm's NORM_CAST_FIRST, bit 1
+    MIX_KEY_FP32. The other bits are fp32-rounding-level spellings (rsqrt / div / reciprocal, softmax
+    or unrolled), which the kernels' fp32 math does not tell apart; the registrations below decline
+    what the kernels cannot follow (rounds_as_kernels)."""
+    return (1 if rounding & NORM_CAST_FIRST else 0) | (2 if mix_rounding & MIX_KEY_FP32 else 0)
+
+
+def rounds_as_kernels(rounding: int, mix_rounding: int = 0) -> bool:
+    """Whether the norm kernels follow these rounding orders: not a norm computed in the 16-bit input
+    dtype, nor AttnRes keys normed with their own weight (the kernels dot the normed row with
+    w_norm * w_qk): those run the op's reference."""
+    return not (rounding & NORM_IN_DTYPE or mix_rounding & (NORM_IN_DTYPE | MIX_KEY_WEIGHTED))
+
+
 def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
                      g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
-                     pushed: tuple[int, int, torch.dtype] | None = None):
+                     pushed: tuple[int, int, torch.dtype] | None = None, rnd: int = 0):
     """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
     when g is None). `local` is this rank's [M, N] partial; peers None means TP=1.
     pushed = (M, N, dtype): the partials are already in the buffers (the CuTe push GEMM ran);
-    `local` is None."""
+    `local` is None. rnd: the rounding order (rnd_bits)."""
     if pushed is not None:
         M, N, dt = pushed
         local = residual if residual is not None else peers.ptrs   # a placeholder pointer, unread
@@ -196,7 +213,7 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
                 w_norm if w_norm is not None else g, w_qk if w_qk is not None else g, *bs, bar, slots, M, N, eps,
                 RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
                 HAS_RES=residual is not None, ROWS=plan.rows, W=plan.w, S_PAD=plan.s_pad, P_PAD=plan.p_pad,
-                DTYPE=TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4, **COLS_PROBE)
+                DTYPE=TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, RND=rnd, num_warps=4, **COLS_PROBE)
         return upd, nrm
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
@@ -211,15 +228,16 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1, NB=len(blocks),
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=TL[dt], SEQ=SEQ_BARRIER,
         PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST,
-        TRIGGER=trigger, num_warps=warps, **_comm())
+        TRIGGER=trigger, RND=rnd, num_warps=warps, **_comm())
     if trigger:
         streams.note_trigger(nrm)
     return upd, nrm
 
 
 def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: torch.Tensor,
-                shared_partial: torch.Tensor, eps: float):
-    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial."""
+                shared_partial: torch.Tensor, eps: float, rnd: int = 0):
+    """(ln, out): ln = RMSNorm(all_reduce(sum_k w_k y_k), g) [M, L]; out = a copy of shared_partial.
+    rnd: the norm's rounding order (rnd_bits)."""
     M, TOPK, L = y.shape
     SP = shared_partial.shape[-1]
     dt = y.dtype
@@ -235,7 +253,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
                 peers.epoch if peers else ln, peers.half(dt) if peers else 0, g, ln, shared_partial, out, bar, slots,
                 M, L, SP, eps, TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
                 ROWS=plan.rows, W=plan.w, WSP=triton.next_power_of_2(triton.cdiv(SP, plan.programs)),
-                P_PAD=plan.p_pad, DTYPE=TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, num_warps=4,
+                P_PAD=plan.p_pad, DTYPE=TL[dt], SEQ=SEQ_BARRIER, VEC=COMM_VEC, PHASE=phase, RND=rnd, num_warps=4,
                 **COLS_PROBE)
         return ln, out
     BLOCK = triton.next_power_of_2(L)
@@ -244,7 +262,7 @@ def latent_tail(y: torch.Tensor, topk_w: torch.Tensor, peers: Peers | None, g: t
         peers.epoch if peers else ln, peers.half(dt) if peers else 0,
         g, ln, shared_partial, out, M, L, SP, eps,
         TOPK=TOPK, RANK=peers.rank if peers else 0, WORLD=peers.world if peers else 1,
-        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=TL[dt], SEQ=SEQ_BARRIER,
+        BLOCK_N=BLOCK, BLOCK_SP=triton.cdiv(SP, 1024) * 1024, DTYPE=TL[dt], SEQ=SEQ_BARRIER, RND=rnd,
         num_warps=_warps(BLOCK), **_comm())
     return ln, out
 
@@ -282,11 +300,12 @@ def _no_prefetch():
 
 
 def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
-          push=None):
+          push=None, rnd: int = 0):
     """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
     runs between the two and returns the function that joins the prefetch. push: the CuTe
     push-epilogue GEMM artifact (push_gemm): the GEMM stores this rank's partial into every
-    rank's buffer and flags it, and the kernel after it reads only this rank's buffer."""
+    rank's buffer and flags it, and the kernel after it reads only this rank's buffer. rnd: the
+    rounding order (rnd_bits)."""
     if push is not None:
         push.launch_push(x.contiguous(), w.contiguous(), peers, peers.flag_off)
         pushed = (x.shape[0], w.shape[0], x.dtype)
@@ -295,16 +314,16 @@ def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, sta
         part = gemm.gemm("oproj", x, w)  # CuTe where cute.artifacts.wanted says so, else the tuned GEMM or torch.mm
         pushed = None
     join = start_prefetch()
-    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed)
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed, rnd)
     join()
     return upd, nrm
 
 
 def moe_tail(y, topk_w, peers: Peers | None, shared_partial, g_latent, w_up, eps, rank,
-             start_prefetch=_no_prefetch):
+             start_prefetch=_no_prefetch, rnd: int = 0):
     """The latent-tail op: finalize + all-reduce + norm kernel, then addmm into this rank's columns."""
     join = start_prefetch()
-    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps)
+    ln, out = latent_tail(y, topk_w, peers, g_latent, shared_partial, eps, rnd)
     join()
     return add_up_shard(out, ln, w_up, rank)
 
@@ -382,11 +401,12 @@ def router_latent(x, w_router, w_down, peers: Peers):
     return gather_router_latent(shard, peers, x.shape[0], w_router.shape[0], w_down.shape[0])
 
 
-def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch):
+def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
+                  rnd: int = 0):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
     residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""
     join = start_prefetch()
-    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps)
+    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
     join()
     return out
 
@@ -517,52 +537,58 @@ def _prefetcher(weights: list[torch.Tensor]):
     return start
 
 
-def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return (x.dim() == 2 and residual.dim() == 2 and x.dtype in FLOAT and w.dtype == x.dtype
             and residual.dtype == x.dtype and len(blocks) <= 8 and residual.is_contiguous()
-            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
+            and rounds_as_kernels(rounding, mix_rounding))
 
 
 @register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
-def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     M, N = residual.shape
+    rnd = rnd_bits(rounding, mix_rounding)
     ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
     if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
         y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
-        return ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps)
+        return ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
     return oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
-                        push_gemm(x, w, peers, group))
+                 push_gemm(x, w, peers, group), rnd)
 
 
-def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return (delta.dim() == 2 and delta.dtype in FLOAT and delta.is_contiguous() and residual.dtype == delta.dtype
             and residual.shape == delta.shape and residual.is_contiguous() and len(blocks) <= 8
-            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks))
+            and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
+            and rounds_as_kernels(rounding, mix_rounding))
 
 
 @register("residual_norm", "cuda", "symm_oneshot_triton", _ok_resnorm)
-def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     M, N = residual.shape
     ok, peers = _peers(group, delta.device, M * N * delta.element_size(), "residual_norm", M)
     if not ok:  # NCCL path: NCCL all-reduce, then our residual + norm kernel
         delta, peers = _nccl_all_reduce_(delta.clone(), group), None
-    return residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch))
+    return residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
+                         rnd_bits(rounding, mix_rounding))
 
 
-def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     return (y.dim() == 3 and y.dtype in FLOAT and y.is_contiguous() and shared_partial.dtype == y.dtype
-            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2])
+            and shared_partial.is_contiguous() and w_up.dtype == y.dtype and topk_w.shape == y.shape[:2]
+            and rounds_as_kernels(rounding))
 
 
 @register("moe_latent_tail", "cuda", "symm_oneshot_triton", _ok_tail)
-def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     M, topk, L = y.shape
+    rnd = rnd_bits(rounding)
     ok, peers = _peers(group, y.device, M * L * y.element_size(), "moe_latent_tail", M)
     if not ok:  # NCCL path: finalize, NCCL all-reduce, our norm kernel, addmm into a copy
         routed = _nccl_all_reduce_((y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype), group)
-        _, ln = ar_residual_norm(routed, None, None, g_latent, None, None, [], eps)
+        _, ln = ar_residual_norm(routed, None, None, g_latent, None, None, [], eps, None, rnd)
         return add_up_shard(shared_partial.clone(), ln, w_up, rank)
-    return moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch))
+    return moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch), rnd)
 
 
 def _ok_router(x, w_router, w_down, rank, tp, group, router_fp32=False):

@@ -30,16 +30,20 @@ def _run(op: str, reference_fn, *args):
 @torch.library.custom_op("k3::oproj_allreduce_residual", mutates_args=())
 def oproj_allreduce_residual(x: Tensor, w: Tensor, residual: Tensor, blocks: list[Tensor],
                              w_norm: Optional[Tensor], w_qk: Optional[Tensor], g: Optional[Tensor],
-                             eps: float, group: Optional[str], prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+                             eps: float, group: Optional[str], prefetch: list[Tensor], rounding: int = 0,
+                             mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(x @ w.T); normed = AttnRes post-norm of
     updated over `blocks` (plain RMSNorm(g) when there are none), or an empty tensor when g is None.
-    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
-    return _run("oproj_allreduce_residual", lambda *a: ref.oproj_allreduce_residual(*a[:9]),
-                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
+    `rounding`: the post-norm's rounding order, `mix_rounding`: the mixer's (reference.NORM_* / MIX_*
+    bits, as the model's graph rounds; 0: the reference model's)."""
+    return _run("oproj_allreduce_residual",
+                lambda *a: ref.oproj_allreduce_residual(*a[:9], *a[10:]),
+                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
 
 
 @oproj_allreduce_residual.register_fake
-def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return torch.empty_like(residual), (torch.empty_like(residual) if g is not None else residual.new_empty(0))
 
 
@@ -47,34 +51,37 @@ def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
 @torch.library.custom_op("k3::residual_norm", mutates_args=())
 def residual_norm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
                   w_qk: Optional[Tensor], g: Tensor, eps: float, group: Optional[str],
-                  prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+                  prefetch: list[Tensor], rounding: int = 0, mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(delta) (delta as it is when group is None);
     normed = the AttnRes mixer of updated over `blocks` (RMSNorm(g) when there are none).
-    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
-    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8]),
-                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
+    `rounding` / `mix_rounding`: the rounding orders, as k3::oproj_allreduce_residual's."""
+    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8], *a[9:]),
+                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
 
 
 @residual_norm.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return torch.empty_like(residual), torch.empty_like(residual)
 
 
 # ----------------------------------------------------------------- 2. MoE finalize folded into the latent tail
 @torch.library.custom_op("k3::moe_latent_tail", mutates_args=())
 def moe_latent_tail(y: Tensor, topk_w: Tensor, shared_partial: Tensor, g_latent: Tensor, w_up: Tensor,
-                    eps: float, rank: int, group: Optional[str], prefetch: list[Tensor]) -> Tensor:
+                    eps: float, rank: int, group: Optional[str], prefetch: list[Tensor],
+                    rounding: int = 0) -> Tensor:
     """final_partial = shared_partial (+ at this rank's columns) up_proj(RMSNorm(all_reduce(sum_k w_k y_k))).
     shared_partial may come straight from k3::shared_expert_async: the current stream waits for the
-    side stream that computes it before anything reads it."""
+    side stream that computes it before anything reads it. `rounding`: the latent norm's rounding
+    order (reference.NORM_* bits)."""
     if shared_partial.is_cuda:
         streams.join(shared_partial)
-    return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8]),
-                y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
+    return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8], *a[9:]),
+                y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding)
 
 
 @moe_latent_tail.register_fake
-def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     return torch.empty_like(shared_partial)
 
 

@@ -11,7 +11,8 @@ computes them: patterns.moe.finalize):
     (any other spelling of "add the tail at this rank's columns", `F.pad`, `narrow(...).add_`,
     is checked by evaluation: patterns.moe.tail_add)
 Emits:
-    final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
+    final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[], rounding)
+(rounding: the latent norm's rounding order as the graph computes it, patterns.graph.match_rms_norm)
 and lowers the matched layer's expert op, where it is k3model::mxfp4_experts, to k3::mxfp4_experts
 (same arguments and contract; its CUDA dispatch runs the MXFP4 expert kernels). Expert results in
 another dtype than the model's (fp32 plain-torch experts) are cast to it first (the model casts the
@@ -67,7 +68,7 @@ class FoldMoeFinalize(K3Pass):
             if dtype(y) != dtype(s["shared"]):
                 y = emit(graph, y, torch.ops.prims.convert_element_type.default, (y, dtype(s["shared"])))
             args = (y, s["w"], s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
-                    s["group"], [])
+                    s["group"], [], s["norm"].rounding)
             fused = emit(graph, last_of(graph, [s["final"], w_up]), OPS["moe_latent_tail"], args)
             replace(graph, s["final"], fused)
             if s["y"].target is _MODEL_EXPERTS:

@@ -11,6 +11,12 @@ other spelling (weights applied inside the key RMSNorm, an einsum, sources in a 
 an unrolled loop with a running max, ...) is found by role and verified by evaluation
 (`_match_general`): the region of the graph between the final norm's input and the [M, H] sources
 it normalises is run on random CPU tensors and compared with the spec's formula.
+
+A site also records how the mixer rounds (`mix_rounding`, ops/reference.py's MIX_* bits: keys rounded to
+the model dtype or kept in fp32, a key RMSNorm with its own weight, softmax or an unrolled sum), and its
+final norm how that norm rounds (`norm.rounding`): the fused ops follow both, so a rewritten graph
+equals the model's own in bf16 (the orders differ by up to a bf16 rounding of every element, which
+the next layers amplify).
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
+from ..ops import reference as ref
 from .graph import (CONVERT_OPS, VIEW_OPS, Fail, RmsNormSite, aten, concrete, describe, is_call, match_rms_norm,
-                    scalar, shape, strip, strip_converts, val, _name)
+                    rounded_between, scalar, shape, strip, strip_converts, val, _name)
 
 
 @dataclass
@@ -40,6 +47,10 @@ class AttnResSite:
     # (an unrolled mixer normalises each source, the residual add among them, on its own): it is
     # not a residual norm site, and `updated` is None.
     role: str = "post_norm"
+    # how the mixer rounds its logits and weighted sum (ops.reference.MIX_* bits; 0 without blocks):
+    # read from the graph's structure on the reference spelling, else found by evaluating the region
+    # (the spelling whose reference reproduces it bit for bit). The output norm's order: norm.rounding.
+    mix_rounding: int = 0
 
 
 def _sources(t: Node) -> list | Fail:
@@ -115,7 +126,9 @@ def _match_stacked(norm: RmsNormSite) -> AttnResSite | Fail | None:
     if strip(strip_converts(src_norm.x)) is not strip(strip_converts(srcs_node)):
         return Fail(inner, "mixer logits normalise a different tensor than the mixed sources")
     srcs = _sources(srcs_node)
-    return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk)
+    # the keys: rounded to the model dtype before the dot product with w_norm * w_qk, or kept in fp32
+    mr = src_norm.rounding | (0 if rounded_between(inner, strip_converts(inner)) else ref.MIX_KEY_FP32)
+    return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk, mix_rounding=mr)
 
 
 # ------------------------------------------------------------------------------------------ any spelling
@@ -160,7 +173,8 @@ def _inner_out(norm: RmsNormSite, updated: Node) -> RmsNormSite:
         n = n.args[0]
     if pick is None or pick is norm.out:
         return norm
-    return RmsNormSite(pick, norm.x, norm.weight, norm.eps, [pick] + [x for x in norm.nodes if x is not norm.out])
+    return RmsNormSite(pick, norm.x, norm.weight, norm.eps, [pick] + [x for x in norm.nodes if x is not norm.out],
+                       norm.rounding)
 
 
 # How far the walks go (nodes): a mixer over 9 sources written as an unrolled loop is about 250
@@ -515,7 +529,9 @@ def _verify(norm: RmsNormSite, f: _Found) -> AttnResSite | Fail:
             return Fail(f.mixed, f"evaluated AttnRes mixer (at {describe(f.mixed)}, {len(f.sources)} sources) differs "
                                  f"from the spec formula by {err:.3g} (relative, {what}; tolerance {tol:g})")
     w_norm, w_qk = _order_weights(f)
-    return AttnResSite(norm, f.updated, [s for s in f.sources if s is not f.updated], w_norm, w_qk)
+    blocks = [s for s in f.sources if s is not f.updated]
+    return AttnResSite(norm, f.updated, blocks, w_norm, w_qk,
+                       mix_rounding=_mix_rounding(f, [*blocks, f.updated], w_norm, w_qk, norm.eps))
 
 
 def _order_weights(f: _Found) -> tuple:
@@ -536,10 +552,10 @@ def _order_weights(f: _Found) -> tuple:
     return a, b
 
 
-def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
-    """(relative error against the spec formula, tolerance, label): f's region run on random CPU
-    tensors, all floats as fp32 (casts to bf16 / fp16 become fp32: the math alone) or as the graph's
-    dtypes (meta['val'])."""
+def _replay(f: _Found, fp32: bool, seed: int = 1234) -> tuple | Fail:
+    """f's region run once on random CPU tensors, all floats as fp32 (casts to bf16 / fp16 become
+    fp32: the math alone) or as the graph's dtypes (meta['val']): (output, {source: its tensor},
+    the weights' tensors in f.weights' order, the lowest float dtype seen, {region node: its value})."""
     dims = [concrete(d) for d in shape(f.mixed)]
     if None in dims:
         return Fail(f.mixed, f"the AttnRes mixer's shape {shape(f.mixed)} has a size without an example value")
@@ -559,7 +575,7 @@ def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
 
     lowest = torch.float32
     with unset_fake_temporarily(), torch.no_grad():
-        g = torch.Generator().manual_seed(1234)
+        g = torch.Generator().manual_seed(seed)
         h = dims[-1]
         base = {s: (torch.randn(dims, generator=g, dtype=torch.float64) * (0.5 + 0.35 * i) + 0.1 * i).to(dt(s))
                 for i, s in enumerate(f.sources)}
@@ -592,6 +608,17 @@ def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
         out = env[f.mixed]
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(dims):
             return Fail(f.mixed, f"the AttnRes mixer's region gives {getattr(out, 'shape', out)}, not {dims}")
+    return out, base, w, lowest, env
+
+
+def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
+    """(relative error against the spec formula, tolerance, label): f's region run on random CPU
+    tensors (`_replay`), all floats as fp32 or as the graph's dtypes."""
+    r = _replay(f, fp32)
+    if isinstance(r, Fail):
+        return r
+    out, base, w, lowest, _ = r
+    with unset_fake_temporarily(), torch.no_grad():
         out = out.double()
         srcs = torch.stack([base[s].double() for s in f.sources])          # [S, M, H]
         wq = w[0].double() * w[1].double()
@@ -599,10 +626,118 @@ def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
         for eps in eps_candidates:
             nrm = srcs * torch.rsqrt(srcs.pow(2).mean(-1, keepdim=True) + eps)
             p = torch.softmax((nrm * wq).sum(-1), dim=0)
-            ref = (p.unsqueeze(-1) * srcs).sum(0)
-            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            ref_ = (p.unsqueeze(-1) * srcs).sum(0)
+            err = ((out - ref_).abs().max() / ref_.abs().max().clamp_min(1e-12)).item()
             best = min(best, err if err == err else float("inf"))
     if fp32:
         return best, 1e-4, "fp32"
     tol = {torch.bfloat16: 4e-2, torch.float16: 1e-2}.get(lowest, 1e-4)
     return best, tol, f"as traced, {str(lowest).replace('torch.', '')}"
+
+
+# The mixer spellings _mix_rounding tells apart (ops.reference.MIX_* bits), most common first: the keys
+# rounded or fp32, normalised alone or by a key RMSNorm with w_norm as its weight (rounded after it or,
+# transformers-style, before it), each with rsqrt / div / reciprocal norms, softmax or unrolled; and
+# key norms computed in the 16-bit dtype itself.
+_KEY_FORMS = (0, ref.MIX_KEY_FP32, ref.MIX_KEY_WEIGHTED, ref.MIX_KEY_WEIGHTED | ref.NORM_CAST_FIRST,
+              ref.MIX_KEY_WEIGHTED | ref.MIX_KEY_FP32)
+_MIX_CANDIDATES = tuple(k | inv | mix for mix in (0, ref.MIX_DIV)
+                        for inv in (0, ref.NORM_DIV, ref.NORM_RECIP) for k in _KEY_FORMS) + tuple(
+    k | mix for mix in (0, ref.MIX_DIV) for k in (ref.NORM_IN_DTYPE, ref.NORM_IN_DTYPE | ref.MIX_KEY_WEIGHTED))
+_MIX_SEEN: dict = {}        # region signature -> mix_rounding (a model spells all its mixers alike)
+_MIX_ELEMENTS = 1 << 18     # elements of [S, M, H] replayed per mixer (in trials of the region's shape)
+
+
+def _region_signature(f: _Found, sources: list, w_norm: Node, eps: float) -> tuple:
+    """What _mix_rounding's answer depends on, without node identities: the region's ops in order, each
+    with its dtype and its arguments (a region node by position, a leaf by its role, a constant as is)."""
+    pos = {n: i for i, n in enumerate(f.region)}
+    order = {s: i for i, s in enumerate(sources)}
+
+    def arg(a):
+        if isinstance(a, Node):
+            if a in pos:
+                return ("n", pos[a])
+            kind, v = f.leaves.get(a, ("?", None))
+            if kind in ("src", "alias"):
+                return (kind, order.get(v))
+            if kind == "stack":
+                return (kind, tuple(order.get(x) if isinstance(x, Node) else None for x in v))
+            if kind == "weight":
+                return (kind, a is w_norm)
+            return (kind, str(v) if kind == "size" else None)
+        return repr(a)
+
+    return (len(sources), tuple(_sig(f.mixed) or ()), float(eps),
+            tuple((str(n.target), str(getattr(val(n), "dtype", None)), tuple(map(arg, _flat_args(n.args))),
+                   tuple(sorted((k, repr(v)) for k, v in n.kwargs.items() if not isinstance(v, Node))))
+                  for n in f.region))
+
+
+def _flat_args(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(_flat_args(a))
+        else:
+            out.append(a)
+    return out
+
+
+def _mix_rounding(f: _Found, sources: list, w_norm: Node, w_qk: Node, eps: float) -> int:
+    """The MIX_* bits whose reference (ops.reference.mix_logits / mix_sources over `sources` in this
+    order) reproduces f's region as traced: the region replayed on random tensors in its own dtypes
+    (up to 16 draws), each candidate's mixed output compared element by element, rounded (what the op
+    returns) and, where the region rounds its fp32 sum last, before that rounding (which tells apart
+    spellings that round alike on most draws). After each draw only the candidates with the fewest
+    rounded differences stay; the one with the fewest differences wins (none, where the spelling is one
+    of the candidates). In fp32 every candidate agrees to fp32 rounding: 0."""
+    lowp = [n for n in (*f.sources, f.mixed) if getattr(val(n), "dtype", None) in _LOW_PRECISION]
+    if not lowp:
+        return 0
+    sig = _region_signature(f, sources, w_norm, eps)
+    if sig in _MIX_SEEN:
+        return _MIX_SEEN[sig]
+    numel = len(sources)
+    for d in shape(f.mixed):
+        numel *= concrete(d) or 1
+    trials = max(1, min(16, _MIX_ELEMENTS // max(numel, 1)))
+    pre = f.mixed.args[0] if is_call(f.mixed) and f.mixed.target in CONVERT_OPS else None
+    wrong = {c: [0, 0] for c in _MIX_CANDIDATES}
+    alive = list(_MIX_CANDIDATES)
+    for t in range(trials):
+        r = _replay(f, False, seed=4321 + t)
+        if isinstance(r, Fail):
+            return 0
+        out, base, w, _, env = r
+        exact = env.get(pre) if pre is not None else None
+        if not (isinstance(exact, torch.Tensor) and exact.dtype == torch.float32):
+            exact = None
+        wn, wq = (w[f.weights.index(x)] for x in (w_norm, w_qk))
+        with unset_fake_temporarily(), torch.no_grad():
+            srcs = [base[s] for s in sources]
+            stacked = torch.stack(srcs, 0)
+            logits: dict = {}
+            for c in alive:
+                k = c & ~ref.MIX_DIV   # the logits do not depend on how they are mixed
+                if k not in logits:
+                    logits[k] = ref.mix_logits(stacked, wn, wq, eps, c)
+                mixed32 = _mixed_fp32(srcs, logits[k], c)
+                wrong[c][0] += int((mixed32.to(out.dtype) != out).sum())
+                if exact is not None:
+                    wrong[c][1] += int((mixed32 != exact).sum())
+        # a candidate behind in rounded differences is out (the model's own spelling has none)
+        fewest = min(wrong[c][0] for c in alive)
+        alive = [c for c in alive if wrong[c][0] == fewest]
+        if len(alive) == 1 and t:
+            break
+    best = min(alive, key=lambda c: (*wrong[c], _MIX_CANDIDATES.index(c)))
+    if len(_MIX_SEEN) > 256:
+        _MIX_SEEN.clear()
+    _MIX_SEEN[sig] = best
+    return best
+
+
+def _mixed_fp32(sources: list, logits: torch.Tensor, c: int) -> torch.Tensor:
+    """ops.reference.mix_sources before its final rounding (the same ops: rounding it gives that)."""
+    return ref.mix_sources([s.float() for s in sources], logits, c)
