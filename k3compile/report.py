@@ -146,6 +146,9 @@ class CompileReport:
                 f"{st.get('moe_layers', 0)} MoE layers, TP={st.get('tp')}, M={st.get('m')}, "
                 f"dtype={st.get('dtype')}")
         lines = [head] + (["  " + self.blocked] if self.blocked else [])
+        if st.get("moe_ops"):   # MoE layers whose selection, experts and finalize are another project's op
+            lines.append(f"  MoE layers in an opaque op ({', '.join(st['moe_ops'])}): its router logits, latent and "
+                         "latent tail take K3 roles; what runs inside it does not")
         if st.get("unclassified"):   # a residual add whose delta takes no role: the layers around it are not counted
             lines.append(f"  residual stream: {st['unclassified']}")
         lines += ["  " + p.line() for p in self.passes]

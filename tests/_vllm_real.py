@@ -20,6 +20,9 @@ The shims, each the least that lets the real model run without a GPU (nothing in
   would trace the experts); the runner is set to call `vllm::moe_forward(_shared)` as it does on CUDA,
   so the graph holds the opaque op with its two outputs.
 - `VLLM_TARGET_DEVICE=cpu` (vLLM's CPU platform, gloo) and `VLLM_KIMI_K3_GEMM_AR=0` (no CuTe GEMM-AR).
+- `tail_tier(name)`: vLLM's CPU platform turns the shared-experts stream off, so at TP > 1 its latent-MoE
+  runner always takes the column-parallel tail; the TP=2 tests pick each tail in turn, the one CUDA runs at
+  decode sizes (the full replicated W_up, the shared partial all-reduced on its own) first.
 
 No MLA layer: its front-end (`fused_q_kv_rmsnorm`) is a Triton kernel that this CPU run cannot execute,
 and its core reads a paged latent cache through a CUDA attention backend.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import tempfile
 
@@ -426,12 +430,56 @@ def compile_vllm_route(model, vc, k3_options: dict | None = None, compile_range=
     return torch.compile(model, fullgraph=True, backend=backend), k3, graphs
 
 
-def real_model_worker(rank: int, world: int, batch: int = 2) -> dict:
+# vLLM's latent-MoE tail tiers at TP > 1 (LatentMoERunner): "overlap" is tier 1, what CUDA runs at decode
+# sizes (up to 256 tokens): the latent all-reduced and normalised, the full replicated W_up, the shared partial
+# all-reduced on its own, then added; "column" is tier 2 (prefill sizes on CUDA; every size on vLLM's CPU
+# platform, which turns the shared-experts stream off): W_up's rows of this rank added into the shared
+# partial's columns, then one all-reduce
+# "overlap_flashinfer": tier 1 where FlashInfer is installed (Hopper): the latent's all-reduce + RMSNorm is
+# FlashInfer's fused op with a residual of zeros (tests/_vllm_ranks.py's CPU stand-in of that op)
+TAIL_TIERS = {"overlap": "ALLREDUCE_OVERLAP", "column": "COLUMN_PARALLEL", "overlap_flashinfer": "ALLREDUCE_OVERLAP"}
+_FI_SAVED: dict = {}
+
+
+def tail_tier(name: str | None, model=None) -> None:
+    """Make LatentMoERunner take tail tier `name` (TAIL_TIERS) whatever the token count (None: vLLM's choice),
+    with FlashInfer's all-reduce + RMSNorm for the latent for "overlap_flashinfer" (the runner's zero
+    residual buffers of `model` dropped, so that, as in a server's first, compiled call, the trace makes it)."""
+    import vllm.model_executor.layers.fused_allreduce_gemma_rms_norm as far
+    from vllm.models.kimi_k3.nvidia.latent_moe_runner import LatentMoERunner, LatentTailTier
+    if not hasattr(LatentMoERunner, "_k3_select_tail_tier"):
+        LatentMoERunner._k3_select_tail_tier = LatentMoERunner._select_tail_tier
+    keys = ("flashinfer_trtllm_fused_allreduce_norm", "_AR_RESIDUAL_RMS_NORM", "_can_use_flashinfer")
+    if not _FI_SAVED:
+        _FI_SAVED.update({k: getattr(far, k) for k in keys})
+    for k in keys:
+        setattr(far, k, _FI_SAVED[k])
+    if name is None:
+        LatentMoERunner._select_tail_tier = LatentMoERunner._k3_select_tail_tier
+        return
+    tier = getattr(LatentTailTier, TAIL_TIERS[name])
+    LatentMoERunner._select_tail_tier = lambda self, fused_output, shared_output: tier
+    if name == "overlap_flashinfer":
+        from _vllm_ranks import FI_OP, register_flashinfer_lookalike
+        register_flashinfer_lookalike()
+        far.flashinfer_trtllm_fused_allreduce_norm = getattr(torch.ops.vllm, FI_OP).default
+        far._AR_RESIDUAL_RMS_NORM = 1   # flashinfer.comm.AllReduceFusionPattern.kARResidualRMSNorm
+        far._can_use_flashinfer = lambda hidden_states, tp_size: (True, 64)
+        for m in (model.modules() if model is not None else ()):
+            runner = getattr(m, "runner", None) or getattr(m, "_runner", None)
+            for obj in (m, runner):
+                if obj is not None and "_zero_residual" in getattr(obj, "__dict__", {}):
+                    del obj.__dict__["_zero_residual"]
+
+
+def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (None,), subsets: dict | None = None) -> dict:
     """In a fresh process (the shims patch vLLM's modules): vLLM's groups over the gloo world, the tiny
     real model, one decode step uncompiled (the reference), then compiled on vLLM's route twice: with
     the K3 pass (every pass) and with the K3 pass running none (canonicalisation only: the unrewritten
-    graph, its vLLM forms in ATen). Returns the reports, the graphs' remaining Triton kernels and the
-    outputs' differences."""
+    graph, its vLLM forms in ATen). Returns the reports, the graphs' remaining Triton kernels, the
+    rewritten graph's K3 ops and the outputs' differences; with several latent-MoE tail `tiers`
+    (TAIL_TIERS, TP > 1), that for the first and, under "tiers", that for each. `subsets` ({label: pass
+    names}): the graph rewritten by those passes only, its difference to the unrewritten under "subsets"."""
     os.environ.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it without a GPU: the kernel must stay a JITFunction
     cpu_triton_backend()
     from vllm.config import set_current_vllm_config
@@ -448,22 +496,63 @@ def real_model_worker(rank: int, world: int, batch: int = 2) -> dict:
     ids = torch.arange(batch) * 7 + 3
     with torch.inference_mode(), eager_attn_res():
         ref = step(model, vc, ids, new_state(model, batch))
-    out: dict = {}
-    results = {}
-    for name, opts in (("k3", {}), ("none", None)):
-        f, k3, graphs = compile_vllm_route(model, vc, opts)
-        with torch.no_grad():
-            results[name] = step(f, vc, ids, new_state(model, batch))
-        rep = k3.last if k3 is not None else None
-        out[name] = {"report": rep.to_dict() if rep is not None else None,
-                     "text": rep.render() if rep is not None else None,
-                     "triton": sum(1 for g in graphs for n in g.graph.nodes if "triton_kernel" in str(n.target)),
-                     "forms": sorted({str(n.target) for g in graphs for n in g.graph.nodes
-                                      if n.op == "call_function" and str(n.target).startswith(("vllm.", "_C."))})}
-    scale = ref.float().abs().max().item()
-    out["err_vs_eager"] = (results["k3"].float() - ref.float()).abs().max().item() / scale
-    out["err_rewrite"] = (results["k3"].float() - results["none"].float()).abs().max().item()
-    return out
+    runs = {}
+    for tier in tiers:
+        tail_tier(tier, model)
+        out: dict = {}
+        results = {}
+        for name, opts in (("k3", {}), ("none", None)):
+            f, k3, graphs = compile_vllm_route(model, vc, opts)
+            with torch.no_grad():
+                results[name] = step(f, vc, ids, new_state(model, batch))
+            rep = k3.last if k3 is not None else None
+            nodes = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+            out[name] = {"report": rep.to_dict() if rep is not None else None,
+                         "text": rep.render() if rep is not None else None,
+                         "triton": sum(1 for n in nodes if "triton_kernel" in str(n.target)),
+                         "forms": sorted({str(n.target) for n in nodes if str(n.target).startswith(("vllm.", "_C."))}),
+                         "ops": _ops(nodes)}
+        out["subsets"] = {}
+        for label, names in (subsets or {}).items():
+            f, _, _ = compile_vllm_route(model, vc, {"passes": tuple(names)})
+            with torch.no_grad():
+                got = step(f, vc, ids, new_state(model, batch))
+            out["subsets"][label] = ((got.float() - results["none"].float()).abs().max().item()
+                                     / results["none"].float().abs().max().item())
+        tail_tier(None)
+        scale = ref.float().abs().max().item()
+        out["err_vs_eager"] = (results["k3"].float() - ref.float()).abs().max().item() / scale
+        out["err_rewrite"] = ((results["k3"].float() - results["none"].float()).abs().max().item()
+                              / results["none"].float().abs().max().item())
+        runs[tier] = out
+    return {**runs[tiers[0]], "tiers": runs}
+
+
+def _ops(nodes) -> dict:
+    """What the graph runs, for the tests: every op's count by name, the shape of each k3::moe_latent_tail's
+    W_up (this rank's rows) and of each k3::router_latent_sharded's two weights."""
+    from collections import Counter
+    from k3compile.patterns.structure import op_name
+    count = Counter(op_name(n) or str(n.target) for n in nodes)
+    val = lambda a: tuple(a.meta["val"].shape)  # noqa: E731
+    fused = [n for n in nodes if op_name(n) in ("k3::oproj_allreduce_residual", "k3::residual_norm")]
+
+    def moe_output(x):   # an output of vLLM's MoE op (through views)
+        while op_name(x) in ("aten::view", "aten::alias", "aten::reshape"):
+            x = x.args[0]
+        return getattr(x, "target", None) is operator.getitem and op_name(x.args[0]) == "vllm::moe_forward_shared"
+
+    return {"count": dict(count),
+            # all-reduces of one of vLLM's MoE op's partials on its own (c10d's or k3::all_reduce_prefetch)
+            "moe_partial_all_reduces": sum(1 for n in nodes if op_name(n) in (
+                "_c10d_functional::all_reduce", "k3::all_reduce_prefetch") and moe_output(n.args[0])),
+            # per fused residual op: (its AttnRes blocks, whether it normalises: the mixer / norm after it)
+            "residual_ops": [(op_name(n), len(n.args[3] if op_name(n) == "k3::oproj_allreduce_residual" else n.args[2]),
+                              (n.args[6] if op_name(n) == "k3::oproj_allreduce_residual" else n.args[5]) is not None)
+                             for n in fused],
+            "tail_w_up": [val(n.args[4]) for n in nodes if op_name(n) == "k3::moe_latent_tail"],
+            "router_latent": [(val(n.args[1]), val(n.args[2]), n.args[4]) for n in nodes
+                              if op_name(n) == "k3::router_latent_sharded"]}
 
 
 def vllm_backend_worker(rank: int, world: int, batch: int = 2) -> dict:

@@ -467,3 +467,84 @@ def test_plain_norm_of_a_projection_is_not_a_mixer():
     for r in final_norm_site(gm, named["g"]):
         assert isinstance(r, AttnResSite) and not r.blocks and r.w_norm is None and r.role == "post_norm"
         assert is_call(r.updated, aten.mm.default), r.updated
+
+
+# ------------------------------------------------------------------------------------------ vLLM's SM100 op
+# `_C::kimi_k3_attn_res` as vLLM 0.33 calls it (vllm/_custom_ops.py kimi_k3_attn_res: prefix, delta, blocks,
+# the weights and the output, then num_blocks, block_write_idx, eps, output_norm_eps; it writes prefix,
+# blocks and output in place). Its CUDA library does not load here: a schema stub with a CPU implementation.
+_ATTN_RES_SCHEMA = ("kimi_k3_attn_res(Tensor(a!) prefix, Tensor? delta, Tensor(b!) blocks, Tensor norm_weight, "
+                    "Tensor qk_weight, Tensor? output_norm_weight, Tensor(c!) output, int num_blocks, "
+                    "int block_write_idx, float eps, float output_norm_eps) -> ()")
+_C_LIB = []
+
+
+def _attn_res_cpu(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, output, num_blocks,
+                  block_write_idx, eps, output_norm_eps):
+    """vLLM's AttnRes kernel's math (fp32; the prefix-add rounded to the prefix dtype), in place."""
+    upd = prefix.float() if delta is None else (prefix.float() + delta.float()).to(prefix.dtype).float()
+    if delta is not None:
+        prefix.copy_(upd)
+    if block_write_idx >= 0:
+        blocks[:, block_write_idx].copy_(upd)
+    mixed = upd
+    if num_blocks:
+        values = torch.cat([blocks[:, :num_blocks].float(), upd[:, None]], 1)
+        logits = (values * (norm_weight.float() * qk_weight.float())).sum(-1) * torch.rsqrt(values.pow(2).mean(-1) + eps)
+        mixed = (torch.softmax(logits, -1)[..., None] * values).sum(1)
+    if output_norm_weight is not None:
+        mixed = mixed * torch.rsqrt(mixed.pow(2).mean(-1, keepdim=True) + output_norm_eps) * output_norm_weight.float()
+    output.copy_(mixed)
+
+
+def _attn_res_op():
+    if not hasattr(torch.ops._C, "kimi_k3_attn_res"):
+        lib = torch.library.Library("_C", "FRAGMENT")
+        lib.define(_ATTN_RES_SCHEMA)
+        lib.impl("kimi_k3_attn_res", _attn_res_cpu, "CPU")
+        lib.impl("kimi_k3_attn_res", lambda *a: None, "Meta")
+        _C_LIB.append(lib)
+    elif not _C_LIB:
+        pytest.skip("vLLM's own _C::kimi_k3_attn_res is loaded (a CUDA op): this test stubs it on CPU")
+    return torch.ops._C.kimi_k3_attn_res
+
+
+@pytest.mark.parametrize("num_blocks, write", [(2, -1), (1, 1), (0, 0)])
+def test_vllm_attn_res_op_becomes_the_mixer_the_patterns_parse(num_blocks, write):
+    """vLLM's `_C::kimi_k3_attn_res` (a layer input's AttnRes: prefix += delta, optionally a block write,
+    the mixer over the first num_blocks blocks, the output RMSNorm) reaches the K3 passes in
+    auto_functionalized; the canonicalisation rewrites it into ATen ops that compute what it computes and
+    that `match_attnres_from_norm` reads as the mixer over [blocks..., prefix + delta] with its two weights."""
+    from k3compile.passes.canonicalize import canonicalize
+    from k3compile.patterns.structure import op_name
+    op = _attn_res_op()
+    nb = 3
+
+    def fn(prefix, delta, blocks, w_norm, w_qk, g):
+        out = torch.empty_like(prefix)
+        op(prefix, delta, blocks, w_norm, w_qk, g, out, num_blocks, write, EPS, EPS)
+        return out, blocks.clone()
+
+    kw = make_inputs(0, torch.float32)
+    kw.pop("b0", None)
+    kw = {"prefix": kw["prefix"], "delta": kw["delta"], "blocks": torch.randn(M, nb, H),
+          "w_norm": kw["w_norm"], "w_qk": kw["w_qk"], "g": kw["g"]}
+    gm, named = capture(fn, {k: v.clone() for k, v in kw.items()})
+    assert any(op_name(n) == "_C::kimi_k3_attn_res" for n in gm.graph.nodes)
+    phs = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    by_node = {named[k].target: v for k, v in kw.items() if k in named}
+    want = gm(*[by_node[p].clone() for p in phs])   # the op's own (CPU) implementation
+    assert canonicalize(gm.graph) >= 1
+    assert not any(op_name(n) == "_C::kimi_k3_attn_res" for n in gm.graph.nodes)
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(*[by_node[p].clone() for p in phs])
+    assert len(got) == len(want)
+    for g, w in zip(got, want):   # the output, the blocks, and the new prefix (the input mutation)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    (site,) = final_norm_site(gm, named["g"])
+    assert isinstance(site, AttnResSite), site
+    assert is_call(site.updated, aten.add.Tensor) and set(site.updated.args) == {named["prefix"], named["delta"]}
+    assert len(site.blocks) == num_blocks
+    if num_blocks:
+        assert {site.w_norm, site.w_qk} == {named["w_norm"], named["w_qk"]}

@@ -73,14 +73,19 @@ class K3Pass:
         """match(anchor) for every anchor; Fails become near-misses, the rest are returned.
 
         A site vLLM already fused (`patterns.vllm_forms.Prefused`) is neither: it is left alone,
-        does not count towards `report.expected`, and is listed in one note."""
-        from ..patterns.graph import Fail
+        does not count towards `report.expected`, and is listed in one note. A site in a form no K3 op
+        takes (`patterns.graph.NoSite`: inside another project's opaque op, ...) is a near-miss with its
+        reason that does not count towards `report.expected` either."""
+        from ..patterns.graph import Fail, NoSite
         from ..patterns.vllm_forms import Prefused
         sites, pre = [], []
         for a in anchors:
             m = match(a)
             if isinstance(m, Prefused):
                 pre.append((a, m))
+            elif isinstance(m, NoSite):
+                report.expected -= 1
+                report.miss(a, m.node, f"{m.reason} (not counted as expected)")
             elif isinstance(m, Fail):
                 report.miss(a, m.node, m.reason)
             else:

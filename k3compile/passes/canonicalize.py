@@ -17,8 +17,10 @@
   to the model dtype; its native IR implementation normalises the fp32 sum, a rounding-level
   difference within vLLM's own tolerance between providers.)
 - `_C.rms_norm(result!, input, weight, epsilon)` in `auto_functionalized` -> the ATen RMSNorm.
-- vLLM's Kimi K3 AttnRes Triton kernel (`triton_kernel_wrapper_functional(_attn_res_kernel)`) -> its
-  residual add, block write, mixer and output RMSNorm as ATen ops (`patterns/vllm_forms.py`).
+- vLLM's Kimi K3 AttnRes Triton kernel (`triton_kernel_wrapper_functional(_attn_res_kernel)`), and its SM100
+  op `_C::kimi_k3_attn_res` in auto_functionalized, -> its
+  residual add, block write, mixer (the sources stacked along dim 0, each block the node written into
+  its slot) and output RMSNorm as ATen ops in the spelling patterns/attnres.py parses (`patterns/vllm_forms.py`).
 Forms it cannot rewrite exactly (a variance over a sub-range, mixed dtypes, a mutated argument that
 is a view of another tensor, a donated input still read afterwards) are left as they are.
 Returns how many nodes it rewrote.
@@ -32,8 +34,9 @@ import torch
 from torch.fx import Graph, Node
 
 from ..patterns.graph import aten, c10d, dtype, is_call, prims, shape, val
+from ..patterns.roles import RESET_MARK
 from ..patterns.structure import op_name
-from ..patterns.vllm_forms import decompose_vllm_attn_res, is_vllm_attn_res
+from ..patterns.vllm_forms import attn_res_aten, decompose_vllm_attn_res, is_vllm_attn_res
 
 _AF = torch.ops.higher_order.auto_functionalized
 _AF2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
@@ -210,6 +213,40 @@ def _rewrite_norm_call(graph: Graph, n: Node) -> bool:
     return True
 
 
+def _rewrite_attn_res_op(graph: Graph, n: Node) -> bool:
+    """vLLM's `_C::kimi_k3_attn_res(prefix!, delta?, blocks!, norm_weight, qk_weight, output_norm_weight?,
+    output!, num_blocks, block_write_idx, eps, output_norm_eps)` (its SM100 AttnRes, in auto_functionalized)
+    -> the same ATen math as the Triton kernel's (`vllm_forms.attn_res_aten`): the new prefix, blocks and
+    output values take their readers."""
+    if op_name(n) != "_C::kimi_k3_attn_res" or n.target not in (_AF, _AF2):
+        return False
+    c = _OpCall(n)
+    if not c.ok:
+        return False
+    prefix, delta, blocks, out = c.arg("prefix"), c.arg("delta"), c.arg("blocks"), c.arg("output")
+    nw, qw, onw = c.arg("norm_weight"), c.arg("qk_weight"), c.arg("output_norm_weight")
+    nb, bw, eps, oeps = (c.arg(k) for k in ("num_blocks", "block_write_idx", "eps", "output_norm_eps"))
+    if not all(isinstance(t, Node) for t in (prefix, blocks, out, nw, qw)) or not all(
+            isinstance(v, (int, float)) for v in (nb, bw, eps, oeps)):
+        return False
+    readers = {name: c.new(name) for name in ("prefix", "blocks", "output")}
+    if _other_readers(n, [g for gs in readers.values() for g in gs]):
+        return False
+    with graph.inserting_before(n):
+        got = attn_res_aten(graph, prefix, delta, blocks, nw, qw, onw, int(nb), int(bw), float(eps), float(oeps),
+                            dtype(out))
+    if got is None:
+        return False
+    for name, v in zip(("prefix", "blocks", "output"), got):
+        for g in readers[name]:
+            g.replace_all_uses_with(v)
+    for g in list(n.users):
+        graph.erase_node(g)
+    graph.erase_node(n)
+    setattr(graph, RESET_MARK, True)   # its prefix restarts at block writes, as the Triton kernel's
+    return True
+
+
 def canonicalize(graph: Graph) -> int:
     changed = 0
     vllm_ar = _vllm_all_reduce()
@@ -238,5 +275,7 @@ def canonicalize(graph: Graph) -> int:
         elif _rewrite_norm_call(graph, n):
             changed += 1
         elif is_vllm_attn_res(n) and decompose_vllm_attn_res(graph, n):
+            changed += 1
+        elif _rewrite_attn_res_op(graph, n):
             changed += 1
     return changed

@@ -19,7 +19,10 @@ first is the next layer's input; the last one's is the final norm's). Not counte
 (fuse_oproj_allreduce's sites, when that pass is off). An all-reduce whose result is read
 elsewhere too stays, and only the add and the norm are fused (a note says so). A layer input
 that vLLM's all-reduce fusion already took (FlashInfer / AITER, patterns.vllm_forms) is left as it is,
-named in a note and not counted as expected.
+named in a note and not counted as expected. A layer input whose AttnRes mixer has no output norm
+(vLLM's Kimi K3 ends its graph with the output mixer; the final norm runs in compute_logits) is a
+near-miss naming it, not counted as expected: k3::residual_norm always normalises. The mixer after a
+block-write layer's attention, whose prefix restarts at the attention output (vLLM), is no site.
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off). A mixer that does not parse (patterns.attnres) is a near-miss.
@@ -27,9 +30,9 @@ profitability gate, base.gated_off). A mixer that does not parse (patterns.attnr
 from __future__ import annotations
 
 from ..ops import OPS
-from ..patterns.attnres import match_attnres_from_norm
-from ..patterns.graph import (Fail, aten, describe, is_call, match_all_reduce, match_linear, rms_norms_by_input,
-                              shape, strip)
+from ..patterns.attnres import _find_mixer, match_attnres_from_norm
+from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, NoSite, aten, describe, is_call, match_all_reduce,
+                              match_linear, rms_norms_by_input, shape, strip)
 from ..patterns.vllm_forms import is_vllm_fused_allreduce
 from .base import K3Pass
 from .pipeline import register
@@ -60,6 +63,13 @@ class FuseResidualNorm(K3Pass):
         stream = {r.add: r for r in info.stream}   # the residual adds found by role: their prefix and delta
         sites = [s for s in self.collect(list(norms), lambda n: self.match(norms[n], oproj, stream), report)
                  if s is not None]
+        taken = {s["updated"] for s in sites} | {nm.site for nm in report.near_misses}
+        for r in info.ffn if info.stream else []:   # a layer input no norm reads: say why, by name
+            if r.add in taken or r.add.name in taken:
+                continue
+            why = _unnormed_mixer(r.add)
+            if why is not None:
+                self.collect([r.add], lambda _a, why=why: why, report)
         for s in _one_per_add(sites):
             if s["kept_ar"]:
                 report.notes.append(f"{s['updated'].name}: its all-reduce is read elsewhere too; "
@@ -86,6 +96,8 @@ class FuseResidualNorm(K3Pass):
             return dict(mix=mix, updated=add, prefix=lin.residual, partial=None, gemm=add.args[1:3], group=None,
                         kept_ar=False)
         if not is_call(add, aten.add.Tensor):
+            if any(strip(r.prefix, converts=True) is strip(add, converts=True) for r in (stream or {}).values()):
+                return None   # the prefix restarts here (vLLM's block-write layer): no add, no layer input
             if mix.blocks:   # a mixer always mixes a residual stream: its newest source should be the add
                 return Fail(add, f"the AttnRes mixer's newest source is {describe(add)}, not a residual add")
             return None   # a plain RMSNorm of something else (q_a, kv_a, the latent, the first layer's input)
@@ -147,3 +159,32 @@ def _vllm_fused_layer_input(n, oproj) -> bool:
         return False
     x = n.kwargs.get("allreduce_in")
     return x is not None and n.kwargs.get("norm_out") is None and strip(x) not in oproj
+
+
+def _unnormed_mixer(add) -> NoSite | None:
+    """The AttnRes mixer over the layer input `add` where nothing normalises its output (vLLM's Kimi K3
+    ends its graph with the output mixer; the model's final norm runs in compute_logits, outside the
+    compiled graph): no residual + norm site. None where no such mixer reads `add`."""
+    seen, todo = {add}, [add]
+    while todo and len(seen) < 80:
+        n = todo.pop(0)
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            todo.append(u)
+            if not is_call(u, aten.sum.dim_IntList):
+                continue
+            f = _find_mixer(u)
+            if f is None or strip(f.updated, converts=True) is not strip(add, converts=True):
+                continue
+            out, hops = u, 0
+            while len(out.users) == 1 and hops < 4 and is_call(next(iter(out.users)), *CONVERT_OPS, *VIEW_OPS):
+                out, hops = next(iter(out.users)), hops + 1
+            readers = list(out.users)
+            end = any(r.op == "output" for r in readers)
+            goes = ("is the graph's output; vLLM applies the model's final norm in compute_logits, outside the "
+                    "compiled graph" if end else f"goes to {', '.join(describe(r) for r in readers) or 'nothing'}")
+            return NoSite(u, f"the AttnRes mixer over this layer input has no output RMSNorm (its result {goes}): "
+                             "k3::residual_norm always normalises its output")
+    return None

@@ -18,6 +18,8 @@ On CUDA one Triton kernel (kernels/triton_router.py) instead of Inductor's sigmo
 torch.topk's two (a radix select and a sort: 8.6 + 3.9 us at M=1, E=896 on an H200) and the
 renormalisation: 5.2-5.4 us at M = 1..64 (bench/router_bench.py, BENCHMARKS.md). Its reference is
 the chain above in PyTorch (ops/reference.router_topk), bit-identical on CPU.
+Not counted as expected: a MoE whose selection is inside vLLM's opaque MoE op (vllm::moe_forward_shared
+takes the logits and selects inside): a near-miss naming the op.
 Skipped: model dtype / TP size not supported, static M outside the pass's batch range; on CUDA with
 Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py). Near-miss: expert ids that are not the indices of
 a topk over `sigmoid(logits) + bias` (say which step differs), or a selection that differs
@@ -30,7 +32,9 @@ import operator
 from ..ops import OPS
 from ..patterns.graph import Fail, aten, describe, is_call, strip, strip_converts
 from ..patterns.moe import selection
+from ..patterns.roles import ResidualAdd
 from ..patterns.router import match_router_topk
+from ..patterns.vllm_forms import inside_moe_op
 from .base import K3Pass
 from .pipeline import register
 from ..patterns.structure import EXPERT_OPS, op_name
@@ -65,8 +69,9 @@ class FuseRouterTopk(K3Pass):
 
     @staticmethod
     def anchors(info):
-        if info.by_role:
-            return [r.topk for r in info.moe if is_call(r.topk, aten.topk.default)]
+        if info.by_role:   # a MoE in vLLM's opaque op: itself (its selection is inside the op: no site)
+            return [r if r.op is not None else r.topk for r in info.moe
+                    if r.op is not None or is_call(r.topk, aten.topk.default)]
         return list(info.experts)
 
     def run(self, graph, info, opts, report):
@@ -89,6 +94,8 @@ class FuseRouterTopk(K3Pass):
 
     @staticmethod
     def match(e):
+        if isinstance(e, ResidualAdd):
+            return inside_moe_op(e, "the router's selection (sigmoid, + bias, top-k, renormalise)")
         if is_call(e, aten.topk.default):
             return selection(e)
         logits = router_logits(e.args[1])

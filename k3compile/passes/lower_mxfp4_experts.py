@@ -13,7 +13,8 @@ Emits:
 CUDA the op runs the MXFP4 expert kernels (CuTe or Triton); the model's region dequantised every
 selected expert's weights into fp32 tensors first.
 Not counted as expected: a MoE whose experts are already an expert op (k3model::mxfp4_experts, an
-op named in the expert_ops knob). Near-miss: experts in an opaque op of another project, a value table
+op named in the expert_ops knob); a MoE whose experts are inside vLLM's opaque MoE op (a near-miss
+naming the op). Near-miss: experts in an opaque op of another project, a value table
 that is a graph input (its values are not known when compiling), another weight layout or
 activation (the evaluation differs).
 Skipped: every MoE's experts an expert op already (the reference model); model dtype not in
@@ -31,7 +32,7 @@ from ..patterns.graph import CONVERT_OPS, Fail, aten, dtype, is_call, strip
 from ..patterns.moe import experts, finalize, selection
 from ..patterns.roles import op_name
 from ..patterns.structure import EXPERT_OPS
-from ..patterns.vllm_forms import Prefused
+from ..patterns.vllm_forms import Prefused, inside_moe_op
 from .base import K3Pass
 from .common import emit, last_of, replace
 from .pipeline import register
@@ -71,6 +72,8 @@ class LowerMxfp4Experts(K3Pass):
             report.matched += 1
 
     def match(self, r):
+        if r.op is not None:
+            return inside_moe_op(r, "the routed experts")
         topk = r.topk
         if is_call(topk, aten.topk.default):
             sel = selection(topk)

@@ -24,6 +24,8 @@ reads right after it (up to options.prefetch_bytes): the `prefetch` list of each
 plain `all_reduce`s become `k3::all_reduce_prefetch(x, group, weights)`. Prefetch is data
 flow, not a side-effect op, so no scheduler can drop or reorder it away from its all-reduce.
 On CPU both are ordering no-ops (the reference runs the shared expert in line).
+Not counted as expected: a MoE in vLLM's opaque MoE op, which runs the shared expert inside it
+(vllm::moe_forward_shared, given the MoE input as shared_experts_input): a near-miss naming the op.
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside
 the pass's batch range; on CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off). The prefetch has its own gate entry, "prefetch", which is
@@ -37,11 +39,12 @@ import operator
 import torch
 
 from ..ops import OPS
-from ..patterns.graph import (Fail, aten, c10d, describe, dtype, is_call, is_weight_like, match_all_reduce,
+from ..patterns.graph import (Fail, NoSite, aten, c10d, describe, dtype, is_call, is_weight_like, match_all_reduce,
                               match_linear, scalar, shape, strip, val, weight_out_in)
 from ..patterns.moe import finalize, selection
 from ..patterns.roles import ResidualAdd
-from ..patterns.vllm_forms import count_vllm_fused_allreduces
+from ..patterns.roles import op_name
+from ..patterns.vllm_forms import count_vllm_fused_allreduces, inside_moe_op
 from .base import K3Pass, gated_off
 from .pipeline import register
 from .common import emit, forward_gemm, last_of, replace, users_through_views
@@ -130,6 +133,10 @@ class OverlapSharedExpert(K3Pass):
     def match_role(self, r):
         """A MoE found by role: the MoE input is the router GEMM's input; the routed work to wait for
         is the experts' results (the finalize's input, or the latent tail op's)."""
+        if r.op is not None:
+            if op_name(r.op) == "vllm::moe_forward":
+                return NoSite(r.op, f"this MoE has no shared expert ({r.op.name} is vllm::moe_forward)")
+            return inside_moe_op(r, "the shared expert")
         topk = r.topk
         tk = topk if is_call(topk, OPS["router_topk"]) else None
         if tk is not None:

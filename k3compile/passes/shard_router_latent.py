@@ -5,6 +5,10 @@ latent GEMM is the GEMM on the router's input that the experts' results depend o
 both weights, split into [logits, latent], matches too):
     logits = x @ W_r.T      # [N, E], replicated weight (E = number of experts)
     lat    = x @ W_down.T   # [N, L], replicated weight, the expert op's input
+In vLLM's Kimi K3 the MoE is its opaque op (found by role, patterns.roles), anchored on its arguments:
+    vllm::moe_forward_shared(hidden_states=lat, router_logits=logits, shared_experts_input=x, ...)
+with GateLinear's fp32 logits: the GEMM in the model dtype cast up (vLLM's fallback, CPU), or
+`mm(x, W_r.T, out_dtype=float32)` (its cuBLAS tier; then the op's router_fp32).
 Emits:
     logits, lat = k3::router_latent_sharded(x, W_r, W_down, rank, tp, group)
     (an fp32 router, x.float() @ W_r.float().T, keeps its fp32 logits: the op's router_fp32 argument;
@@ -23,7 +27,9 @@ The router's selection on those logits is the next pass's (fuse_router_topk).
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off; the reason is in the report). Near-miss: (E + L) not divisible
-by TP, router and latent weights of different dtypes, no router GEMM on the same input.
+by TP, router and latent weights of different dtypes, no router GEMM on the same input; for vLLM's op,
+router logits or a latent that are no GEMM of its shared experts' input (GateLinear's CuTe tiers on
+SM90+ at M <= 16/32 run outside any graph-visible GEMM: such a router is a near-miss naming it).
 """
 from __future__ import annotations
 
@@ -34,8 +40,12 @@ import operator
 
 import torch
 
-from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, aten, dtype, is_call, is_weight_like, match_linear, shape,
-                              strip, val, weight_out_in)
+from torch.fx import Node
+
+from ..patterns.graph import (CONVERT_OPS, VIEW_OPS, Fail, LinearSite, aten, describe, dtype, is_call, is_weight_like,
+                              match_linear, shape, strip, val, weight_of, weight_out_in)
+from ..patterns.roles import op_name
+from ..patterns.vllm_forms import moe_op_args
 from ..patterns.moe import finalize, selection, topk_weights
 from ..patterns.roles import ResidualAdd
 from .base import K3Pass
@@ -117,6 +127,8 @@ class ShardRouterLatent(K3Pass):
     def match_role(self, r, info):
         """A MoE found by role: the router GEMM under its selection's logits, and the latent GEMM on
         the same input that the experts' results depend on."""
+        if r.op is not None:
+            return self.match_op(r, info)
         logits = _logits(r.topk)
         if isinstance(logits, Fail):
             return logits
@@ -164,6 +176,52 @@ class ShardRouterLatent(K3Pass):
         total = n_exp + shape(lats[0])[-1]
         if total % info.tp:
             return Fail(lats[0], f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
+        return router, latent, fp32
+
+
+    def match_op(self, r, info):
+        """vLLM's opaque MoE op (`r.op`): its `router_logits` argument is the router GEMM of its
+        `shared_experts_input` x (GateLinear's fp32 logits: the GEMM in the model dtype cast up, as on
+        CPU, or `torch.mm(x, W_r.T, out_dtype=float32)`, cuBLAS's tier on Hopper), its `hidden_states`
+        the latent down-projection of x."""
+        a = moe_op_args(r.op)
+        logits, lat, x = a.get("router_logits"), a.get("hidden_states"), a.get("shared_experts_input")
+        if not all(isinstance(t, Node) for t in (logits, lat, x)):
+            return Fail(r.op, f"{op_name(r.op)} is not given router logits, a latent and the shared experts' input")
+        src = strip(logits, converts=True)
+        if is_call(src, aten.mm.dtype):   # bf16 x bf16 -> fp32 in one GEMM: the op's fp32 logits
+            w, layout = weight_of(src.args[1])
+            router, fp32 = LinearSite(out=src, x=src.args[0], w=w, w_layout=layout, nodes=[src]), True
+        else:
+            router = match_linear(src)
+            if isinstance(router, Fail):
+                return Fail(logits, f"the router logits {op_name(r.op)} takes are not a GEMM ({router.reason})")
+            fp32 = dtype(router.x) != info.dtype
+        if not is_weight_like(router.w) or router.bias is not None or router.residual is not None:
+            return Fail(src, "the router GEMM has a bias or a computed weight")
+        if fp32 and router.out.target is not aten.mm.dtype:   # x.float() @ W_r.float().T (GateLinear's fallback)
+            x16 = _uncast(router.x, info.dtype)
+            if x16 is None:
+                return Fail(src, f"the router GEMM runs in {dtype(router.x)} on an input that is not a "
+                                 f"{info.dtype} tensor cast up: the sharded op takes a {info.dtype} input")
+            router = dataclasses.replace(router, x=x16, w=strip(router.w, converts=True))
+        xs = strip(x, converts=True)
+        if strip(router.x, converts=True) is not xs:
+            return Fail(src, f"the router GEMM reads {describe(router.x)}, not the MoE input {describe(x)} "
+                             f"that {op_name(r.op)} gives its shared experts")
+        latent = match_linear(lat)
+        if isinstance(latent, Fail):
+            return Fail(lat, f"the routed input of {op_name(r.op)} is not a latent GEMM ({latent.reason})")
+        if not is_weight_like(latent.w) or latent.bias is not None or latent.residual is not None:
+            return Fail(lat, "the latent projection has a bias or a computed weight")
+        if strip(latent.x, converts=True) is not xs:
+            return Fail(lat, f"the latent GEMM reads {describe(latent.x)}, not the router's input {describe(x)}")
+        if dtype(strip(router.w, converts=True)) != dtype(latent.w) and not fp32:
+            return Fail(lat, f"router weight dtype {dtype(router.w)} != latent weight dtype {dtype(latent.w)}: "
+                             "one GEMM needs one dtype")
+        total = shape(router.out)[-1] + shape(lat)[-1]
+        if total % info.tp:
+            return Fail(lat, f"experts + latent = {total} rows do not split evenly over TP={info.tp}")
         return router, latent, fp32
 
 

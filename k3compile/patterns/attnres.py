@@ -125,6 +125,9 @@ def _match_stacked(norm: RmsNormSite) -> AttnResSite | Fail | None:
         return Fail(inner, f"mixer logits: sources are not RMS-normalised ({src_norm.reason})")
     if strip(strip_converts(src_norm.x)) is not strip(strip_converts(srcs_node)):
         return Fail(inner, "mixer logits normalise a different tensor than the mixed sources")
+    if src_norm.eps != norm.eps:
+        return Fail(inner, f"the mixer's key RMSNorm eps {src_norm.eps:g} differs from its output norm's "
+                           f"{norm.eps:g}: the fused ops take one eps")
     srcs = _sources(srcs_node)
     # the keys: rounded to the model dtype before the dot product with w_norm * w_qk, or kept in fp32
     mr = src_norm.rounding | (0 if rounded_between(inner, strip_converts(inner)) else ref.MIX_KEY_FP32)

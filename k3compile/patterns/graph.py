@@ -36,6 +36,12 @@ class Fail:
         return False
 
 
+class NoSite(Fail):
+    """A site the roles imply in a form no K3 op takes (a part inside another project's opaque op, a
+    mixer with no output norm): a near-miss with its reason that does not count towards the pass's
+    expected sites (`K3Pass.collect`)."""
+
+
 def is_call(n: Any, *targets) -> bool:
     return isinstance(n, Node) and n.op == "call_function" and (not targets or n.target in targets)
 
@@ -96,6 +102,9 @@ def _weight_of(b: Node):
     if is_call(bs, aten.t.default) or (is_call(bs, aten.transpose.int) and sorted(bs.args[1:3]) in ([0, 1], [-2, -1])):
         return bs.args[0], "out_in"
     return bs, "in_out"
+
+
+weight_of = _weight_of
 
 
 def match_linear(n: Any) -> LinearSite | Fail:

@@ -5,7 +5,9 @@ add (or the embedding, or a graph input when one layer is traced): `updated = pr
 any operand order, `torch.add` or an in-place `add_` (functionalised to `add`), through views and
 dtype casts. Each add's delta is what one sub-layer computed; walking back from it, no further than
 the previous add, classifies it:
-- "moe": a top-k (the router's selection) lies in the region;
+- "moe": a top-k (the router's selection) lies in the region, or an opaque MoE op that holds it
+  (`OPAQUE_MOE_OPS`: vLLM's `moe_forward_shared`, whose router logits and latent input are computed
+  outside it and whose two outputs, the shared and the routed partial, meet in the latent tail after it);
 - "mlp": the delta is a GEMM (through its all-reduce) of an element-wise function of GEMMs that all
   read one input (the dense SiTU MLP: gate/up GEMM(s), SiTU, down GEMM);
 - "attention": any other GEMM-ended delta; that GEMM is the layer's o-proj. The core itself (a
@@ -82,11 +84,12 @@ class ResidualAdd:
     kind: str = "unknown"      # "attention" | "mlp" | "moe" | "input" (delta a graph input) | "unknown"
     gemm: Node | None = None   # attention: the o-proj GEMM; mlp: the down-projection GEMM
     topk: Node | None = None   # moe: the router's top-k
+    op: Node | None = None     # moe: the opaque MoE op (OPAQUE_MOE_OPS) holding the top-k, experts and finalize
     why: str | None = None     # kind "unknown": why no role fits
 
     @property
     def name(self) -> str:   # how reports name the site: its add (a router outside the stream: its top-k)
-        return self.add.name if self.add is not None else self.topk.name
+        return self.add.name if self.add is not None else (self.topk or self.op).name
 
 
 @dataclass
@@ -256,12 +259,9 @@ def _classify(r: ResidualAdd, lo: int, pos: dict) -> None:
     if topks:
         r.kind, r.topk = "moe", topks[-1]
         return
-    moe = next((n for n in region if op_name(n) in OPAQUE_MOE_OPS), None)
-    if moe is not None:   # before the GEMM test: its up-projection (addmm into the shared partial) ends the delta
-        r.kind, r.why = "unknown", (
-            f"the delta {r.delta.name} comes from {op_name(moe)} ({moe.name}), which holds the router's top-k, "
-            "the experts and the finalize: no K3 role for it yet, so this MoE's router, latent and tail sites "
-            "are not matched")
+    moes = [n for n in region if op_name(n) in OPAQUE_MOE_OPS]
+    if moes:   # before the GEMM test: its up-projection (addmm into the shared partial) ends the delta
+        r.kind, r.op = "moe", max(moes, key=lambda n: pos.get(n, -1))
         return
     g = delta_gemm(r.delta)
     if g is None:

@@ -1,7 +1,8 @@
 """What K3 structure a graph holds: its decoder layers, TP size, M, dtype.
 
 The layers are found by role (`patterns.roles`): the residual stream's adds, and what each add's
-delta is (an attention o-proj, a dense MLP, a MoE with its router top-k), whatever the ops inside
+delta is (an attention o-proj, a dense MLP, a MoE with its router top-k, or a MoE in vLLM's opaque
+op with its router logits and latent computed outside it), whatever the ops inside
 the attention cores and experts are. The expected site count of every pass derives from these
 (an o-proj per layer, a router per MoE layer), so a site that fails to match shows up as
 "matched < expected". Known opaque ops are mapped to roles as well (`ATTENTION_OPS`,
@@ -70,6 +71,12 @@ class GraphInfo:
         return [r for r in self.stream if r.kind in ("mlp", "moe", "input")]
 
     @property
+    def moe_in_op(self) -> list:
+        """The MoE sub-layers whose router selection, experts and finalize are inside an opaque op of
+        another project (roles.OPAQUE_MOE_OPS: vLLM's moe_forward_shared); their `op` is that node."""
+        return [r for r in self.routers if r.op is not None]
+
+    @property
     def by_role(self) -> bool:
         """The layers were found by role (else the known attention / expert ops stand in)."""
         return bool(self.layers or self.routers)
@@ -86,6 +93,7 @@ class GraphInfo:
         return {
             "attention_layers": self.n_attention, "moe_layers": self.n_moe,
             "residual_adds": len(self.stream), "routers": len(self.routers),
+            "moe_ops": sorted({op_name(r.op) for r in self.moe_in_op}),
             "unclassified": next((f"{r.add.name}: {r.why}" for r in self.stream if r.kind == "unknown"), None),
             "tp": self.tp, "m": self.m,
             "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None, "device": self.device,
