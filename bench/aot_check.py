@@ -83,10 +83,10 @@ def variants():
         out.append((f"pushed ar_residual_norm w{world}", K.ar_residual_norm_kernel, ints,
                     dict(RANK=1, WORLD=world, NB=3, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1,
                          PUSHED=1)))
-    # the peers signalled and polled one after another (launch.COMM_VEC=0)
+    # the peers signalled and polled one after another (comm.COMM_VEC=0)
     out.append(("loop ar_residual_norm w8", K.ar_residual_norm_kernel, ints,
                 dict(RANK=0, WORLD=8, NB=0, HAS_NORM=1, HAS_RES=1, BLOCK_N=8192, DTYPE=tl.bfloat16, SEQ=1, VEC=0)))
-    # seven blocks (four loaded together, launch.AR_PRELOAD), and each block row loaded just before its
+    # seven blocks (four loaded together, comm.AR_PRELOAD), and each block row loaded just before its
     # reduction (K3_KNOBS=ar_preload=0)
     for nb, pre in ((7, 1), (3, 0), (8, 1)):
         out.append((f"preload{pre} ar_residual_norm w8 nb{nb}", K.ar_residual_norm_kernel, ints,
@@ -127,7 +127,7 @@ def variants():
         for sp in (1, 4):
             out.append((f"mma_gemm{' swap' if sw else ''} split{sp}", KG.mma_gemm_kernel, mg,
                         dict(BM=16, BN=bn, BK=256, SPLIT=sp, SWAP=sw, EVEN_K=1, ACC=0)))
-    # two weights in one launch (the router + latent down-projection at TP=1: launch.mma_gemm2)
+    # two weights in one launch (the router + latent down-projection at TP=1: gemm.mma_gemm2)
     out.append(("mma_gemm two swap split4", KG.mma_gemm_kernel, mg,
                 dict(BM=16, BN=64, BK=128, SPLIT=4, SWAP=1, EVEN_K=1, ACC=0, TWO=1)))
     mla = dict(ints, q_lat="*bf16", q_rope="*bf16", cache="*bf16", lens="*i64", part_o="*fp32", part_ml="*fp32",
@@ -173,7 +173,7 @@ def variants():
         out.append((f"mxfp4_dot_down I{I}", KM.mxfp4_down_dot_kernel, moe, dict(I=I, BN=64, BKB=64, BT=16, LOOP=0)))
         out.append((f"mxfp4_v2b_gate_up I{I}", KM.mxfp4_gate_up_v2b_kernel, moe, dict(K=16, L=3584, BI=16, BKB=256, LOOP=0)))
         out.append((f"mxfp4_v2b_down I{I}", KM.mxfp4_down_v2b_kernel, moe, dict(I=I, BL=32, BKB=64, LOOP=0)))
-        # v3: launch._mxfp4_tiles' defaults (num_stages: Triton's default here, 3 at launch)
+        # v3: moe._mxfp4_tiles' defaults (num_stages: Triton's default here, 3 at launch)
         out.append((f"mxfp4_v3_gate_up I{I}", KM.mxfp4_gate_up_v3_kernel, moe,
                     dict(K=16, L=3584, BI=32, BKB=256, BT=16, FP16=0, DOT_F32=0)))
         out.append((f"mxfp4_v3_down I{I}", KM.mxfp4_down_v3_kernel, moe,

@@ -25,15 +25,15 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import comm, tuning
     from tests import simpeers
-    from k3compile.kernels import triton_cols as KC
+    from k3compile.kernels import triton_cols
     t0 = time.time()
     rows = []
     bar = torch.zeros(64, dtype=torch.int32, device="cuda")
     for progs in (28, 56, 112):
         for gen in (1, 32):
-            us = GraphTimer(lambda: KC.grid_barrier_probe_kernel[(progs,)](bar, GEN=gen, num_warps=4)).time()
+            us = GraphTimer(lambda: triton_cols.grid_barrier_probe_kernel[(progs,)](bar, GEN=gen, num_warps=4)).time()
             rows.append(dict(case="barrier alone", programs=progs, gen=gen, us=us))
             print(rows[-1], flush=True)
     for M in (int(m) for m in a.ms.split(",")):
@@ -47,16 +47,16 @@ def main():
                                   probe))
             for name, attrs, probe in forms:
                 for k, v in attrs.items():
-                    setattr(launch, k, v)
-                launch.COLS_PROBE = probe
-                plan = launch.cols_plan(M, 7168 if op == "resnorm" else 3584, 4 if op == "resnorm" else 1, None)
+                    setattr(tuning, k, v)
+                comm.COLS_PROBE = probe
+                plan = comm.cols_plan(M, 7168 if op == "resnorm" else 3584, 4 if op == "resnorm" else 1, None)
                 us = GraphTimer(run).time()
                 rows.append(dict(case=op, M=M, form=name, programs=plan.programs if plan else None,
                                  w=plan.w if plan else None, us=us))
                 print(rows[-1], flush=True)
-            launch.COLS, launch.COLS_W, launch.COLS_MIN_WORLD, launch.COLS_MAX_M, launch.COLS_PROBE = True, 128, 2, 1, {}
+            tuning.COLS, tuning.COLS_W, tuning.COLS_MIN_WORLD, tuning.COLS_MAX_M, comm.COLS_PROBE = True, 128, 2, 1, {}
     compiled = []   # registers, spills and shared memory of every compiled form (this machine's Triton)
-    for fn in (KC.ar_norm_cols_kernel, KC.latent_tail_cols_kernel):
+    for fn in (triton_cols.ar_norm_cols_kernel, triton_cols.latent_tail_cols_kernel):
         try:
             for cache in fn.device_caches.values():
                 for key, k in cache[0].items():

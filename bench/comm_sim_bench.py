@@ -4,18 +4,18 @@ before), each option of the communication kernels side by side: what the kernels
 without NVLink and without a peer's skew. Not a substitute for bench/ops_bench.py on two GPUs
 (the one-shot all-reduce's NVLink trips and the baselines are there); it separates the local part.
 
-Variants (launch module settings; every variant in the same run, cold weights: `--cold` copies):
+Variants (kernels/comm.py and kernels/tuning.py settings; every variant in the same run, cold weights: `--cold` copies):
   k3           the defaults (early reads, one vector atomic to signal / poll the peers)
   k3_late      peer-independent reads after the barrier wait (COMM_EARLY=0)
   k3_loop      the peers signalled and polled one after another (COMM_VEC=0)
   k3_before    both: the kernels before COMM_EARLY / COMM_VEC
   gemm         the op's GEMM alone (torch.mm, cold)
-  k3_fat / k3_lean  (oproj, resnorm) the all-reduce + norm kernel without / with launch.AR_LEAN at
-               every group size (the default: by group size, launch._ar_form); before that default "k3" was lean
-  k3_w8/_w16/_w32  (oproj, resnorm) that kernel with 8 / 16 / 32 warps (launch.AR_WARPS; the default
+  k3_fat / k3_lean  (oproj, resnorm) the all-reduce + norm kernel without / with comm.AR_LEAN at
+               every group size (the default: by group size, comm._ar_form); before that default "k3" was lean
+  k3_w8/_w16/_w32  (oproj, resnorm) that kernel with 8 / 16 / 32 warps (comm.AR_WARPS; the default
                by width, 16 at group size >= 8 and M=1)
   k3_fat_w16   both
-  k3_seq / k3_seq_w16 / k3_seq_w32  the AttnRes sources one after another (launch.AR_JOINT=False; the
+  k3_seq / k3_seq_w16 / k3_seq_w32  the AttnRes sources one after another (comm.AR_JOINT=False; the
                default: joint at group size 1 only), with the warps by width / 16 / 32
   k3_joint / k3_joint_w32  the joint reductions at every group size (AR_JOINT=True)
   (op resnorm, the layer-input k3::residual_norm with `--blocks` AttnRes blocks, at every world;
@@ -46,7 +46,7 @@ AR_VARIANTS = {"k3_fat": {"AR_LEAN": False}, "k3_lean": {"AR_LEAN": True}, "k3_w
 # the layer-input op (resnorm): the defaults (its AttnRes block rows loaded together: AR_PRELOAD) and
 # AR_VARIANTS; before AR_PRELOAD's default "k3" was the kernel without the preload and k3_preload the one with it
 RESNORM_VARIANTS = {"k3": {}, **AR_VARIANTS}
-# every op: the column-split kernels (triton_cols, launch.COLS, the default at M <= COLS_MAX_M) with other
+# every op: the column-split kernels (triton_cols, tuning.COLS, the default at M <= COLS_MAX_M) with other
 # widths, and the row kernels
 COLS_VARIANTS = {"k3_rows": {"COLS": False}, "k3_c64": {"COLS_W": 64}, "k3_c256": {"COLS_W": 256},
                  "k3_c512": {"COLS_W": 512}}
@@ -68,7 +68,7 @@ def main():
     import torch
     import torch.nn.functional as F
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import comm, tuning
     from tests import simpeers
 
     def rel(a, b):
@@ -95,7 +95,7 @@ def main():
                     else:
                         run, ref, _ = simpeers.tail_case(world, M, seed=M, copies=a.cold)
                         check = lambda out: rel(out, ref)  # noqa: E731
-                    fn = with_attrs(launch, run, values)
+                    fn = with_attrs((comm, tuning), run, values)
                     errs[name] = check(fn())
                     timers[name] = GraphTimer(fn)
                     if a.verbose:

@@ -55,18 +55,22 @@ class GraphTimer:
         return times[len(times) // 2]
 
 
-def with_attrs(module, fn, values: dict):
-    """fn wrapped so that it runs with these attributes of `module` set (e.g. the launch module's
-    kernel options, read when kernels are launched or captured), restored after each call."""
+def with_attrs(modules, fn, values: dict):
+    """fn wrapped so that it runs with these attributes set (e.g. the comm module's kernel options or
+    an entry of kernels/tuning.py, read when kernels are launched or captured), each on the first of
+    `modules` (one module or several) that has it, restored after each call."""
+    modules = modules if isinstance(modules, (tuple, list)) else (modules,)
+    owner = {k: next(m for m in modules if hasattr(m, k)) for k in values}
+
     def run():
-        keep = {k: getattr(module, k) for k in values}
+        keep = {k: getattr(owner[k], k) for k in values}
         for k, v in values.items():
-            setattr(module, k, v)
+            setattr(owner[k], k, v)
         try:
             return fn()
         finally:
             for k, v in keep.items():
-                setattr(module, k, v)
+                setattr(owner[k], k, v)
     return run
 
 

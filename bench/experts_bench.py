@@ -25,7 +25,7 @@ routing), where pairs share experts: the bytes to read shrink, the kernels' per-
     python bench/experts_bench.py [--ms 1,4,16,64,256] [--variants v1,dot,v2b] [--sweep] [--pool N]
                                   [--tiles JSON] [--shapes tp8,tp2] [--out results.json]
 
---tiles: {"variant": [override, ...]} (keys of launch._mxfp4_tiles: BN, BKB_GU, BN_D, BKB_D, BT for
+--tiles: {"variant": [override, ...]} (keys of moe._mxfp4_tiles: BN, BKB_GU, BN_D, BKB_D, BT for
 dot; BI, BKB_GU, BL, BKB_D for v1/v2b/v3; LOOP for dot/v2b; BT, FP16 for v3; num_warps, num_stages for all); --sweep
 adds SWEEP's.
 """
@@ -93,7 +93,8 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import moe
+    from k3compile.kernels.cute import artifacts
     from k3compile.model.moe_ops import mxfp4_experts_gathered
     variants = [v for v in a.variants.split(",") if v]
     extra = json.loads(a.tiles) if a.tiles else {}
@@ -135,17 +136,17 @@ def main():
                 os.environ["K3_KNOBS"] = knobs_text(cute_pdl="0" if v.endswith("_nopdl") else "1")
                 if tag:
                     os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag=tag)
-                else:                       # dispatch's own choice (choose.mxfp4_tag)
+                else:                       # dispatch's own choice (moe.mxfp4_tag)
                     os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag="")
                 v = v.removesuffix("_nopdl")
                 try:
-                    if not launch.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
+                    if not moe.mxfp4_experts_ok(x, ids, w13, variant=v, tiles=tiles):
                         raise ValueError("mxfp4_experts_ok: shapes do not fit these tiles")
-                    fn = lambda v=v, tiles=tiles, r=None: launch.mxfp4_experts(  # noqa: E731
+                    fn = lambda v=v, tiles=tiles, r=None: moe.mxfp4_experts(  # noqa: E731
                         x, routings[next(turn) % a.cold] if r is None else r, w13, s13, w2, s2, 4.0, 25.0,
                         variant=v, tiles=tiles)
                     if v.startswith("cute"):  # the AOT CuTe artifacts (K3_CUTE_DIR); a silent v3 fallback is an error here
-                        choose._WHY.clear()
+                        artifacts._WHY.clear()
                     # the output buffer must not hold an earlier variant's (correct) result: keep
                     # those alive and leave a NaN-filled block of this size for the allocator to
                     # reuse, so rows a kernel never writes fail the check (the dn2x down that could
@@ -154,8 +155,8 @@ def main():
                     out = fn(r=ids)
                     keep.append(out)
                     torch.cuda.synchronize()
-                    if v.startswith("cute") and choose.fallbacks():
-                        raise RuntimeError(f"cute fell back to {launch.CUTE_FALLBACK}: {choose.fallbacks()}")
+                    if v.startswith("cute") and artifacts.fallbacks():
+                        raise RuntimeError(f"cute fell back to {moe.CUTE_FALLBACK}: {artifacts.fallbacks()}")
                     err = ((out[sub].float() - want).abs().max() / want.abs().max()).item()
                     timer = GraphTimer(fn)
                     t = timer.time(30)

@@ -59,7 +59,8 @@ def main():
     import torch
     import triton
 
-    from k3compile.kernels import choose
+    from k3compile.kernels import moe
+    from k3compile.kernels.cute import artifacts
     from k3compile.kernels.cute import build, loader
     os.environ["K3_KNOBS"] = knobs_text(cute_probe="1")         # find_mxfp4 serves the probe tags
     read_rows = _read_kernel()
@@ -100,10 +101,10 @@ def main():
                 cases[f"read2 b{blk}"] = (lambda blk=blk: read(blk, ((0, gu_bytes // 4),
                                                                      (gu_bytes // 4, dn_bytes // 4))))
                 cases[f"contig b{blk}"] = (lambda blk=blk: read(blk, src=contig, ids=contig_ids))
-            # the CuTe kernels (the artifacts dispatch picks for this batch: choose.mxfp4_tag)
-            tag = choose.mxfp4_tag(I, M)
+            # the CuTe kernels (the artifacts dispatch picks for this batch: moe.mxfp4_tag)
+            tag = moe.mxfp4_tag(I, M)
             for t in [None] + [t for t in a.tags.split(",") if t]:
-                arts, why = loader.find_mxfp4(choose._artifact_dir(), I, L, TOPK, "f16x2", tag if t is None else t)
+                arts, why = loader.find_mxfp4(artifacts.artifact_dir(), I, L, TOPK, "f16x2", tag if t is None else t)
                 if arts is None:
                     print("no CuTe artifacts:", why)
                     continue

@@ -43,7 +43,7 @@ SHAPES = {  # name: (N, K)
     # TP=1 with TP=8 per-rank head widths (layer_bench --world 1 --shapes tp8): the router, latent
     # down- and up-projections are whole there (nothing shards them at TP=1)
     "w1 router": (896, 7168), "w1 latent": (3584, 7168), "w1 latent_up": (7168, 3584),
-    # the two stacked (shard_router_latent at TP=1: one launch of launch.mma_gemm2 over both weights;
+    # the two stacked (shard_router_latent at TP=1: one launch of gemm.mma_gemm2 over both weights;
     # swept here as one [4480, 7168] weight, the same bytes and grid)
     "w1 router_latent": (4480, 7168),
 }
@@ -59,14 +59,14 @@ MMA_MIN_PROGRAMS, MMA_MAX_PROGRAMS = 100, 2200
 
 def cfg_name(cfg) -> str:
     """A dispatch plan's config name: an MmaCfg's, a CUDA-core GEMV tuple's, or "cublas" (None)."""
-    from k3compile.kernels import launch
-    return cfg.name() if hasattr(cfg, "name") else (launch.gemv_name(cfg) if cfg else "cublas")
+    from k3compile.kernels import gemm
+    return cfg.name() if hasattr(cfg, "name") else (gemm.gemv_name(cfg) if cfg else "cublas")
 
 
 def mma_configs(N: int, K: int):
     """The MMA GEMM configs swept for a weight [N, K]: every tile and split whose grid has
     MMA_MIN_PROGRAMS..MMA_MAX_PROGRAMS programs and whose splits get at least one BK step each."""
-    from k3compile.kernels.launch import MmaCfg
+    from k3compile.kernels.gemm import MmaCfg
     out = []
     for bn, bk, st, sw in MMA_TILES:
         for sp in MMA_SPLITS:
@@ -97,7 +97,7 @@ def chain(a, ms, bw):
 
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import gemm
     sweep = {(r["shape"], r["M"]): tuple(int(v) for v in r["best"].split()[1].split("/"))
              for r in json.load(open(a.chain))["rows"]}
     g = torch.Generator("cuda").manual_seed(0)
@@ -123,7 +123,7 @@ def chain(a, ms, bw):
                 if kind == "cublas":
                     torch.mm(xs[n], w.t(), out=outs[n])
                 else:
-                    launch.gemv(xs[n], w, out=outs[n], cfg=cfgs[n], pdl=kind == "gemv_pdl")
+                    gemm.gemv(xs[n], w, out=outs[n], cfg=cfgs[n], pdl=kind == "gemv_pdl")
         nbytes = sum((SHAPES[n][0] + M) * SHAPES[n][1] * 2 + M * SHAPES[n][0] * 2 for n in CHAIN)
         row = dict(M=M, chain=list(CHAIN), cfgs={n: list(c) for n, c in cfgs.items()}, bytes=nbytes,
                    floor_us=nbytes / bw * 1e6, us={}, err={})
@@ -150,12 +150,12 @@ def _compile_one(job):
     cache holds its kernel (same specialisation as the timed launches: M is not specialised)."""
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import gemm
     N, K, cfg = job
     x = torch.randn(1, K, device="cuda").bfloat16()
     w = torch.randn(N, K, device="cuda").bfloat16()
-    launch.gemv(x, w, cfg=cfg)
-    launch.gemv(x, w, out=torch.empty(1, N, device="cuda", dtype=torch.bfloat16), cfg=cfg)
+    gemm.gemv(x, w, cfg=cfg)
+    gemm.gemv(x, w, out=torch.empty(1, N, device="cuda", dtype=torch.bfloat16), cfg=cfg)
     torch.cuda.synchronize()
     return cfg.name()
 
@@ -183,21 +183,21 @@ def cold_weights(N: int, K: int, g):
 
 
 def dispatch_check(a, bw):
-    """--dispatch: what choose.gemm runs (kernels/choose.GEMV_TABLE: the tuned config, or cuBLAS)
+    """--dispatch: what gemm.gemm runs (kernels/tuning.GEMV_TABLE: the tuned config, or cuBLAS)
     against torch.mm, per swept shape and M, each timed `--repeats` times in alternating order
     (cold weights, graphed): an independent check of the table's entries, which came from one
     sweep's best of many configs."""
     import torch
 
-    from k3compile.kernels import choose
+    from k3compile.kernels import gemm
     rows = []
     for row, x, w, nxt, ref in cases(a, bw, seed=1):
         name, M = row["shape"], row["M"]
-        cfg = choose.gemv_plan(x, w)
-        err = ((choose.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
+        cfg = gemm.gemv_plan(x, w)
+        err = ((gemm.gemm("bench", x, w).float() - ref).abs().max() / ref.abs().max()).item()
         row.update(dispatch=cfg_name(cfg),
                    err=err, us={"cublas": [], "k3": []})
-        fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: choose.gemm("bench", x, nxt())}
+        fns = {"cublas": lambda: torch.mm(x, nxt().t()), "k3": lambda: gemm.gemm("bench", x, nxt())}
         for _ in range(a.repeats):
             for k in ("cublas", "k3"):
                 row["us"][k].append(time_graph(fns[k]))
@@ -229,7 +229,7 @@ def cases(a, bw, seed: int):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dispatch", action="store_true", help="time choose.gemm's pick against cuBLAS (dispatch_check)")
+    ap.add_argument("--dispatch", action="store_true", help="time gemm.gemm's pick against cuBLAS (dispatch_check)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--precompile", type=int, default=0, help="compile the MMA configs in this many processes first")
     ap.add_argument("--ms", default="1,4,16")
@@ -238,13 +238,13 @@ def main():
     ap.add_argument("--lazy", action="store_true", help="each CUDA-core GEMV config in its LAZY form too (gemvl)")
     ap.add_argument("--no-mma", action="store_true", help="no tensor-core MMA configs")
     ap.add_argument("--dispatch-column", action="store_true",
-                    help="a column k3: what choose.gemm dispatches for the shape and M (not a candidate for best)")
+                    help="a column k3: what gemm.gemm dispatches for the shape and M (not a candidate for best)")
     ap.add_argument("--chain", default=None, help="a gemv_bench sweep result: time the GEMM chain (docstring)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import gemm
     t0 = time.time()
     bw = hbm_bandwidth()
     if a.dispatch:
@@ -266,16 +266,16 @@ def main():
         name, N, K, M, nbytes = row["shape"], row["N"], row["K"], row["M"], row["bytes"]
         row.update(us={}, err={})
         variants = {"cublas": lambda: torch.mm(x, nxt().t())}
-        if a.dispatch_column:   # what choose.gemm runs for this shape and M (the table / card rows)
-            variants["k3"] = (lambda o=None: choose.gemm("bench", x, nxt()) if o is None else
-                              o.copy_(choose.gemm("bench", x, w)))
-        if M <= launch.GEMV_MAX_M:
+        if a.dispatch_column:   # what gemm.gemm runs for this shape and M (the table / card rows)
+            variants["k3"] = (lambda o=None: gemm.gemm("bench", x, nxt()) if o is None else
+                              o.copy_(gemm.gemm("bench", x, w)))
+        if M <= gemm.GEMV_MAX_M:
             for c in (CONFIGS if a.all_gemv else GEMV_BEST):
                 for cc in ((c, c + (1,)) if a.lazy else (c,)):
-                    variants[launch.gemv_name(cc)] = (lambda c=cc, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
-        if M <= launch.MMA_MAX_M and not a.no_mma:
+                    variants[gemm.gemv_name(cc)] = (lambda c=cc, o=None: gemm.gemv(x, nxt(), out=o, cfg=c))
+        if M <= gemm.MMA_MAX_M and not a.no_mma:
             for c in mma_configs(N, K):
-                variants[c.name()] = (lambda c=c, o=None: launch.gemv(x, nxt(), out=o, cfg=c))
+                variants[c.name()] = (lambda c=c, o=None: gemm.gemv(x, nxt(), out=o, cfg=c))
         variants["cublas last"] = variants["cublas"]
         for vn, fn in variants.items():
             try:   # into a NaN-poisoned output: an element the kernel never writes fails the check
@@ -291,7 +291,7 @@ def main():
                 row["us"][vn] = time_graph(fn)
         row["us"]["cublas"] = min(row["us"].pop("cublas last"), row["us"]["cublas"])
         if "k3" in row["us"]:
-            row["dispatch"] = cfg_name(choose.gemv_plan(x, w))
+            row["dispatch"] = cfg_name(gemm.gemv_plan(x, w))
         gem = {k: v for k, v in row["us"].items() if k.startswith("gemv")}
         mma = {k: v for k, v in row["us"].items() if k.startswith("mma")}
         for kind, d in (("gemv", gem), ("mma", mma)):

@@ -2,15 +2,15 @@
 
     python bench/gemv_table.py SWEEP.json --keep 1536x7168 --out TABLE.json
 
-The script prints, for each swept shape and M, how long kernels/choose.GEMV_TABLE's config (tuned on
+The script prints, for each swept shape and M, how long kernels/tuning.GEMV_TABLE's config (tuned on
 the H200) took in the sweep, against the sweep's best config and cuBLAS.
 
 It then writes TABLE.json in the sweep's row format, so that `K3_KNOBS=gemv_table=TABLE.json` reads it
-(choose.gemv_table_from). Each entry is the sweep's best config where it beat cuBLAS, else cuBLAS.
+(gemm.gemv_table_from). Each entry is the sweep's best config where it beat cuBLAS, else cuBLAS.
 The shapes named in --keep, and the shapes not swept, keep GEMV_TABLE's entries instead. The shared gate-up is one of them: its
 config was picked for the side stream beside the router top-k, not for the GEMM alone.
 The shapes named in --mma-only (default: the router + latent down stacked at TP=1, 4480x7168) take the
-sweep's best tensor-core ("mma") config, also where cuBLAS timed faster: launch.mma_gemm2 runs the two stacked weights in one launch only
+sweep's best tensor-core ("mma") config, also where cuBLAS timed faster: gemm.mma_gemm2 runs the two stacked weights in one launch only
 with an MMA config, and a CUDA-core GEMV config there splits it into two GEMMs. On an H100
 the two took 8.0 + 22.5 us of the KDA step's replay against 26.1 stacked
 (bench/results/layer_kda_tp8_w1_h100_b8043ff_tab.json, BENCHMARKS.md).
@@ -30,7 +30,7 @@ def _shapes(text: str) -> set:
 
 
 def main():
-    from k3compile.kernels.choose import GEMV_TABLE
+    from k3compile.kernels.tuning import GEMV_TABLE
 
     ap = argparse.ArgumentParser()
     ap.add_argument("sweep", type=Path)

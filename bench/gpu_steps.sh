@@ -27,6 +27,12 @@ XV=${K3_VARIANTS:-v2b,v3}  # MXFP4 expert variants the experts / sweep8 steps ti
 LB="python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16,64,256} --ablate ${K3_ABLATE:-1} ${K3_LB_EXTRA:-}"
 for st in "$@"; do
   case $st in
+    # the GPU tests of the fp32 router and the split gate / up shared expert
+    newtests) step new_gpu_tests 150 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "fp32_logits or separate_gate" ;;
+    # the user command: a 3 KDA + 1 MLA step at TP=8 per-rank widths, eager / Inductor / k3
+    kbench) step k3c_bench 300 python3 -m k3compile.cli bench --layers 3kda,1mla --tp 8 --ms ${K3_MS:-1,16,64} --rounds 3 --out "$R/k3c_bench.json" ;;
+    # one layer of tests/others/fused.py against the reference's (issue 52's GPU check)
+    others) step others_layer 200 python3 bench/others_layer_bench.py --ms 1,16 --rounds 3 --out "$R/others_layer.json" ;;
     tests) step gpu_tests 420 python3 -m pytest -m gpu -q -rA tests/ ;;
     tp2) step tp2_tests 240 python3 -m pytest -m gpu -q -rA -s tests/test_gpu.py -k tp2 ;;  # the two-GPU tests only
     flatests) step fla_tests 420 python3 -m pytest -m gpu -q -rA -s --durations=0 tests/test_attention_ops.py ;;
@@ -58,7 +64,7 @@ for st in "$@"; do
     gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
                  --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
-    # choose.GEMV_TABLE's picks (tuned decode GEMM or cuBLAS) against cuBLAS, alternating, 3 repeats
+    # tuning.GEMV_TABLE's picks (tuned decode GEMM or cuBLAS) against cuBLAS, alternating, 3 repeats
     dispatch) step gemv_dispatch 240 python3 bench/gemv_bench.py --dispatch --ms ${K3_MS:-1,2,4,8,16} \
                 --out "$R/gemv_dispatch.json" ;;
     # the TP=1 shapes of the world-1 layers (router, latent down and up, whole) through the MMA sweep
@@ -147,7 +153,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     # bench/layout_probe.py: the same Triton read / GEMV over the row-major weight and over a tiled copy
     # ([N/BN, K/BK, BN, BK], each step one contiguous tile), beside cuBLAS, k3's dispatch and torch.sum
     layout) step layout_probe 320 python3 bench/layout_probe.py --out "$R/layout_probe.json" ;;
-    # choose.GEMV_TABLE_BY_CARD (the H100's in_proj rows at M=1): both layers at M=1, k3 against a row without them
+    # tuning.GEMV_TABLE_BY_CARD (the H100's in_proj rows at M=1): both layers at M=1, k3 against a row without them
     cardrows) for L in kda mla; do
                 step layer_${L}_tp8_w1_card 150 python3 bench/layer_bench.py --ms 1 --ablate 0 --env nocard:K3_KNOBS=gemv_card=none \
                   --world 1 --layer $L --shapes tp8 --out "$R/layer_${L}_tp8_w1_card.json"
@@ -240,7 +246,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
     convip) step convip_tests 200 python3 -m pytest -m gpu -q -rA tests/test_kda_conv.py tests/test_gpu.py -k "kda_conv or tp1 or overlaps"
              step layer_kda_tp8_w1_convip 300 python3 bench/layer_bench.py --ms ${K3_MS:-1,4,16} --ablate 0 \
                --env conv0:K3_KNOBS=conv_inplace=0 --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1_convip.json" ;;
-    # the column-split all-reduce / norm and latent-tail kernels (triton_cols, launch.COLS): their GPU tests
+    # the column-split all-reduce / norm and latent-tail kernels (triton_cols, tuning.COLS): their GPU tests
     # (every form against the reference, eager and graphed; the grid barrier over 200 replays), the ops
     # with simulated peers (k3 = columns, k3_rows = the row kernels, k3_cNN = NN columns per program), and
     # both layers with the row kernels as a row (rows)
@@ -256,7 +262,7 @@ tp8 shared_down,tp8 in_proj_kda,tp8 in_proj_mla,tp8 q_b_mla,w1 router_latent,w1 
                 --shapes tp8,tp2 --ms ${K3_XMS:-96,128,192} --out "$R/experts_x.json"
               step layer_kda_tp8_w1 200 $LB --world 1 --layer kda --shapes tp8 --out "$R/layer_kda_tp8_w1.json"
               step layer_mla_tp8_w1 200 $LB --world 1 --layer mla --shapes tp8 --out "$R/layer_mla_tp8_w1.json" ;;
-    # the CuTe / v4g crossover alone (no tests): sets choose.CUTE_M["mxfp4_experts"]
+    # the CuTe / v4g crossover alone (no tests): sets tuning.CUTE_M["mxfp4_experts"]
     xover) step experts_x 240 python3 bench/experts_bench.py --variants ${K3_VARIANTS:-cute_h2,v4g} --no-reference-time \
              --cold 8 --shapes tp8,tp2 --ms ${K3_XMS:-32,48,64,80,96,128} --out "$R/experts_x.json" ;;
     # the KDA gate's f_b GEMV in the recurrence kernel (fold_kda_fb) and the whole step in one kernel
@@ -422,9 +428,9 @@ torch.cuda.synchronize()" ;;
     kda8) step "layer_kda_tp8" 300 $LB --layer kda --shapes tp8 --out "$R/layer_kda_tp8.json" ;;
     # one GPU: the layers at TP=8 per-rank widths with no communication (world 1): the compute-side
     # passes and kernels (K3_LB_EXTRA="--ablate-passes lower_decode_gemm" for their rows only)
-    # K3_KNOBS gemv_pdl (launch.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
+    # K3_KNOBS gemv_pdl (gemm.gemv_pdl): the GEMV after the one-program norm as a PDL secondary, with its weight
     # rows' first bytes requested into L2 before its wait: the GPU test, the norm + GEMV pair alone, then
-    # both layers at M=1: k3 (the default; no PDL before 843c313) beside on (launch.GEMV_PDL_PF), lz (qkv_a / in_proj
+    # both layers at M=1: k3 (the default; no PDL before 843c313) beside on (tuning.GEMV_PDL_PF), lz (qkv_a / in_proj
     # forced onto the H100's lazy GEMV configs; the H200 runs them on the MMA GEMM) and lzon (lz with PDL)
     gemvpdl) step pdl_tests 200 python3 -m pytest -m gpu -q -rA tests/test_gpu.py -k "gemv_pdl or two_weights"
          step pdl_probe 200 python3 bench/pdl_probe.py --out "$R/pdl_probe.json"

@@ -2,7 +2,7 @@
 
 The question: at M=1 a layer spends ~15-26 us in small attention kernels that read little (the
 MLA decode, norms, the per-head bmm's) before the o-proj GEMM streams its 22 MB weight from HBM.
-If that weight is pulled into L2 (`launch.l2_prefetch`: bulk `cp.async.bulk.prefetch.L2`, fire
+If that weight is pulled into L2 (`comm.l2_prefetch`: bulk `cp.async.bulk.prefetch.L2`, fire
 and forget) while those kernels run, how much faster is the GEMM, and what does the prefetch cost
 the kernels beside it?
 
@@ -14,7 +14,7 @@ starts cold unless prefetched. Per weight shape and M, us per step (median of ro
   pf_main      the prefetch launched on the main stream before the chain, then chain, GEMM
   pf_side      the prefetch on a side stream forked before the chain, joined before the GEMM
   pf_late      the prefetch on the main stream after the chain, just before the GEMM (no cover)
-GEMM: the k3 decode GEMM (kernels/choose.gemm: the tuned MMA config, else cuBLAS).
+GEMM: the k3 decode GEMM (kernels/gemm.gemm: the tuned MMA config, else cuBLAS).
 
     python bench/l2_bench.py [--ms 1,4,16] [--chain 16] [--out r.json]
 """
@@ -35,7 +35,7 @@ L2_BYTES = 50 << 20
 
 def main(argv=None):
     import torch
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import comm, gemm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,4,16")
@@ -57,7 +57,7 @@ def main(argv=None):
         for m in (int(v) for v in a.ms.split(",")):
             x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
             ref = (x.float() @ ws[0].float().t())
-            got = choose.gemm("l2bench", x, ws[0]).float()
+            got = gemm.gemm("l2bench", x, ws[0]).float()
             err = ((got - ref).abs().max() / ref.abs().max()).item()
 
             def chain():
@@ -69,21 +69,21 @@ def main(argv=None):
             def step(i, mode):
                 w = ws[i % ncopy] if mode != "gemm_warm" else ws[0]
                 if mode in ("gemm_cold", "gemm_warm"):
-                    return choose.gemm("l2bench", x, w)
+                    return gemm.gemm("l2bench", x, w)
                 if mode == "chain":
                     return chain()
                 if mode == "pf_main":
-                    launch.l2_prefetch(w)
+                    comm.l2_prefetch(w)
                 if mode == "pf_side":
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
-                        launch.l2_prefetch(w)
+                        comm.l2_prefetch(w)
                 chain()
                 if mode == "pf_side":
                     torch.cuda.current_stream().wait_stream(side)
                 if mode == "pf_late":
-                    launch.l2_prefetch(w)
-                return choose.gemm("l2bench", x, w)
+                    comm.l2_prefetch(w)
+                return gemm.gemm("l2bench", x, w)
 
             modes = ["gemm_cold", "gemm_warm", "chain", "chain_gemm", "pf_main", "pf_side", "pf_late"]
             us = {md: [] for md in modes}
@@ -93,7 +93,7 @@ def main(argv=None):
                     us[md].append(t / ncopy)
             med = {md: round(median(v), 2) for md, v in us.items()}
             row = dict(shape=name, N=N, K=K, M=m, mbytes=round(nbytes / 1e6, 1), ncopy=ncopy, chain=a.chain,
-                       cfg=str(choose.gemv_plan(x, ws[0])), err=err, us=med,
+                       cfg=str(gemm.gemv_plan(x, ws[0])), err=err, us=med,
                        us_rounds={md: [round(v, 2) for v in vs] for md, vs in us.items()},
                        gemm_after_chain=round(med["chain_gemm"] - med["chain"], 2),
                        gemm_after_chain_pf_main=round(med["pf_main"] - med["chain"], 2),

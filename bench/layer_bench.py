@@ -295,17 +295,12 @@ def run(rank, world, kind, shapes, ms, ctx, ablate, smoke, pdl=False, attribute=
 
 
 def _best_standalone_experts():
-    """The baselines run the model's expert op on our Triton MXFP4 kernel (the fastest standalone
-    one we have), not on the model's capture-safe PyTorch path, which dequantises every pair's
+    """The baselines run the model's expert op on our MXFP4 expert kernels (the fastest standalone
+    ones we have), not on the model's capture-safe PyTorch path, which dequantises every pair's
     expert to fp32 and is 9-10x slower (BENCHMARKS.md): otherwise k3's lead would mostly be that
-    kernel. k3 calls the same kernel through k3::mxfp4_experts, so what remains is the passes."""
-    import torch
-
-    from k3compile.kernels import launch
-
-    def cuda_impl(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
-        return launch.mxfp4_experts(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta)
-    torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
+    kernel. k3 calls the same kernels through k3::mxfp4_experts, so what remains is the passes."""
+    from k3compile.ops.fused import model_experts_on_kernels
+    model_experts_on_kernels()
 
 
 # a row whose eager top-k scores (sigmoid + bias) leave less than this between the k-th and the

@@ -9,7 +9,7 @@ steps, no split) over two layouts of the same bytes:
   rm     - the row-major weight [N, K];
   tiled  - the weight re-laid as [N/BN, K/BK, BN, BK] (every step one contiguous BN*BK*2 bytes);
 each as a pure read (`read`: the tile summed, one value per program) and as the GEMV (`gemv`:
-out = x @ w^T, checked against fp32), beside cuBLAS, k3's dispatch (kernels/choose.gemm) and
+out = x @ w^T, checked against fp32), beside cuBLAS, k3's dispatch (kernels/gemm.gemm) and
 torch.sum over the weight (read-only at this size). If `tiled` reads much faster than `rm`, a
 pre-tiled weight layout for the decode GEMMs is worth building; if not, the layout is not the limit.
 
@@ -72,7 +72,7 @@ def main():
     import torch
 
     from bench.common import BW_SEEN, hbm_bandwidth, save, time_graph
-    from k3compile.kernels import choose
+    from k3compile.kernels import gemm
     t0 = time.time()
     bw = hbm_bandwidth()
     g = torch.Generator("cuda").manual_seed(0)
@@ -87,7 +87,7 @@ def main():
         row = dict(shape=name, N=N, K=K, M=1, bytes=N * K * 2, floor_us=N * K * 2 / bw * 1e6, us={}, err={})
         nxt = itertools.cycle(copies).__next__
         row["us"]["cublas"] = time_graph(lambda: torch.mm(x, nxt().t()))
-        row["us"]["k3"] = time_graph(lambda: choose.gemm("bench", x, nxt()))
+        row["us"]["k3"] = time_graph(lambda: gemm.gemm("bench", x, nxt()))
         row["us"]["torch_sum"] = time_graph(lambda: torch.sum(nxt(), dtype=torch.float32))
         for bn, bk, nw, ns in CONFIGS:
             if N % bn or K % bk:

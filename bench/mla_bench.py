@@ -1,6 +1,6 @@
 """The MLA decode op alone (`k3model::mla_decode` at K3's latent widths), one GPU, graphed: the op's
 PyTorch reference against the Triton kernel (kernels/triton_mla.py) with its split / tile / warp
-settings (launch.MLA_MIN_CH, MLA_BS, MLA_WARPS), every variant in the same run and checked against
+settings (tuning.MLA_MIN_CH, MLA_BS, MLA_WARPS), every variant in the same run and checked against
 the reference (output and the cache after the write). TP=8 per-rank heads (12), L 512, rope 64, a
 cache of --ctx positions + 8 free slots, every row at the full context (the layer bench's case).
 
@@ -8,7 +8,7 @@ cache of --ctx positions + 8 free slots, every row at the full context (the laye
     python bench/mla_bench.py --uv [--variants "flat:MLA_UV_FLAT=1;..."] [--chs ""]
 
 A variant named chCH_bsBS_wW runs MLA_MIN_CH=CH, MLA_BS=BS, MLA_WARPS=W; "triton" the defaults; each
---variants entry NAME:ATTR=V,... those launch attributes (integers). --uv times the layer's form instead
+--variants entry NAME:ATTR=V,... those kernels/tuning.py entries (integers). --uv times the layer's form instead
 (k3::mla_decode_uv: the raw kv_a row normalised in the split kernel, then the combine + the value
 up-projection W_uv [H, 128, L] + the sigmoid gate), against ops.reference.mla_decode_uv.
 """
@@ -34,12 +34,12 @@ def main():
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--uv", action="store_true", help="the layer's form: k3::mla_decode_uv")
-    ap.add_argument("--variants", default="", help="NAME:ATTR=V,ATTR=V;... launch attributes per variant")
+    ap.add_argument("--variants", default="", help="NAME:ATTR=V,ATTR=V;... kernels/tuning.py entries per variant")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import torch
 
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention, tuning
     from k3compile.model import attention_ops as A
     from k3compile.ops import reference as ref_ops
     t0 = time.time()
@@ -63,13 +63,13 @@ def main():
                 return ref_ops.mla_decode_uv(ql, qr, kv_new, kv_w, 1e-5, c, lens, L ** -0.5, wuv, True, gate)
 
             def kernel(c):
-                return launch.mla_decode(ql, qr, kv_new, c, lens, L ** -0.5, kv_norm=(kv_w, 1e-5), uv=(wuv, True, gate))
+                return attention.mla_decode(ql, qr, kv_new, c, lens, L ** -0.5, kv_norm=(kv_w, 1e-5), uv=(wuv, True, gate))
         else:
             def reference(c):
                 return A.mla_decode_reference(ql, qr, kv_new, c, lens, L ** -0.5)
 
             def kernel(c):
-                return launch.mla_decode(ql, qr, kv_new, c, lens, L ** -0.5)
+                return attention.mla_decode(ql, qr, kv_new, c, lens, L ** -0.5)
         ref = reference(c_ref)
         variants = {"reference": {}, "triton": {}}
         if a.chs:
@@ -84,7 +84,7 @@ def main():
             if name == "reference":
                 fn = lambda c=cache: reference(c)  # noqa: E731
             else:
-                fn = with_attrs(launch, lambda c=cache: kernel(c), attrs)
+                fn = with_attrs(tuning, lambda c=cache: kernel(c), attrs)
             try:
                 out = fn()
                 torch.cuda.synchronize()

@@ -28,7 +28,8 @@ def main():
     import torch
 
     from bench.experts_bench import E, L, SHAPES, TOPK, expert_weights
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import moe
+    from k3compile.kernels.cute import artifacts
     v, _, tag = a.variant.partition("@")       # "cute_h2@TAG": an alternate (build --alt)
     if tag:
         os.environ["K3_KNOBS"] = knobs_text(cute_mxfp4_tag=tag)
@@ -37,10 +38,10 @@ def main():
     x = torch.randn(a.m, L, device="cuda").to(torch.bfloat16)
     for _ in range(a.calls):
         ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(a.m)]).to(torch.int32)
-        launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v)
+        moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=v)
     torch.cuda.synchronize()
-    if choose.fallbacks():
-        raise SystemExit(f"fell back: {choose.fallbacks()}")
+    if artifacts.fallbacks():
+        raise SystemExit(f"fell back: {artifacts.fallbacks()}")
     print("ok", a)
 
 

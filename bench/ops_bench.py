@@ -68,22 +68,20 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
     def ar_func(t):
         return funcol.wait_tensor(funcol.all_reduce(t, "sum", group))
 
-    from k3compile.kernels import cuda as kcuda
+    from k3compile.kernels import comm, tuning
 
     def forced(op, fn, oneshot: bool):
         def run():
-            keep = kcuda.ONESHOT_M[op]
-            kcuda.ONESHOT_M[op] = (0, 1 << 30) if oneshot else (0, -1)
+            keep = tuning.ONESHOT_M[op]
+            tuning.ONESHOT_M[op] = (0, 1 << 30) if oneshot else (0, -1)
             try:
                 return fn()
             finally:
-                kcuda.ONESHOT_M[op] = keep
+                tuning.ONESHOT_M[op] = keep
         return run
 
-    from k3compile.kernels import launch as klaunch
-
     def with_knobs(fn, **values):
-        return with_attrs(klaunch, fn, values)
+        return with_attrs(comm, fn, values)
 
     def with_env(fn, **values):
         """fn() with these environment variables set (read by dispatch at call / capture time)."""
@@ -111,7 +109,7 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
             variants["k3_cute_gemm"] = with_env(forced(kop[op], k3, True), K3_KNOBS="cute=1,cute_push=0")
             variants["k3_cute_push"] = with_env(forced(kop[op], k3, True), K3_KNOBS="cute_push=1")
         if comm_variants and op in ("oproj_ar_norm", "latent_tail"):
-            # the communication kernel's ordering options (launch.COMM_*), each against the default
+            # the communication kernel's ordering options (comm.COMM_*), each against the default
             one = forced(kop[op], k3, True)
             variants["k3_late"] = with_knobs(one, COMM_EARLY=False)
             variants["k3_loop"] = with_knobs(one, COMM_VEC=False)
@@ -128,15 +126,15 @@ def run(rank, world, ms, shapes, cold=1, nblocks=0, only="", cute_variants=False
             outs[name] = fn()
             res[name] = time_graph(fn)
         errs = {n: check(outs[n], outs["eager"]) for n in outs if n != "eager"}
-        from k3compile.kernels import choose
-        why_not = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
+        from k3compile.kernels.cute import artifacts
+        why_not = {k: v for k, v in artifacts.fallbacks().items() if k.startswith("oproj")}
         row = dict(op=op, shapes=shape, M=M, world=world, cold=cold, blocks=nblocks,
                    ar_warps=knob("ar_warps") or None, us=res, err_vs_eager=errs, bytes=nbytes,
                    floor_us=nbytes / bw * 1e6, cute_fallbacks=why_not, parts_us=part_us)
         base = min(res["eager"], res["inductor"])
-        lo, hi = kcuda.ONESHOT_M[kop[op]]
+        lo, hi = tuning.ONESHOT_M[kop[op]]
         row["table_pick"] = "oneshot" if lo <= M <= hi else "nccl_path"
-        res["k3"] = res["k3_" + row["table_pick"]]  # what the shipped table (kernels/cuda.py ONESHOT_M) runs
+        res["k3"] = res["k3_" + row["table_pick"]]  # what the shipped table (kernels/tuning.py ONESHOT_M) runs
         row["oneshot_wins"] = res["k3_oneshot"] <= res["k3_nccl_path"]
         row["speedup_vs_baseline"] = base / res["k3"]
         rows.append(row)

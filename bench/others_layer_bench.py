@@ -15,7 +15,7 @@ near-tie may flip an expert). Cuts (--cuts):
          cores, a first residual add of two graph inputs) shows no K3 structure.
   model  (ref_model / others_model) a one-layer model's whole step: embedding, the layer (no blocks),
          final mixer, LM head [256, H]: what k3 sees of a whole model, where it finds others' layers by role.
-Experts: ref's k3model::mxfp4_experts on launch.mxfp4_experts (layer_bench's _best_standalone_experts;
+Experts: ref's k3model::mxfp4_experts on moe.mxfp4_experts (layer_bench's _best_standalone_experts;
 K3_KNOBS=mxfp4=v3 forces Triton v3); others' fusedk3::mxfp4_grouped_mm (CPU-only as written) on
 `grouped_mm_triton`, Triton v3's per-pair MXFP4 GEMV, W13 then W2 with SiTU between (k3 keeps the op).
 Timing as layer_bench: 10 steps per CUDA graph, median of 20 replays, `--rounds` rounds in turn, median
@@ -232,11 +232,11 @@ def run(ms, rounds, smoke, cuts):
         for key, rep in reports.items():   # matched/expected per pass; "-": skipped (the JSON says why)
             print(f"M={M} {key}: {rep and rep['structure']}\n  " + (rep and " ".join(
                 f"{n}={m}/{e}" + ("-" if s else "") for n, (m, e, s) in rep["passes"].items())), flush=True)
-    from k3compile.kernels import launch
-    ref_exp = {M: knob("mxfp4") or launch.default_mxfp4_variant(True, cfg.latent, cfg.expert_inter,
+    from k3compile.kernels import moe
+    ref_exp = {M: knob("mxfp4") or moe.default_mxfp4_variant(True, cfg.latent, cfg.expert_inter,
                                                                               not smoke, M) for M in ms}
     return dict(rows=rows, checks=checks, cuts=sorted(cuts), shapes="tp8", world=1, ref_config=cfg.to_json(),
-                others_config=repr(fcfg), ref_experts="CPU" if smoke else f"launch.mxfp4_experts, variant per M {ref_exp}",
+                others_config=repr(fcfg), ref_experts="CPU" if smoke else f"moe.mxfp4_experts, variant per M {ref_exp}",
                 others_experts="CPU" if smoke else "grouped_mm_triton (Triton v3 per-pair MXFP4 GEMV), W13 then W2",
                 gpu=torch.cuda.get_device_name() if not smoke else "cpu", torch=torch.__version__)
 

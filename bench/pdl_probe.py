@@ -3,7 +3,7 @@
 The question (issue 5, MLA at M=1 is 1.6x its floor on an H100): at TP=1 the AttnRes norm before the
 MLA qkv_a / KDA in_proj GEMV, and the one before the stacked router + latent GEMV, are one-program
 kernels of about 5 us that read almost nothing, and the GEMV after each cannot start streaming its
-52-90 MB weight until the norm ends. With K3_KNOBS gemv_pdl (launch.gemv_pdl) the norm lets its dependent
+52-90 MB weight until the norm ends. With K3_KNOBS gemv_pdl (gemm.gemv_pdl) the norm lets its dependent
 launch at its start and the GEMV, launched with Programmatic Dependent Launch, requests the first PF
 bytes of its programs' weight rows into L2 before it waits for the norm. How much of the norm's time
 does that win back?
@@ -12,9 +12,9 @@ Each captured step runs on the next of NCOPY weight copies (together more than 2
 GEMV starts cold. Per shape, us per step (median of rounds, graphed, launch hidden):
   norm      the all-reduce / norm kernel alone (TP=1, 3 AttnRes blocks, M=1)
   gemv      the GEMV alone (the config named, cold weights)
-  dispatch  norm, then what choose.gemv_plan picks for this shape on this GPU (the layer's GEMM), no PDL
+  dispatch  norm, then what gemm.gemv_plan picks for this shape on this GPU (the layer's GEMM), no PDL
   base      norm, then GEMV (no PDL: K3_KNOBS=gemv_pdl=off)
-  table     K3_KNOBS=gemv_pdl=on: launch.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
+  table     K3_KNOBS=gemv_pdl=on: tuning.GEMV_PDL_PF's bytes for this shape (no PDL for a shape not in it)
   pdl0      K3_KNOBS=gemv_pdl=0: the trigger and the PDL GEMV (its first weight tile before the wait)
   pf<KB>    K3_KNOBS=gemv_pdl=<KB * 1024>: and the first KB KiB of each program's rows into L2 before it
 Every variant's GEMV output is compared with base's (the same sums in the same order: equal).
@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import GraphTimer, env, median, save  # noqa: E402
 
-# (N, K, the CUDA-core config): the H100 card rows (kernels/choose.GEMV_TABLE_BY_CARD)
+# (N, K, the CUDA-core config): the H100 card rows (kernels/tuning.GEMV_TABLE_BY_CARD)
 SHAPES = {"qkv_a mla tp8": (3648, 7168, "gemvl 4/1024/4/3"), "in_proj kda tp8": (6284, 7168, "gemvl 8/512/4/3"),
           "router_latent w1": (4480, 7168, "gemvl 2/1024/4/4")}
 L2_BYTES = 50 << 20
@@ -39,7 +39,7 @@ L2_BYTES = 50 << 20
 
 def main(argv=None):
     import torch
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import comm, gemm
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -64,36 +64,36 @@ def main(argv=None):
     rows = []
     for name in a.shapes.split(","):
         N, K, cfg_name = SHAPES[name]
-        cfg = choose.parse_cfg(cfg_name)
+        cfg = gemm.parse_cfg(cfg_name)
         ncopy = max(4, -(-2 * L2_BYTES // (N * K * 2)) + 1)
         ws = [torch.randn(N, K, device=dev, dtype=bf) * 0.02 for _ in range(ncopy)]
         outs = {v: [torch.empty(1, N, device=dev, dtype=bf) for _ in range(a.reps)] for v in variants}
 
         def norm_only():
-            launch.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
+            comm.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
 
 
         def gemv_only():
             x = local
             for r in range(a.reps):
-                launch.gemv(x, ws[r % ncopy], cfg=cfg)
+                gemm.gemv(x, ws[r % ncopy], cfg=cfg)
 
         def chain(v):
             def run():
                 for r in range(a.reps):
-                    _, x = launch.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
-                    launch.gemv(x, ws[r % ncopy], out=outs[v][r], cfg=cfg)
+                    _, x = comm.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
+                    gemm.gemv(x, ws[r % ncopy], out=outs[v][r], cfg=cfg)
             return run
 
-        plan = choose.gemv_plan(local, ws[0])   # what the layer runs for this shape on this GPU
+        plan = gemm.gemv_plan(local, ws[0])   # what the layer runs for this shape on this GPU
 
         def dispatch():
             for r in range(a.reps):
-                _, x = launch.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
+                _, x = comm.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
                 if plan is None:
                     torch.mm(x, ws[r % ncopy].t())
                 else:
-                    launch.gemv(x, ws[r % ncopy], cfg=plan)
+                    gemm.gemv(x, ws[r % ncopy], cfg=plan)
 
         timers = {"norm": GraphTimer(lambda: [norm_only() for _ in range(a.reps)], reps=1),
                   "gemv": GraphTimer(gemv_only, reps=1)}

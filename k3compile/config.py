@@ -30,7 +30,7 @@ SWITCHES: dict[str, str] = {
     "K3_PDL": "auto (default) / on / off: Programmatic Dependent Launch in Inductor's Triton kernels",
     "K3_KERNELS": "0: every k3 op runs its PyTorch reference (no CUDA kernel)",
     "K3_SYMM_BYTES": "bytes of the symmetric-memory workspace per TP group (default 16 MiB)",
-    "K3_CUTE_DIR": "directory of the CuTe kernel artifacts (default ~/.cache/k3compile/cute)",
+    "K3_CUTE_DIR": "directory of CuTe kernel artifacts looked in before the packaged ones (default ~/.cache/k3compile/cute)",
 }
 KNOBS_VAR = "K3_KNOBS"
 
@@ -51,7 +51,7 @@ class Knobs:
     expert_ops: str = ""      # extra routed-expert op names (comma-separated)
     conv_inplace: str = ""    # 0: fold_kda_conv emits the functional conv op (default: in place)
     pin_fork: str = ""        # 0: overlap_shared_expert does not pin the side-stream fork (options.pin_shared_fork)
-    # communication kernels (kernels/launch.py documents each default and its measurement)
+    # communication kernels (kernels/comm.py documents each; kernels/tuning.py the measured defaults)
     barrier_seq: str = ""     # 0: the CAS-handshake barrier instead of sequence flags
     ar_warps: str = ""        # warps of the all-reduce / norm kernel (default: by width)
     comm_early: str = ""      # 0: the peer-independent reads after the barrier wait

@@ -23,16 +23,22 @@ PASS_SETS = {
 
 def compiled_vs_eager(rank, world, batches, pass_sets, num_layers=8, style=None):
     """For each pass set: compile once, decode 2 steps per batch size, return max |diff| and reports.
-    `batches`: the batch sizes, or a dict pass set -> batch sizes."""
+    `batches`: the batch sizes, or a dict pass set -> batch sizes; `num_layers`: the layers, or a dict
+    pass set -> layers (4 layers hold every layer kind: a dense KDA layer, KDA and MLA MoE layers,
+    an AttnRes block boundary)."""
     import k3compile
     from k3compile.model import K3Config, K3Model, TPInfo
     if style:
         import styles
         styles.apply(style)
-    cfg = K3Config.tiny(dtype="bfloat16", num_layers=num_layers)
-    model = K3Model(cfg, TPInfo.current())
+    models = {}
     out = {}
     for name in pass_sets:
+        n = num_layers[name] if isinstance(num_layers, dict) else num_layers
+        if n not in models:
+            cfg = K3Config.tiny(dtype="bfloat16", num_layers=n)
+            models[n] = cfg, K3Model(cfg, TPInfo.current())
+        cfg, model = models[n]
         torch._dynamo.reset()
         k3compile.clear_reports()
         f = torch.compile(model, backend=k3compile.backend(mode="eager", passes=PASS_SETS[name]), fullgraph=True)

@@ -36,7 +36,7 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
     import torch.distributed as dist
 
     import k3compile.ops  # noqa: F401
-    from k3compile.kernels import launch, registry
+    from k3compile.kernels import moe, registry
     from k3compile.ops import reference as ref
     from k3compile.runtime import symm
 
@@ -87,7 +87,7 @@ def kernels_vs_reference(rank, world, Ms=(1, 5, 64, 256)):
              lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5), lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
         for sort in (False, True):  # both selection forms of the kernel, whichever is the default
             case(f"router_topk sort={sort} M={M}",
-                 lambda *a, sort=sort: launch.router_topk(*a, TOPK, 2.5, sort=sort),
+                 lambda *a, sort=sort: moe.router_topk(*a, TOPK, 2.5, sort=sort),
                  lambda *a: ref.router_topk(*a, TOPK, 2.5), (lg, rb))
         case(f"router_topk int32 M={M}",
              lambda *a: torch.ops.k3.router_topk(*a, TOPK, 2.5, True),
@@ -120,7 +120,8 @@ def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
     import torch.distributed as dist
 
     import k3compile.ops  # noqa: F401
-    from k3compile.kernels import choose
+    from k3compile.kernels import comm
+    from k3compile.kernels.cute import artifacts
     from k3compile.ops import reference as ref
 
     os.environ["K3_KNOBS"] = "cute_push=1"
@@ -174,6 +175,6 @@ def oproj_push_vs_reference(rank, world, Ms=(1, 5, 16, 64)):
                 r = reference(x, w, res, [], wn, wq, gm)
                 errs.append(max(rel(a, b) for a, b in zip(o, r)))
         out[f"push K={K} three calls x three replays"] = dict(err=max(errs), err_graphed=max(errs))
-    out["_pushed"] = sorted(f"N={k[1]} K={k[2]} M={k[3]}" for k, v in choose._PUSH.items() if v is not None)
-    out["_fallbacks"] = {k: v for k, v in choose.fallbacks().items() if k.startswith("oproj")}
+    out["_pushed"] = sorted(f"N={k[1]} K={k[2]} M={k[3]}" for k, v in comm._PUSH.items() if v is not None)
+    out["_fallbacks"] = {k: v for k, v in artifacts.fallbacks().items() if k.startswith("oproj")}
     return out

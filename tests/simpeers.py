@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from k3compile.kernels import launch
+from k3compile.kernels import comm
 from k3compile.runtime.symm import max_programs
 
 
@@ -22,7 +22,7 @@ class SimGroup:
         self.bufs = [torch.zeros(2 * nbytes + flag_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
         self.pads = [torch.zeros(pad_bytes // 4, dtype=torch.int32, device=device) for _ in range(world)]
         self.epoch = torch.zeros(3, dtype=torch.int32, device=device)
-        self.peers = launch.Peers(torch.tensor([b.data_ptr() for b in self.bufs], device=device),
+        self.peers = comm.Peers(torch.tensor([b.data_ptr() for b in self.bufs], device=device),
                                   torch.tensor([p.data_ptr() for p in self.pads], device=device), self.epoch, rank,
                                   world, self.nbytes, max_programs(pad_bytes, world),
                                   2 * nbytes if flag_bytes else -1)
@@ -39,7 +39,7 @@ class SimGroup:
         """The peers' signals to this rank for the next call: its sequence number (SEQ barrier) or
         1 (CAS handshake). calls > 1 (SEQ barrier only): a number `calls - 1` ahead, which lets
         that many calls pass (a graph replayed many times: the wait is `slot - seq >= 0`)."""
-        v = int(self.epoch[2]) + calls if launch.SEQ_BARRIER else 1
+        v = int(self.epoch[2]) + calls if comm.SEQ_BARRIER else 1
         for pid in range(programs):
             for p in range(self.world):
                 if p != self.rank:
@@ -47,7 +47,7 @@ class SimGroup:
 
     def check_signals(self, programs: int, epoch_before: int):
         seq = int(self.epoch[2])  # the call just made
-        if launch.SEQ_BARRIER:   # the slots keep the last sequence number; nothing is consumed
+        if comm.SEQ_BARRIER:   # the slots keep the last sequence number; nothing is consumed
             assert all(int(self.pads[self.rank][pid * self.world + p]) == seq
                        for pid in range(programs) for p in range(self.world) if p != self.rank)
         else:
@@ -57,7 +57,7 @@ class SimGroup:
                 continue
             want = torch.zeros_like(self.pads[p])
             for pid in range(programs):
-                want[pid * self.world + self.rank] = seq if launch.SEQ_BARRIER else 1
+                want[pid * self.world + self.rank] = seq if comm.SEQ_BARRIER else 1
             assert torch.equal(self.pads[p], want), f"signals sent to rank {p}"
             self.pads[p].zero_()  # the peer consumes them
         assert self.epoch[:2].tolist() == [1 - epoch_before, 0], "the buffer half did not flip"
@@ -97,7 +97,7 @@ def _mixer_case(g, world: int, M: int, N: int, nblocks: int, dtype, device, mine
 def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 7168, dtype=torch.bfloat16,
                device="cuda", seed: int = 0, copies: int = 1):
     """The o-proj op on rank 0 of a simulated group: returns (run, reference, sim). run() calls
-    launch.oproj (the GEMM, then the all-reduce + residual + norm kernel) on the next of `copies`
+    comm.oproj (the GEMM, then the all-reduce + residual + norm kernel) on the next of `copies`
     weight copies (the same values: copies > 1 keeps them out of L2 for benches); reference =
     (updated, normed) from the model's functions over the same partials. Every peer's partial is
     in both halves of its buffer; the pad is armed for 2^20 calls. world=1: no peers (TP=1).
@@ -113,7 +113,7 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
     it = iter(range(1 << 62))
 
     def run():
-        return launch.oproj(x, ws[next(it) % copies], sim.peers if world > 1 else None, res, blocks,
+        return comm.oproj(x, ws[next(it) % copies], sim.peers if world > 1 else None, res, blocks,
                             w_norm if blocks else None, w_qk if blocks else None, gam, 1e-5)
     return run, ref, sim
 
@@ -121,20 +121,20 @@ def oproj_case(world: int, M: int, nblocks: int = 0, K: int = 1536, N: int = 716
 def residual_norm_case(world: int, M: int, nblocks: int = 3, N: int = 7168, dtype=torch.bfloat16, device="cuda",
                        seed: int = 0):
     """The layer-input op (k3::residual_norm: all-reduce of delta + residual + AttnRes / RMSNorm) on rank 0
-    of a simulated group, as oproj_case without the GEMM: run() calls launch.residual_norm."""
+    of a simulated group, as oproj_case without the GEMM: run() calls comm.residual_norm."""
     g = torch.Generator(device=device).manual_seed(seed)
     res, blocks, w_norm, w_qk, gam, parts, sim, ref = _mixer_case(
         g, world, M, N, nblocks, dtype, device, lambda: _rnd(g, device, dtype, M, N, scale=0.5))
 
     def run():
-        return launch.residual_norm(parts[0], sim.peers if world > 1 else None, res, blocks,
+        return comm.residual_norm(parts[0], sim.peers if world > 1 else None, res, blocks,
                                     w_norm if blocks else None, w_qk if blocks else None, gam, 1e-5)
     return run, ref, sim
 
 
 def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, topk: int = 16,
               dtype=torch.bfloat16, device="cuda", seed: int = 0, copies: int = 1):
-    """The latent-tail op on rank 0 of a simulated group, as oproj_case: run() calls launch.moe_tail
+    """The latent-tail op on rank 0 of a simulated group, as oproj_case: run() calls comm.moe_tail
     (finalize + all-reduce + RMSNorm kernel, then the up-projection shard [up, L] into columns
     [0, up) of the shared partial); reference from PyTorch over the same partials."""
     import torch.nn.functional as F
@@ -155,5 +155,5 @@ def tail_case(world: int, M: int, L: int = 3584, H: int = 7168, up: int = 896, t
     it = iter(range(1 << 62))
 
     def run():
-        return launch.moe_tail(y, tw, sim.peers if world > 1 else None, sp, gam, ws[next(it) % copies], 1e-5, 0)
+        return comm.moe_tail(y, tw, sim.peers if world > 1 else None, sp, gam, ws[next(it) % copies], 1e-5, 0)
     return run, ref, sim

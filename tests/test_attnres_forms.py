@@ -6,7 +6,9 @@ Small standalone mixer functions, each a different way to write
 are captured as the post-grad ATen graph the k3 passes see (aot_autograd with Inductor's
 decompositions), and `match_attnres_from_norm` on the final norm must name `updated`, the blocks
 and the two weights; formulas that differ from the spec (softmax over the hidden dim, a missing
-w_qk factor, a mean instead of a sum) must Fail; a plain RMSNorm stays the plain form.
+w_qk factor, a mean instead of a sum) must Fail; a plain RMSNorm stays the plain form. The site also
+records how the mixer and its norms round (mix_rounding, norm.rounding): the fused ops' reference
+(ops.reference.attnres_mix_as) in those orders must give each form's eager output bit for bit.
 """
 from __future__ import annotations
 
@@ -184,6 +186,60 @@ def form_online_softmax(prefix, delta, w_norm, w_qk, g, **kw):
     return rms_norm((p.unsqueeze(-1) * srcs.float()).sum(0).to(updated.dtype), g, EPS)
 
 
+def _hf_rms(x, w, eps=EPS):
+    """transformers' RMSNorm module: fp32 statistics, cast back, THEN the weight (in the model dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def form_hf_modules(prefix, delta, w_norm, w_qk, g, **kw):
+    """transformers style throughout: the key norm and the output norm are `weight * h.to(dtype)`."""
+    updated = prefix + delta
+    bl = _blocks(kw)
+    if not bl:
+        return _hf_rms(updated, g)
+    srcs = torch.stack([*bl, updated], 0)
+    logits = (_hf_rms(srcs, w_norm).float() * w_qk.float()).sum(-1)
+    mixed = (torch.softmax(logits, 0).unsqueeze(-1) * srcs.float()).sum(0).to(updated.dtype)
+    return _hf_rms(mixed, g)
+
+
+def form_fp32_keys(prefix, delta, w_norm, w_qk, g, **kw):
+    """Research style: the stacked sources upcast once, their keys kept in fp32 times w_norm * w_qk; the
+    output norm transformers-style."""
+    updated = prefix + delta
+    bl = _blocks(kw)
+    if not bl:
+        return _hf_rms(updated, g)
+    src = torch.stack([*bl, updated], 0).float()
+    nrm = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + EPS)
+    logits = (nrm * (w_norm.float() * w_qk.float())).sum(-1)
+    mixed = (torch.softmax(logits, 0).unsqueeze(-1) * src).sum(0).to(updated.dtype)
+    return _hf_rms(mixed, g)
+
+
+def form_in_dtype(prefix, delta, w_norm, w_qk, g, **kw):
+    """Every norm in the model dtype (no fp32 upcast), unrolled, 1 / sqrt."""
+    def rn(x, w):
+        y = x * (1.0 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+        return y * w
+    updated = prefix + delta
+    sources = _blocks(kw) + [updated]
+    if len(sources) == 1:
+        return rn(updated, g)
+    logits = [(rn(s, w_norm).float() * w_qk.float()).sum(-1) for s in sources]
+    mx = logits[0]
+    for lg in logits[1:]:
+        mx = torch.maximum(mx, lg)
+    num = den = None
+    for lg, s in zip(logits, sources):
+        e = torch.exp(lg - mx)
+        num = e.unsqueeze(-1) * s.float() if num is None else num + e.unsqueeze(-1) * s.float()
+        den = e if den is None else den + e
+    return rn((num / den.unsqueeze(-1)).to(updated.dtype), g)
+
+
 FORMS = {
     "reference": form_reference,
     "cat_reshape": form_cat_reshape,
@@ -193,6 +249,9 @@ FORMS = {
     "einsum_buffer": form_einsum_buffer,
     "logsumexp_terms": form_logsumexp_terms,
     "online_softmax": form_online_softmax,
+    "hf_modules": form_hf_modules,
+    "fp32_keys": form_fp32_keys,
+    "in_dtype": form_in_dtype,
 }
 
 
@@ -217,6 +276,80 @@ def test_mixer_forms_match(form, nblocks, dt):
     sites = final_norm_site(gm, named["g"])
     for site in sites:
         _check_site(site, named, nblocks)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("nblocks", [0, 1, 3])
+def test_site_rounding_reproduces_the_form_bit_for_bit(form, nblocks):
+    """The orders the site records (norm.rounding, mix_rounding) make the fused ops' reference compute
+    exactly what the form computes in bf16: ops.reference.attnres_mix_as over the site's blocks and
+    weights equals the form's eager output bit for bit (for forms written otherwise than the reference
+    model, the reference model's order differs from it)."""
+    from k3compile.ops import reference as ref
+    if nblocks == 0 and form in ("einsum_buffer", "swapped_weights", "cat_reshape", "logsumexp_terms",
+                                 "online_softmax"):
+        pytest.skip("the form needs blocks")
+    torch._dynamo.reset()
+    kw = make_inputs(nblocks, torch.bfloat16, seed=2 + nblocks, buffer=form == "einsum_buffer")
+    gm, named = capture(FORMS[form], {k: v.clone() for k, v in kw.items()})
+    with torch.no_grad():
+        eager = FORMS[form](**{k: v.clone() for k, v in kw.items()})
+    by_node = {ph: kw[name] for name, ph in named.items()}
+    sites = final_norm_site(gm, named["g"])
+    for site in sites:
+        _check_site(site, named, nblocks)
+        args = (kw["prefix"], kw["delta"], [by_node[b] for b in site.blocks], by_node.get(site.w_norm),
+                by_node.get(site.w_qk), kw["g"], site.norm.eps)
+        out, _ = ref.attnres_mix_as(*args, site.norm.rounding, site.mix_rounding)
+        assert torch.equal(out, eager), (form, nblocks, site.norm.rounding, site.mix_rounding,
+                                         int((out != eager).sum()), (out.float() - eager.float()).abs().max())
+        if form in ("hf_modules", "fp32_keys", "in_dtype") or (nblocks and form in ("unrolled", "einsum_buffer")):
+            assert not torch.equal(ref.attnres_mix_as(*args, 0, 0)[0], eager), "the orders do not matter here"
+
+
+@pytest.mark.parametrize("spelling, rounding", [
+    ("F.rms_norm", 0), ("nn.RMSNorm", 0), ("fp32 weight", 0), ("transformers", 1), ("div", 2), ("recip", 4),
+    ("transformers recip", 5), ("in dtype", 8)])
+def test_norm_rounding_order_is_recorded(spelling, rounding):
+    """match_rms_norm names the rounding order of each RMSNorm spelling (ops.reference's NORM_* bits:
+    1 rounded before the weight multiply, 2 x / sqrt, 4 x * (1 / sqrt), 8 all in bf16), and
+    ops.reference.rms_norm_as in that order is the spelling's eager output bit for bit. F.rms_norm and
+    nn.RMSNorm in eager (CPU, bf16 input and weight) apply the weight in fp32 and round once."""
+    from k3compile.ops import reference as ref
+    mod = torch.nn.RMSNorm(H, eps=EPS).to(torch.bfloat16)
+
+    def fn(x, w):
+        xf = x.float()
+        ms = xf.pow(2).mean(-1, keepdim=True) + EPS
+        if spelling == "F.rms_norm":
+            return F.rms_norm(x, (H,), w, EPS)
+        if spelling == "nn.RMSNorm":
+            mod.weight.data.copy_(w)
+            return mod(x)
+        if spelling == "fp32 weight":
+            return (xf * torch.rsqrt(ms) * w.float()).to(x.dtype)
+        if spelling == "transformers":
+            return w * (xf * torch.rsqrt(ms)).to(x.dtype)
+        if spelling == "div":
+            return (w.float() * (xf / torch.sqrt(ms))).to(x.dtype)
+        if spelling == "recip":
+            return (xf * (1.0 / torch.sqrt(ms)) * w.float()).to(x.dtype)
+        if spelling == "transformers recip":
+            return w * (xf * (1.0 / torch.sqrt(ms))).to(x.dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+    gen = torch.Generator().manual_seed(5)
+    kw = {"x": (torch.randn(16, H, generator=gen) * 3).to(torch.bfloat16),
+          "w": (1 + 0.3 * torch.randn(H, generator=gen)).to(torch.bfloat16)}
+    torch._dynamo.reset()
+    gm, named = capture(fn, kw)
+    with torch.no_grad():
+        eager = fn(**kw)
+    sites = [s for ss in rms_norms_by_input(gm.graph).values() for s in ss if s.weight is not None]
+    assert len(sites) == 1, sites
+    assert sites[0].rounding == rounding, (spelling, sites[0].rounding)
+    assert torch.equal(ref.rms_norm_as(kw["x"], kw["w"], sites[0].eps, rounding), eager)
+    if rounding & 1:
+        assert not torch.equal(ref.rms_norm_as(kw["x"], kw["w"], sites[0].eps, 0), eager)
 
 
 @pytest.mark.parametrize("form", ["reference", "unrolled", "f_rms_norm"])

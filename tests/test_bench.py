@@ -115,9 +115,9 @@ def test_gemv_table_keeps_named_shapes_and_stacked_mma_only(tmp_path, monkeypatc
     """bench/gemv_table.py: a swept shape takes the sweep's best (cuBLAS where none beat it), a --keep
     shape keeps GEMV_TABLE's entry, the stacked router + latent (--mma-only) takes the best MMA config
     even where a CUDA-core GEMV or cuBLAS timed faster; the result reads back through K3_KNOBS gemv_table's
-    reader (choose.gemv_table_from)."""
+    reader (gemm.gemv_table_from)."""
     from bench import gemv_table
-    from k3compile.kernels import choose
+    from k3compile.kernels import gemm, tuning
 
     def row(shape, n, k, m, us):
         best = min((c for c in us if c != "cublas"), key=us.get)
@@ -135,12 +135,12 @@ def test_gemv_table_keeps_named_shapes_and_stacked_mma_only(tmp_path, monkeypatc
     src.write_text(json.dumps(sweep))
     monkeypatch.setattr(sys, "argv", ["gemv_table.py", str(src), "--keep", "1536x7168", "--out", str(out)])
     gemv_table.main()
-    t = choose.gemv_table_from(str(out))
+    t = gemm.gemv_table_from(str(out))
     assert t[(6284, 7168)][1] == "gemv 2/1024/4/4"
     assert t[(2304, 1536)][4] is None                                  # cuBLAS beat every config
-    assert t[(1536, 7168)][1] == choose.GEMV_TABLE[(1536, 7168)][1]    # kept
+    assert t[(1536, 7168)][1] == tuning.GEMV_TABLE[(1536, 7168)][1]    # kept
     assert t[(4480, 7168)] == {1: "mmas 64/128/2/4/4", 4: "mmas 64/128/2/4/4"}
-    assert t[(7168, 1536)] == choose.GEMV_TABLE[(7168, 1536)]          # not swept: GEMV_TABLE's
+    assert t[(7168, 1536)] == tuning.GEMV_TABLE[(7168, 1536)]          # not swept: GEMV_TABLE's
 
 
 def test_gemv_env_forces_only_configs_that_beat_the_dispatch():

@@ -8,7 +8,7 @@
 - Loader (no DSL, no GPU): parameter packing against a built manifest with a fake TMA encoder,
   artifact lookup, and dispatch falling back with the reason.
 - JIT path: build.ensure writes the same cubin / PTX / manifest as the AOT build and hits its
-  cache the second time; dispatch (choose._find) builds a missing artifact on first use, but not
+  cache the second time; dispatch (artifacts.find) builds a missing artifact on first use, but not
   with K3_KNOBS=cute_jit=0, without the DSL, for shapes the build has no variant for, or inside a CUDA
   graph capture (not memoised); a failed JIT build is a fallback reason.
 """
@@ -23,8 +23,8 @@ import pytest
 from k3compile.config import knobs_text
 import torch
 
-from k3compile.kernels import choose, cute
-from k3compile.kernels.cute import dsl_available, loader
+from k3compile.kernels import cute, gemm, moe, tuning
+from k3compile.kernels.cute import artifacts, dsl_available, loader
 
 if not dsl_available():
     if os.environ.get("CI"):
@@ -171,7 +171,7 @@ class _FakeCu:
 
 def test_pdl_launch_config_layout_and_use(built, monkeypatch):
     """The down GEMV is launched with Programmatic Dependent Launch (cuLaunchKernelEx with the
-    programmatic-stream-serialisation attribute = 1) when asked (choose.cute_pdl); gate-up never is. The
+    programmatic-stream-serialisation attribute = 1) when asked (moe.cute_pdl); gate-up never is. The
     ctypes structs have cuda.h's x86-64 layout (CUlaunchAttribute 72 bytes, CUlaunchConfig 56)."""
     import ctypes
     import types
@@ -209,7 +209,7 @@ def test_launch_push_packs_this_ranks_view_and_refuses_the_plain_kernel(built, m
     import ctypes
     import types
 
-    from k3compile.kernels.launch import Peers
+    from k3compile.kernels.comm import Peers
     out, _ = built
     art = loader.find(out, "oproj_push", 7168, 1536, 3)[0]
     plain = loader.find(out, "oproj_gemm", 7168, 1536, 3)[0]
@@ -255,27 +255,27 @@ def test_find_picks_smallest_covering_tile(built, tmp_path):
 
 def test_dispatch_default_is_torch_and_forced_falls_back_with_reason(monkeypatch, tmp_path):
     # the skinny GEMM measured no faster than cuBLAS: no range; the MXFP4 experts have theirs
-    assert "oproj" not in choose.CUTE_M and set(choose.CUTE_M) == {"mxfp4_experts"}
+    assert "oproj" not in tuning.CUTE_M and set(tuning.CUTE_M) == {"mxfp4_experts"}
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
-    assert not choose.wanted("oproj", 1)
+    assert not artifacts.wanted("oproj", 1)
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
-    assert choose.wanted("oproj", 1)
+    assert artifacts.wanted("oproj", 1)
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute="0"))
-    monkeypatch.setitem(choose.CUTE_M, "oproj", (1, 64))
-    assert not choose.wanted("oproj", 1)
+    monkeypatch.setitem(tuning.CUTE_M, "oproj", (1, 64))
+    assert not artifacts.wanted("oproj", 1)
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
-    assert choose.wanted("oproj", 64) and not choose.wanted("oproj", 65)
+    assert artifacts.wanted("oproj", 64) and not artifacts.wanted("oproj", 65)
     # on CPU the CuTe path is never taken: the result is torch.mm's
     x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
-    torch.testing.assert_close(choose.gemm("oproj", x, w), torch.mm(x, w.t()))
+    torch.testing.assert_close(gemm.gemm("oproj", x, w), torch.mm(x, w.t()))
     # a wanted call on a "CUDA" tensor with no artifact falls back to torch.mm with the reason
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
-    choose._WHY.clear()
+    artifacts._WHY.clear()
     xc = x.as_subclass(FakeCuda)
-    got = choose.gemm("oproj", xc, w)
+    got = gemm.gemm("oproj", xc, w)
     torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
-    why = choose.fallbacks()
+    why = artifacts.fallbacks()
     assert list(why) == ["oproj N=8 K=16 M=3"] and "no CuTe artifact directory" in why["oproj N=8 K=16 M=3"]
     assert "no JIT build: the CuTe build has no variant for these shapes" in why["oproj N=8 K=16 M=3"]
 
@@ -413,12 +413,11 @@ def test_mxfp4_variants_by_tag_compile_as_described(tmp_path):
 
 
 def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
-    """"ldgd" (built by default; choose.mxfp4_tag takes it at small batches) loads both kernels'
+    """"ldgd" (built by default; moe.mxfp4_tag takes it at small batches) loads both kernels'
     weight vectors with ordered read-only loads into registers: no weight cp.async, shared memory
     only for scales and partials, one f16x2 FMA per code pair; down's mid loads
     stay coherent and after griddepcontrol.wait. "ldg" is its gate-up alone. The probes are marked
     and the loader serves them only with K3_KNOBS=cute_probe=1."""
-    from k3compile.kernels import choose
     mans = build.build(tmp_path, alt=True, only="i384", log=lambda *_: None)
     vs = {(v["tag"], v["mode"]): v for v in build.mxfp4_variants(alt=True) if v["I"] == 384 and v["math"] == "f16x2"}
     assert {t for t, _ in vs} >= {"", "xf", "ldgd", "ldg", "m32", "sh", "nomath", "noload"}
@@ -448,9 +447,9 @@ def test_mxfp4_register_staged_tags_and_probes(tmp_path, monkeypatch):
     arts, why = loader.find_mxfp4(tmp_path, 384, 3584, 16, "f16x2", "ldgd")
     assert arts is not None and [a.man["tag"] for a in arts] == ["ldgd", "ldgd"], why
     # dispatch: ldgd up to CUTE_MXFP4_LDG[I] tokens, then xf up to CUTE_XF_MAX_N, then untagged
-    assert [choose.mxfp4_tag(384, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
-    assert [choose.mxfp4_tag(1536, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
-    assert [choose.mxfp4_tag(512, n) for n in (1, 2, 3)] == ["xf", "xf", ""]
+    assert [moe.mxfp4_tag(384, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
+    assert [moe.mxfp4_tag(1536, n) for n in (1, 16, 17)] == ["ldgd", "ldgd", ""]
+    assert [moe.mxfp4_tag(512, n) for n in (1, 2, 3)] == ["xf", "xf", ""]
 
 
 def test_mxfp4_manifest_packs_and_finds(built, tmp_path):
@@ -483,6 +482,7 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
     does not fall back (benchmarks must not time another kernel)."""
     import shutil
     out, _ = built
+    _no_packaged(monkeypatch, tmp_path)
     old = tmp_path / "old"
     old.mkdir()
     for f in out.iterdir():
@@ -491,8 +491,8 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
     monkeypatch.setenv("K3_CUTE_DIR", str(old))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag=""))
-    monkeypatch.setattr(choose, "_FOUND", {})
-    monkeypatch.setattr(choose, "_WHY", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_WHY", {})
     got = []
     monkeypatch.setattr(loader, "mxfp4_experts", lambda gu, dn, *a, **k: got.append((gu.man["tag"], dn.man["tag"])) or "ran")
     E, I, L = 2, 384, 3584
@@ -501,11 +501,11 @@ def test_mxfp4_dispatch_without_its_tagged_artifacts_runs_the_untagged_ones(buil
     w13, s13 = torch.zeros(E, 2 * I, L // 2, dtype=torch.uint8), torch.zeros(E, 2 * I, L // 32, dtype=torch.uint8)
     w2, s2 = torch.zeros(E, L, I // 2, dtype=torch.uint8), torch.zeros(E, L, I // 32, dtype=torch.uint8)
     with pytest.warns(UserWarning, match="running the untagged CuTe kernels"):
-        assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") == "ran"
+        assert moe.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") == "ran"
     assert got == [("", "")]
-    assert list(choose.fallbacks()) == ["mxfp4_experts I=384 L=3584 K=16 f16x2 ldgd"]
+    assert list(artifacts.fallbacks()) == ["mxfp4_experts I=384 L=3584 K=16 f16x2 ldgd"]
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag="ldgd"))
-    assert choose.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") is None and got == [("", "")]
+    assert moe.mxfp4_experts_cute(x, ids, w13, s13, w2, s2, 4.0, 25.0, math="f16x2") is None and got == [("", "")]
 
 
 def test_dispatch_memoises_artifacts(built, monkeypatch):
@@ -513,15 +513,15 @@ def test_dispatch_memoises_artifacts(built, monkeypatch):
     every call (and call cuModuleLoadData inside CUDA-graph captures)."""
     out, _ = built
     monkeypatch.setenv("K3_CUTE_DIR", str(out))
-    monkeypatch.setattr(choose, "_FOUND", {})
-    a1, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
-    a2, _ = choose._find("mxfp4", 384, 3584, 16, "f32")
-    g1, _ = choose._find("gemm", "oproj_gemm", 7168, 1536, 4)
-    assert a1 is a2 and a1 is not None and g1 is choose._find("gemm", "oproj_gemm", 7168, 1536, 4)[0]
-    assert choose._find("mxfp4", 384, 3584, 16, "f16x2")[0] is not a1
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    a1, _ = artifacts.find("mxfp4", 384, 3584, 16, "f32")
+    a2, _ = artifacts.find("mxfp4", 384, 3584, 16, "f32")
+    g1, _ = artifacts.find("gemm", "oproj_gemm", 7168, 1536, 4)
+    assert a1 is a2 and a1 is not None and g1 is artifacts.find("gemm", "oproj_gemm", 7168, 1536, 4)[0]
+    assert artifacts.find("mxfp4", 384, 3584, 16, "f16x2")[0] is not a1
 
 
-# ---------------------------------------------------------------- JIT path (build.ensure, choose._find)
+# ---------------------------------------------------------------- JIT path (build.ensure, artifacts.find)
 
 def _count_compiles(monkeypatch, fail: str = "") -> list[str]:
     """build.compile_variant wrapped to record the variants it compiles (or to raise `fail`)."""
@@ -537,10 +537,11 @@ def _count_compiles(monkeypatch, fail: str = "") -> list[str]:
 
 
 def _jit_env(monkeypatch, d):
+    _no_packaged(monkeypatch, d)
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
-    monkeypatch.setattr(choose, "_FOUND", {})
-    monkeypatch.setattr(choose, "_WHY", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_WHY", {})
 
 
 def test_jit_ensure_writes_the_aot_build_and_then_hits_its_cache(built, tmp_path, monkeypatch):
@@ -582,14 +583,14 @@ def test_dispatch_builds_a_missing_artifact_on_first_use(built, tmp_path, monkey
     d = tmp_path / "jit"
     _jit_env(monkeypatch, d)
     calls = _count_compiles(monkeypatch)
-    art, why = choose._find("gemm", "oproj_gemm", 7168, 1536, 3)
+    art, why = artifacts.find("gemm", "oproj_gemm", 7168, 1536, 3)
     assert art is not None and art.man["m_max"] == 8, why
     assert calls == ["skinny_gemm_bf16_n7168_k1536_mt8"]
     assert art.cubin == (out / "skinny_gemm_bf16_n7168_k1536_mt8.cubin").read_bytes()
-    assert choose._find("gemm", "oproj_gemm", 7168, 1536, 3)[0] is art    # memoised
-    monkeypatch.setattr(choose, "_FOUND", {})
-    assert choose._find("gemm", "oproj_gemm", 7168, 1536, 8)[0].path == art.path and len(calls) == 1  # on disk
-    art, why = choose._find("gemm", "oproj_gemm", 7168, 1536, 65)
+    assert artifacts.find("gemm", "oproj_gemm", 7168, 1536, 3)[0] is art    # memoised
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    assert artifacts.find("gemm", "oproj_gemm", 7168, 1536, 8)[0].path == art.path and len(calls) == 1  # on disk
+    art, why = artifacts.find("gemm", "oproj_gemm", 7168, 1536, 65)
     assert art is None and why.endswith("no JIT build: the CuTe build has no variant for these shapes")
     assert len(calls) == 1
 
@@ -611,11 +612,11 @@ def test_jit_off_and_no_dsl_fall_back_with_the_reason(tmp_path, monkeypatch):
         else:
             monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=env))
         monkeypatch.setattr(cute, "dsl_available", lambda: dsl)
-        monkeypatch.setattr(choose, "_FOUND", {})
-        monkeypatch.setattr(choose, "_WHY", {})
-        got = choose.gemm("oproj", x.as_subclass(FakeCuda), w)
+        monkeypatch.setattr(artifacts, "_FOUND", {})
+        monkeypatch.setattr(artifacts, "_WHY", {})
+        got = gemm.gemm("oproj", x.as_subclass(FakeCuda), w)
         torch.testing.assert_close(got.as_subclass(torch.Tensor), torch.mm(x, w.t()))
-        why = choose.fallbacks()
+        why = artifacts.fallbacks()
         assert list(why) == [key] and why[key].startswith("no CuTe artifact directory"), why
         assert why[key].endswith(reason), why
     assert calls == [] and not d.exists()
@@ -626,13 +627,13 @@ def test_jit_never_inside_graph_capture_and_a_failed_build_is_the_reason(tmp_pat
     calls = _count_compiles(monkeypatch, fail="ptxas died")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    arts, why = choose._find("mxfp4", 384, 3584, 16, "f32")
+    arts, why = artifacts.find("mxfp4", 384, 3584, 16, "f32")
     assert arts is None and why.endswith("not built just in time inside a CUDA graph capture"), why
-    assert calls == [] and not choose._FOUND               # not memoised: the next eager call builds
+    assert calls == [] and not artifacts._FOUND               # not memoised: the next eager call builds
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert choose._find("mxfp4", 384, 3584, 16, "f32") == (None, "JIT build failed: RuntimeError: ptxas died")
+    assert artifacts.find("mxfp4", 384, 3584, 16, "f32") == (None, "JIT build failed: RuntimeError: ptxas died")
     assert len(calls) == 1
-    assert choose._find("mxfp4", 384, 3584, 16, "f32")[1].startswith("JIT build failed")
+    assert artifacts.find("mxfp4", 384, 3584, 16, "f32")[1].startswith("JIT build failed")
     assert len(calls) == 1                                  # memoised: not retried on every call
 
 
@@ -640,8 +641,57 @@ def test_cute_pdl_on_unless_turned_off(monkeypatch):
     """PDL for the down kernel at every batch (it measured faster or equal everywhere with cold
     routings); K3_KNOBS=cute_pdl=0 turns it off."""
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl=""))
-    assert choose.cute_pdl()
+    assert moe.cute_pdl()
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl="1"))
-    assert choose.cute_pdl()
+    assert moe.cute_pdl()
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_pdl="0"))
-    assert not choose.cute_pdl()
+    assert not moe.cute_pdl()
+
+
+def _no_packaged(monkeypatch, tmp_path):
+    """A lookup that sees only the user's directory (the packaged artifacts would serve every shape)."""
+    monkeypatch.setattr(artifacts, "packaged_dir", lambda: tmp_path / "no_packaged_artifacts")
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+
+
+def test_packaged_artifacts_are_the_build_of_this_source():
+    """The artifacts shipped in the package are every default variant of build.variants(), each with
+    its cubin and a manifest whose key is this source's (kernel file, ptx.py, build.py, variant, the
+    DSL version it was built with, sm_90a): a kernel or build change without a rebuild fails here.
+    Rebuild: python -m k3compile.kernels.cute.build --out k3compile/kernels/cute/aot (then rm aot/*.ptx)."""
+    import json
+    d = artifacts.packaged_dir()
+    mans = {mf.stem: json.loads(mf.read_text()) for mf in d.glob("*.json")}
+    want = {v["name"]: v for v in build.variants()}
+    assert set(mans) == set(want), (sorted(set(want) - set(mans)), sorted(set(mans) - set(want)))
+    for name, man in mans.items():
+        assert (d / f"{name}.cubin").stat().st_size > 1000, name
+        assert man["key"] == build.cache_key(want[name], dsl=man["dsl"]), f"{name}: stale, rebuild"
+        assert man["arch"] == "sm_90a"
+
+
+def test_fresh_install_finds_the_packaged_artifacts_and_the_report_says_so(tmp_path, monkeypatch):
+    """No K3_CUTE_DIR build (an empty user directory) and no DSL: the experts' and the o-proj GEMM's
+    lookups find the packaged artifacts; the report's kernel note names where they came from."""
+    from k3compile.kernels import cute
+    from k3compile.kernels.moe import experts_note
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    monkeypatch.setattr(cute, "dsl_available", lambda: False)
+    arts, why = artifacts.find("mxfp4", 384, 3584, 16, "f16x2")
+    assert arts is not None, why
+    assert all(a.path.parent == artifacts.packaged_dir() for a in arts)
+    art, why = artifacts.find("gemm", "oproj_gemm", 7168, 1536, 3)
+    assert art is not None and art.path.parent == artifacts.packaged_dir(), why
+    assert "(packaged with k3compile)" in experts_note(384, 3584, 16, 1, True)
+    # a user's build of the pair comes first (a pair is taken from one directory)
+    (tmp_path / "user").mkdir()
+    for a in arts:
+        for f in a.path.parent.glob(a.path.stem + ".*"):
+            (tmp_path / "user" / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    got, _ = artifacts.find("mxfp4", 384, 3584, 16, "f16x2")
+    assert [a.path.parent for a in got] == [tmp_path / "user"] * 2
+    assert "(" + str(tmp_path / "user") + ")" in experts_note(384, 3584, 16, 1, True)

@@ -229,16 +229,17 @@ def test_comm_kernels_match_reference_with_simulated_peers(world, knobs, monkeyp
     """The o-proj, layer-input and latent-tail ops' kernels on one GPU as rank 0 of a simulated group of 2 / 8
     (tests/simpeers.py: the peers' partials in ordinary buffers, their barrier signals set before;
     world 1: no peers), bf16, eager and replayed from a CUDA graph, with the communication kernels'
-    options (launch: the vector signal/poll and the early reads, or the 45ff89b kernels' order; the
-    column-split forms where launch.cols_plan takes them, at every group size up to 4 rows, or never)."""
+    options (comm: the vector signal/poll and the early reads, or the 45ff89b kernels' order; tuning: the
+    column-split forms where comm.cols_plan takes them, at every group size up to 4 rows, or never)."""
     import os
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import _graphed, rel
-    from k3compile.kernels import launch
     import simpeers
+
+    from k3compile.kernels import comm, tuning
     for k, v in knobs.items():
-        monkeypatch.setattr(launch, k, v)
+        monkeypatch.setattr(tuning if hasattr(tuning, k) else comm, k, v)
     errs = {}
     for M in (1, 4, 5, 16, 64):
         for nb in (0, 3):
@@ -261,10 +262,10 @@ def test_column_split_kernels_replayed_many_times_keep_their_grid_barrier(monkey
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import rel
-    from k3compile.kernels import launch
+    from k3compile.kernels import comm, tuning
     import simpeers
-    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
-    assert launch.cols_plan(1, 7168, 4, None) is not None
+    monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+    assert comm.cols_plan(1, 7168, 4, None) is not None
     for world in (1, 8):
         cases = [simpeers.residual_norm_case(world, 1, 3, seed=s) for s in range(3)]
         tail = simpeers.tail_case(world, 1, seed=5)
@@ -299,7 +300,7 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from _gpu_ranks import _graphed
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     from k3compile.model.moe_ops import mxfp4_experts_reference
     g = torch.Generator(device="cuda").manual_seed(0)
     E, I, L = 32, 384, 3584
@@ -307,7 +308,7 @@ def test_mxfp4_expert_kernels_match_reference_bf16_graphed(variant, monkeypatch)
     for M in (1, 5, 16):
         x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
         ids = torch.randint(0, E, (M, 16), generator=g, device="cuda", dtype=torch.int32)
-        assert registry.pick("mxfp4_experts", "cuda", x, ids, w13, s13, w2, s2, 4.0, 25.0).name == "triton_mxfp4"
+        assert dispatch.pick("mxfp4_experts", "cuda", x, ids, w13, s13, w2, s2, 4.0, 25.0).name == "triton_mxfp4"
         ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
         for out in (torch.ops.k3.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0),
                     _graphed(torch.ops.k3.mxfp4_experts, x, ids, w13, s13, w2, s2, 4.0, 25.0)):
@@ -320,14 +321,14 @@ def test_shared_expert_situ_mlp_bf16_graphed(M):
     """The shared expert at TP=8 widths (7168 -> 2 x 768 -> 7168, bf16): GEMM, the SiTU kernel, GEMM,
     against model.functional.situ_mlp, eagerly, graphed, and on the side stream through the k3 ops."""
     from _gpu_ranks import _graphed, rel
-    from k3compile.kernels import launch
+    from k3compile.kernels import moe
     from k3compile.model.functional import situ_mlp
     g = torch.Generator("cuda").manual_seed(M)
     x = torch.randn(M, 7168, device="cuda", generator=g).bfloat16()
     wgu = (torch.randn(1536, 7168, device="cuda", generator=g) / 7168 ** 0.5 * 3).bfloat16()
     wdn = (torch.randn(7168, 768, device="cuda", generator=g) / 768 ** 0.5).bfloat16()
     ref = situ_mlp(x, wgu, wdn, 4.0, 25.0).float()
-    for out in (launch.situ_mlp(x, wgu, wdn, 4.0, 25.0), _graphed(launch.situ_mlp, x, wgu, wdn, 4.0, 25.0),
+    for out in (moe.situ_mlp(x, wgu, wdn, 4.0, 25.0), _graphed(moe.situ_mlp, x, wgu, wdn, 4.0, 25.0),
                 torch.ops.k3.stream_join(torch.ops.k3.shared_expert_async(x, wgu, wdn, 4.0, 25.0), x)):
         assert rel(out, ref) < 1e-2
 
@@ -339,8 +340,8 @@ def test_mma_gemm_matches_matmul_bf16_graphed_on_two_streams(N, K):
     written); accumulating into a column slice (the latent tail's form); three split calls captured
     in one CUDA graph and replayed twice with new inputs; the same split config on the main and a
     side stream at once (their counters are separate); the counters zero after every launch."""
-    from k3compile.kernels import launch
-    from k3compile.kernels.launch import MmaCfg
+    from k3compile.kernels import gemm
+    from k3compile.kernels.gemm import MmaCfg
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     cfgs = [MmaCfg(32, 256, 1), MmaCfg(16, 256, 4), MmaCfg(64, 128, 8, stages=4, swap=True),
@@ -353,23 +354,23 @@ def test_mma_gemm_matches_matmul_bf16_graphed_on_two_streams(N, K):
         ref = x.float() @ w.float().t()
         for cfg in cfgs:
             out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            assert rel(launch.gemv(x, w, out=out, cfg=cfg), ref) < 1e-2, (M, cfg)
+            assert rel(gemm.gemv(x, w, out=out, cfg=cfg), ref) < 1e-2, (M, cfg)
             wide = torch.randn(M, N + 64, device="cuda", generator=g).bfloat16()
             want = wide.float().clone()
             want[:, 32:32 + N] += ref
-            launch.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True, cfg=cfg)
+            gemm.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True, cfg=cfg)
             assert rel(wide, want) < 1e-2, (M, cfg)
-    assert launch.split_counters(w.device).abs().max().item() == 0
+    assert gemm.split_counters(w.device).abs().max().item() == 0
     cfg = cfgs[1]
     xs = [torch.randn(4, K, device="cuda", generator=g).bfloat16() for _ in range(3)]
     outs = [torch.empty(4, N, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     for x, o in zip(xs, outs):
-        launch.gemv(x, w, out=o, cfg=cfg)  # compiled before the capture
+        gemm.gemv(x, w, out=o, cfg=cfg)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for x, o in zip(xs, outs):
-            launch.gemv(x, w, out=o, cfg=cfg)
+            gemm.gemv(x, w, out=o, cfg=cfg)
     for _ in range(2):
         for x in xs:
             x.copy_(torch.randn(4, K, device="cuda", generator=g).bfloat16())
@@ -383,16 +384,16 @@ def test_mma_gemm_matches_matmul_bf16_graphed_on_two_streams(N, K):
     x2 = torch.randn(16, K, device="cuda", generator=g).bfloat16()
     side.wait_stream(torch.cuda.current_stream())
     for _ in range(3):
-        a = launch.gemv(xs[0], w, cfg=cfg)
+        a = gemm.gemv(xs[0], w, cfg=cfg)
         with torch.cuda.stream(side):
-            b = launch.gemv(x2, w, cfg=cfg)
+            b = gemm.gemv(x2, w, cfg=cfg)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert rel(a, xs[0].float() @ w.float().t()) < 1e-2 and rel(b, x2.float() @ w.float().t()) < 1e-2
     with torch.cuda.stream(side):
-        side_cnt = launch.split_counters(w.device)
-    assert side_cnt.data_ptr() != launch.split_counters(w.device).data_ptr()
-    assert launch._SPLIT[str(w.device)][0].abs().max().item() == 0   # every stream's counters
+        side_cnt = gemm.split_counters(w.device)
+    assert side_cnt.data_ptr() != gemm.split_counters(w.device).data_ptr()
+    assert gemm._SPLIT[str(w.device)][0].abs().max().item() == 0   # every stream's counters
 
 
 @pytest.mark.parametrize("N, K", [(7168, 1536), (2240, 7168), (3584, 3584), (7168, 768), (6284, 7168)])
@@ -404,27 +405,27 @@ def test_gemv_matches_matmul_bf16_graphed(N, K):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.gemv_bench import CONFIGS
-    from k3compile.kernels import launch
+    from k3compile.kernels import gemm
     g = torch.Generator("cuda").manual_seed(N + K)
     w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).bfloat16()
     for M in (1, 4, 8):
         x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
         ref = x.float() @ w.float().t()
         for cfg in CONFIGS + [c + (1,) for c in CONFIGS]:   # and each in its LAZY form
-            out = launch.gemv(x, w, cfg=cfg)
+            out = gemm.gemv(x, w, cfg=cfg)
             assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (M, cfg)
         wide = torch.randn(M, N + 64, device="cuda", generator=g).bfloat16()
         want = wide.float().clone()
         want[:, 32:32 + N] += ref
-        launch.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True)
+        gemm.gemv(x, w, out=wide[:, 32:32 + N], accumulate=True)
         assert ((wide.float() - want).abs().max() / want.abs().max()).item() < 1e-2, M
     xs = torch.randn(4, K, device="cuda", generator=g).bfloat16()
     out = torch.empty(4, N, device="cuda", dtype=torch.bfloat16)
-    launch.gemv(xs, w, out=out)  # compiled before the capture
+    gemm.gemv(xs, w, out=out)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launch.gemv(xs, w, out=out)
+        gemm.gemv(xs, w, out=out)
     xs.copy_(torch.randn(4, K, device="cuda", generator=g).bfloat16())
     graph.replay()
     ref = xs.float() @ w.float().t()
@@ -435,7 +436,7 @@ def test_gemv_two_weights_bf16_graphed():
     """mma_gemm2's CUDA-core form (gemv_kernel TWO) at the TP=1 router + latent shapes (896 + 3584 rows of
     7168), bf16, M = 1 / 4 / 8, into two column ranges of one buffer (nothing written outside), and
     replayed from a CUDA graph with new inputs."""
-    from k3compile.kernels import launch
+    from k3compile.kernels import gemm
     g = torch.Generator("cuda").manual_seed(11)
     wr = (torch.randn(896, 7168, device="cuda", generator=g) / 7168 ** 0.5).bfloat16()
     wd = (torch.randn(3584, 7168, device="cuda", generator=g) / 7168 ** 0.5).bfloat16()
@@ -444,15 +445,15 @@ def test_gemv_two_weights_bf16_graphed():
         x = torch.randn(M, 7168, device="cuda", generator=g).bfloat16()
         ref = torch.cat([x.float() @ wr.float().t(), x.float() @ wd.float().t()], 1)
         buf = torch.full((M, 4480 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch.mma_gemm2(x, wr, wd, cfg, out1=buf[:, 8:904], out2=buf[:, 904:4488])
+        gemm.mma_gemm2(x, wr, wd, cfg, out1=buf[:, 8:904], out2=buf[:, 904:4488])
         assert ((buf[:, 8:4488].float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, M
         assert buf[:, :8].isnan().all() and buf[:, 4488:].isnan().all()
     x = torch.randn(1, 7168, device="cuda", generator=g).bfloat16()
-    o1, o2 = launch.mma_gemm2(x, wr, wd, cfg)   # compiled before the capture
+    o1, o2 = gemm.mma_gemm2(x, wr, wd, cfg)   # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        launch.mma_gemm2(x, wr, wd, cfg, out1=o1, out2=o2)
+        gemm.mma_gemm2(x, wr, wd, cfg, out1=o1, out2=o2)
     x.copy_(torch.randn(1, 7168, device="cuda", generator=g).bfloat16())
     graph.replay()
     ref = torch.cat([x.float() @ wr.float().t(), x.float() @ wd.float().t()], 1)
@@ -498,7 +499,7 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
     with new inputs, bit-equal to the same chain launched without PDL (the same sums in the same
     order; only the launch differs), and the GEMV reads the norm's fresh output (a stale read
     would differ after the inputs change)."""
-    from k3compile.kernels import launch
+    from k3compile.kernels import comm, gemm
     g = torch.Generator("cuda").manual_seed(5)
     H, bf = 7168, torch.bfloat16
     w = (torch.randn(3648, H, device="cuda", generator=g) / H ** 0.5).to(bf)
@@ -511,12 +512,12 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
 
     def chain(t, outs):   # each GEMV form right after its own norm (the secondary of a triggering kernel)
         local, res, *blocks = t
-        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        launch.gemv(x, w, out=outs[0], cfg=(4, 1024, 4, 3))
-        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        launch.gemv(x, w, out=outs[1], cfg=(4, 1024, 4, 3, 1))
-        _, x = launch.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        launch.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
+        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
+        gemm.gemv(x, w, out=outs[0], cfg=(4, 1024, 4, 3))
+        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
+        gemm.gemv(x, w, out=outs[1], cfg=(4, 1024, 4, 3, 1))
+        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
+        gemm.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
 
     _pdl_chain_bit_equal(monkeypatch, "gemv_pdl", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
 
@@ -527,7 +528,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     4), bf16, q / k / v read as column slices of one projection output: eagerly against the op's
     reference (one bf16 ulp of the conv sum apart at most: 2e-2), then captured in a CUDA graph and
     replayed with new inputs and state; then the in-place op (k3::kda_conv_decode_) eagerly."""
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     from k3compile.ops import reference as ref
     cq, kw = 12 * 128, 4
     g = torch.Generator("cuda").manual_seed(M)
@@ -535,7 +536,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
     state = torch.randn(M, 3 * cq, kw - 1, device="cuda", generator=g).bfloat16()
     w = (torch.randn(3 * cq, kw, device="cuda", generator=g) / 2).bfloat16()
     args = (proj[:, :cq], proj[:, cq:2 * cq], proj[:, 2 * cq:3 * cq], state, w)
-    k = registry.pick("kda_conv_decode", "cuda", *args)
+    k = dispatch.pick("kda_conv_decode", "cuda", *args)
     assert k is not None and k.name == "triton_short_conv"
 
     def check(got):
@@ -555,7 +556,7 @@ def test_kda_conv_decode_kernel_matches_reference_bf16_graphed(M):
         torch.cuda.synchronize()
         check(outs)
     # in place (k3::kda_conv_decode_, what fold_kda_conv emits): the state itself gets the new state
-    ki = registry.pick("kda_conv_decode_", "cuda", *args)
+    ki = dispatch.pick("kda_conv_decode_", "cuda", *args)
     assert ki is not None and ki.name == "triton_short_conv"
     want = ref.kda_conv_decode(*args)
     got = ki.fn(*args)

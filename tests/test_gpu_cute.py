@@ -6,10 +6,10 @@ M in {1, 5, m_max}: the kernel launched by the driver-only loader equals torch.m
 random bf16 data (bound: 1e-2 of the output's largest value, bf16 output rounding), eagerly and
 replayed from a CUDA graph with new input values copied into the captured buffers; rows past M are
 untouched (a guard row after the output). MXFP4 experts (gate-up + SiTU, down): the artifacts vs
-the model op's reference, eager and CUDA-graphed, and launch.mxfp4_experts(variant="cute") with no
+the model op's reference, eager and CUDA-graphed, and moe.mxfp4_experts(variant="cute") with no
 fallback. Never run yet: written on a machine without a GPU.
 JIT path (needs the DSL importable on the GPU machine, else skipped; not yet run on a GPU): with
-an empty K3_CUTE_DIR, launch.mxfp4_experts through dispatch builds the MXFP4 artifacts on first
+an empty K3_CUTE_DIR, moe.mxfp4_experts through dispatch builds the MXFP4 artifacts on first
 use (build.ensure), runs them without fallback, eagerly and replayed from a CUDA graph.
 """
 from __future__ import annotations
@@ -80,13 +80,14 @@ def test_dispatch_uses_cute_when_forced(monkeypatch):
     arts = _artifacts()
     if not arts or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("no artifacts / not sm_90")
-    from k3compile.kernels import choose
+    from k3compile.kernels import gemm
+    from k3compile.kernels.cute import artifacts
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute="1"))
     x = torch.randn(4, 1536, device="cuda").bfloat16()
     w = (torch.randn(7168, 1536, device="cuda") / 40).bfloat16()
-    choose._WHY.clear()
-    y = choose.gemm("oproj", x, w)
-    assert not choose.fallbacks(), choose.fallbacks()
+    artifacts._WHY.clear()
+    y = gemm.gemm("oproj", x, w)
+    assert not artifacts.fallbacks(), artifacts.fallbacks()
     torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-2, rtol=2e-2)
 
 
@@ -174,12 +175,13 @@ def test_mxfp4_experts_match_reference_eager_and_graphed(I, math, pdl):
 
 
 def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
-    """launch.mxfp4_experts with each CuTe variant at 1 and 17 tokens (the default f16x2 dispatch takes
-    the register-staged "ldgd" kernels at TP=8 widths up to 16 tokens, choose.mxfp4_tag, the untagged
+    """moe.mxfp4_experts with each CuTe variant at 1 and 17 tokens (the default f16x2 dispatch takes
+    the register-staged "ldgd" kernels at TP=8 widths up to 16 tokens, moe.mxfp4_tag, the untagged
     ones above), against the reference, with no fallback."""
     if not _mxfp4_pairs() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("no MXFP4 artifacts / not sm_90")
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import moe
+    from k3compile.kernels.cute import artifacts
     from k3compile.model.moe_ops import mxfp4_experts_reference
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_mxfp4_tag=""))
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -192,12 +194,12 @@ def test_mxfp4_dispatch_runs_cute_without_fallback(monkeypatch):
         for variant, math in (("cute", "f32"), ("cute_h2", "f16x2")):
             if not _mxfp4_pairs(math):
                 continue
-            monkeypatch.setattr(choose, "_WHY", {})
-            out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
-            assert not choose.fallbacks(), choose.fallbacks()
+            monkeypatch.setattr(artifacts, "_WHY", {})
+            out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+            assert not artifacts.fallbacks(), artifacts.fallbacks()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             assert err <= MXFP4_TOL[math], (variant, M, err)
-    assert {k[-1] for k in choose._FOUND if k[-2] == "f16x2"} >= {"ldgd", ""}, list(choose._FOUND)
+    assert {k[-1] for k in artifacts._FOUND if k[-2] == "f16x2"} >= {"ldgd", ""}, list(artifacts._FOUND)
 
 
 def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
@@ -211,14 +213,15 @@ def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
         pytest.skip("the CuTe DSL is not importable (the JIT path needs it)")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a cubins")
-    from k3compile.kernels import choose, launch
+    from k3compile.kernels import moe
+    from k3compile.kernels.cute import artifacts
     from k3compile.kernels.cute import build
     from k3compile.model.moe_ops import mxfp4_experts_reference
     d = tmp_path / "jit"
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
     monkeypatch.delenv("K3_KNOBS", raising=False)
-    monkeypatch.setattr(choose, "_FOUND", {})
-    monkeypatch.setattr(choose, "_WHY", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_WHY", {})
     calls, real = [], build.compile_variant
     monkeypatch.setattr(build, "compile_variant", lambda v, out: calls.append(v["name"]) or real(v, out))
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -226,27 +229,27 @@ def test_mxfp4_dispatch_builds_artifacts_just_in_time(monkeypatch, tmp_path):
     w13, s13, w2, s2 = random_experts(E, I, L, g, device="cuda")
     for variant, math in ((None, "f16x2"), ("cute", "f32")):
         for M in (1, 4):
-            # f16x2 at M = 1, 4: the tagged kernels choose.mxfp4_tag picks ("ldgd" at I=384)
-            tag = choose.mxfp4_tag(I, M) if math == "f16x2" else ""
+            # f16x2 at M = 1, 4: the tagged kernels moe.mxfp4_tag picks ("ldgd" at I=384)
+            tag = moe.mxfp4_tag(I, M) if math == "f16x2" else ""
             want = sorted(v["name"] for v in build.jit_variants("mxfp4", I, L, K, math, tag))
             x = torch.randn(M, L, generator=g, device="cuda").to(torch.bfloat16)
             ids = torch.randint(0, E, (M, K), generator=g, device="cuda", dtype=torch.int32)
             if variant is None:
-                assert launch.mxfp4_variant(None, x, I, M) == "cute_h2"
-            out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+                assert moe.mxfp4_variant(None, x, I, M) == "cute_h2"
+            out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
             torch.cuda.synchronize()
-            assert not choose.fallbacks(), choose.fallbacks()
+            assert not artifacts.fallbacks(), artifacts.fallbacks()
             assert len(want) == 2 and all((d / f"{n}.cubin").exists() for n in want) and set(calls) >= set(want)
             ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             print(f"mxfp4 JIT {math} M={M}: eager err {err:.3e}")
             assert out.shape == (M, K, L) and err <= MXFP4_TOL[math], (math, M, err)
             n_calls = len(calls)
-            gout = _graphed_with_new_inputs(lambda: launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0,
+            gout = _graphed_with_new_inputs(lambda: moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0,
                                                                          variant=variant), x, ids, E, g)
             ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0).float()
             err = ((gout.float() - ref).abs().max() / ref.abs().max()).item()
             print(f"mxfp4 JIT {math} M={M}: graphed err {err:.3e}")
             assert err <= MXFP4_TOL[math], (math, M, "graphed", err)
-            assert len(calls) == n_calls and not choose.fallbacks(), (calls, choose.fallbacks())
+            assert len(calls) == n_calls and not artifacts.fallbacks(), (calls, artifacts.fallbacks())
     assert len(calls) == len(set(calls)) == 5, calls   # f16x2: xf gate-up, down, gate-up; f32: two; each once

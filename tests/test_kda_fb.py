@@ -108,19 +108,19 @@ def _err(a, b):
 @pytest.mark.parametrize("M, h, k, r, bv", [(3, 2, 16, 16, "32"), (2, 3, 64, 32, "16"), (1, 2, 128, 128, "32"),
                                             (2, 1, 32, 16, "64")])
 def test_kernel_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k, r, bv):
-    """launch.kda_decode_fb against the op's reference, from a random state: o and the state (in
+    """attention.kda_decode_fb against the op's reference, from a random state: o and the state (in
     place), within fp32 rounding (the kernel sums in another order); value blocks of 16 / 32 and one
     wider than V (the launcher takes V)."""
     pytest.importorskip("triton")
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention
     monkeypatch.setenv("K3_KNOBS", knobs_text(kda_fb_bv=bv))
     xq, xk, v, fa, f_b, b, a_log, dt_bias, state = _inputs(M, dtype, seed=M + k, H=h, K=k, R=r)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
     s_ref, s_k = state.clone(), state.clone()
-    assert launch.kda_decode_fb_fits(xq, xk, v, fa, f_b, b, a_log, dt_bias, s_k)
+    assert attention.kda_decode_fb_fits(xq, xk, v, fa, f_b, b, a_log, dt_bias, s_k)
     want = ref.kda_decode_fb(xq, xk, v, fa, f_b, b, a_log, dt_bias, s_ref, *consts)
     ptr = s_k.data_ptr()
-    got = launch.kda_decode_fb(xq, xk, v, fa, f_b, b, a_log, dt_bias, s_k, *consts)
+    got = attention.kda_decode_fb(xq, xk, v, fa, f_b, b, a_log, dt_bias, s_k, *consts)
     assert got.dtype == v.dtype and got.shape == want.shape and s_k.data_ptr() == ptr
     assert not torch.equal(s_k, state)
     assert _err(got, want) < 1e-5 and _err(s_k, s_ref) < 1e-5, (_err(got, want), _err(s_k, s_ref))
@@ -129,9 +129,9 @@ def test_kernel_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k
 def test_kernel_refuses_what_it_cannot_take():
     """kda_decode_fb_fits says no (the op then runs its reference) to shapes and layouts the kernel
     does not handle."""
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention
     args = _inputs()
-    assert launch.kda_decode_fb_fits(*args)
+    assert attention.kda_decode_fb_fits(*args)
     bad = {
         "K not a power of two": lambda a: [*(x[..., :12] for x in a[:3]), *a[3:]],
         "f_b of another shape": lambda a: [*a[:4], a[4][:-1], *a[5:]],
@@ -141,7 +141,7 @@ def test_kernel_refuses_what_it_cannot_take():
         "fa of another dtype": lambda a: [*a[:3], a[3].float(), *a[4:]],
     }
     for why, change in bad.items():
-        assert not launch.kda_decode_fb_fits(*change(args)), why
+        assert not attention.kda_decode_fb_fits(*change(args)), why
 
 
 @pytest.mark.gpu
@@ -152,10 +152,10 @@ def test_kda_decode_fb_on_cuda_at_real_widths_eager_and_graphed(M):
     state, against the reference run on CPU (PyTorch's recurrence, no fla): o and the new state; then
     replayed from a CUDA graph. A wrong state element (a race, a mis-indexed tile) shows as an error
     of the order of the state itself."""
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     args = _inputs(M=M, dtype=torch.bfloat16, device="cuda", seed=11 + M, H=12, K=128, R=128)
     consts = (-5.0, 128 ** -0.5, 1e-12, torch.bfloat16)
-    k = registry.pick("kda_decode_fb", "cuda", *args, *consts)
+    k = dispatch.pick("kda_decode_fb", "cuda", *args, *consts)
     assert k is not None and k.name == "triton_kda_fb"
     st_ref = args[-1].cpu()
     want = ref.kda_decode_fb(*(a.cpu() for a in args[:-1]), st_ref, *consts)

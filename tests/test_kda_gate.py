@@ -5,7 +5,7 @@ k3::kda_decode_gated.
   (state too); each way the prologue can differ from K3's stops the match with a reason that
   names it, and the step stays correct. (The whole-model site counts and the compile-vs-eager
   equality at TP 1 / 2 are in test_compiler.py, where every pass must match every site.)
-- The fla-core kernel path (launch.kda_decode_gated_fla: norms, gate and sigmoid in the kernel,
+- The fla-core kernel path (attention.kda_decode_gated_fla: norms, gate and sigmoid in the kernel,
   state in place) against the op's reference, in Triton's CPU interpreter where fla-core is
   installed (skipped in CI), and on CUDA (GPU suite).
 """
@@ -99,7 +99,7 @@ import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.environ["K3_TESTS"])
 from test_kda_gate import _inputs, K
-from k3compile.kernels import launch
+from k3compile.kernels import attention, dispatch
 from k3compile.ops import reference as ref
 worst = 0.0
 for dtype in (torch.float32, torch.float16):
@@ -107,7 +107,7 @@ for dtype in (torch.float32, torch.float16):
     st_ref, st_fla = state.clone(), state.clone()
     o_ref = ref.kda_decode_gated(xq, xk, v, f, b, a_log, dt_bias, st_ref, -5.0, K ** -0.5, 1e-12, torch.float32)
     ptr = st_fla.data_ptr()
-    o = launch.kda_decode_gated_fla(xq, xk, v, f, b, a_log, dt_bias, st_fla, -5.0, K ** -0.5)
+    o = attention.kda_decode_gated_fla(xq, xk, v, f, b, a_log, dt_bias, st_fla, -5.0, K ** -0.5)
     assert o.dtype == v.dtype and o.shape == o_ref.shape and st_fla.data_ptr() == ptr
     for a, c in ((o, o_ref), (st_fla, st_ref)):
         worst = max(worst, ((a.float() - c.float()).abs().max() / c.float().abs().max()).item())
@@ -132,9 +132,9 @@ def test_fla_kernel_path_matches_reference_in_the_triton_interpreter():
 def test_kda_decode_gated_on_cuda_eager_and_graphed():
     """On CUDA the op runs fla's kernel (where fla-core imports) and equals its reference, also
     replayed from a CUDA graph with new inputs."""
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     args = _inputs(M=4, dtype=torch.bfloat16, device="cuda", seed=7)
-    k = registry.pick("kda_decode_gated", "cuda", *args, -5.0, K ** -0.5, 1e-12, torch.bfloat16)
+    k = dispatch.pick("kda_decode_gated", "cuda", *args, -5.0, K ** -0.5, 1e-12, torch.bfloat16)
     if k is None:
         if os.environ.get("K3_REQUIRE_FLA", "0") not in ("", "0"):
             pytest.fail("fla-core's fused_recurrent_kda_fwd is not usable here")

@@ -130,36 +130,36 @@ def test_inductor_keeps_the_states_in_place_and_no_norm_kernel():
 @pytest.mark.parametrize("M, h, k, r, p", [(3, 2, 16, 16, "4"), (2, 3, 64, 32, "2"), (1, 2, 128, 128, "4"),
                                            (2, 2, 128, 32, "1")])
 def test_kernel_norm_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k, r, p):
-    """launch.kda_step_decode with the output norm against the op's reference: the normed, gated o and
+    """attention.kda_step_decode with the output norm against the op's reference: the normed, gated o and
     both states; the counters left at zero."""
     pytest.importorskip("triton")
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention, gemm
     monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, dtype, "cpu", M + k, h, k, r)
     g, o_w = _norm_inputs(M, dtype, "cpu", M, h, k)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
     mine = [t.clone() for t in args[9:]]
-    assert launch.kda_onorm_fits(args[0], args[2], args[7], o_w, g)
+    assert attention.kda_onorm_fits(args[0], args[2], args[7], o_w, g)
     want = ref.kda_step_decode_(*args, *consts, o_w, g, EPS)
-    got = launch.kda_step_decode(*args[:9], *mine, *consts, o_w, g, EPS)
+    got = attention.kda_step_decode(*args[:9], *mine, *consts, o_w, g, EPS)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(mine[0], args[9], rtol=0, atol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-3   # fp16: the normed row and the sigmoid round once more
     assert _err(got, want) < tol and _err(mine[1], args[10]) < tol, (_err(got, want), _err(mine[1], args[10]))
-    cnt = launch.split_counters(torch.device("cpu"))
+    cnt = gemm.split_counters(torch.device("cpu"))
     assert cnt is None or not cnt.any()
 
 
 def test_norm_fits_refuses_what_the_kernel_cannot_take():
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention
     args = _kernel_args(2, torch.bfloat16, "cpu", 0, H, K, R)
     g, o_w = _norm_inputs(2, torch.bfloat16, "cpu", 0)
-    assert launch.kda_onorm_fits(args[0], args[2], args[7], o_w, g)
+    assert attention.kda_onorm_fits(args[0], args[2], args[7], o_w, g)
     bad = {"weight of another width": (o_w[:-1], g), "weight fp32": (o_w.float(), g),
            "gate transposed": (o_w, g.t().contiguous().t()), "gate of another width": (o_w, g[:, 1:]),
            "no gate": (o_w, None)}
     for why, (w, gg) in bad.items():
-        assert not launch.kda_onorm_fits(args[0], args[2], args[7], w, gg), why
+        assert not attention.kda_onorm_fits(args[0], args[2], args[7], w, gg), why
 
 
 @pytest.mark.gpu
@@ -171,13 +171,13 @@ def test_kda_step_norm_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, 
     the reference on CPU over three steps, then one step replayed from a CUDA graph."""
     from _cuda_graph import replay_once
 
-    from k3compile.kernels import launch, registry
+    from k3compile.kernels import dispatch, gemm
     monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, torch.bfloat16, "cuda", 5 + M, 12, 128, 128)
     g, o_w = _norm_inputs(M, torch.bfloat16, "cuda", M, 12, 128)
     consts = (-5.0, 128 ** -0.5, 1e-12, torch.bfloat16)
     norm = (o_w, g, EPS)
-    k = registry.pick("kda_step_decode_", "cuda", *args, *consts, *norm)
+    k = dispatch.pick("kda_step_decode_", "cuda", *args, *consts, *norm)
     assert k is not None and k.name == "triton_kda_step"
     mine = [t.clone() for t in args[9:]]
     theirs = [t.cpu() for t in args[9:]]
@@ -192,7 +192,7 @@ def test_kda_step_norm_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, 
         assert _err(got.cpu(), want) < 2e-2 and _err(mine[1].cpu(), theirs[1]) < 1e-2, \
             (step, _err(got.cpu(), want), _err(mine[1].cpu(), theirs[1]))
         mine[1].copy_(theirs[1])
-    cnt = launch.split_counters(args[0].device)
+    cnt = gemm.split_counters(args[0].device)
     assert cnt is not None and not cnt.any()
     cs0, st0 = mine[0].cpu(), mine[1].cpu()
     want = ref.kda_step_decode_(*cpu_in, cs0, st0, *consts, *cpu_norm)

@@ -164,31 +164,31 @@ def _kernel_args(M, dtype, device, seed, h, k, r):
 @pytest.mark.parametrize("M, h, k, r, p", [(3, 2, 16, 16, "4"), (2, 3, 64, 32, "2"), (1, 2, 128, 128, "4"),
                                            (2, 2, 128, 32, "1")])
 def test_kernel_matches_reference_in_the_interpreter(monkeypatch, dtype, M, h, k, r, p):
-    """launch.kda_step_decode against the op's reference: o, the state and the conv state (both in
+    """attention.kda_step_decode against the op's reference: o, the state and the conv state (both in
     place); 1, 2 or 4 programs per head (the counters left at zero)."""
     pytest.importorskip("triton")
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention, gemm
     monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, dtype, "cpu", M + k, h, k, r)
     consts = (-5.0, k ** -0.5, 1e-12, dtype)
     mine = [t.clone() for t in args[9:]]
-    assert launch.kda_step_decode_fits(*args[:9], *mine)
+    assert attention.kda_step_decode_fits(*args[:9], *mine)
     want = ref.kda_step_decode_(*args, *consts)
     ptrs = [t.data_ptr() for t in mine]
-    got = launch.kda_step_decode(*args[:9], *mine, *consts)
+    got = attention.kda_step_decode(*args[:9], *mine, *consts)
     assert [t.data_ptr() for t in mine] == ptrs and got.dtype == args[2].dtype and got.shape == want.shape
     torch.testing.assert_close(mine[0], args[9], rtol=0, atol=0)     # the shifted window: copied values
     tol = 1e-5 if dtype == torch.float32 else 1e-4   # fp16: a normed q / k may round to its neighbour
     assert _err(got, want) < tol and _err(mine[1], args[10]) < tol, (_err(got, want), _err(mine[1], args[10]))
-    cnt = launch.split_counters(torch.device("cpu"))
+    cnt = gemm.split_counters(torch.device("cpu"))
     assert cnt is None or not cnt.any()
 
 
 def test_kernel_refuses_what_it_cannot_take():
     """kda_step_decode_fits says no (the op then runs its reference) where the kernel does not apply."""
-    from k3compile.kernels import launch
+    from k3compile.kernels import attention
     args = _kernel_args(2, torch.bfloat16, "cpu", 0, H, K, R)
-    assert launch.kda_step_decode_fits(*args)
+    assert attention.kda_step_decode_fits(*args)
     bad = {
         "conv width 3": lambda a: [*a[:3], a[3][:, :3].contiguous(), *a[4:9], a[9][..., :2].contiguous(), a[10]],
         "conv state strided": lambda a: [*a[:9], a[9].transpose(0, 1).contiguous().transpose(0, 1), a[10]],
@@ -197,7 +197,7 @@ def test_kernel_refuses_what_it_cannot_take():
         "conv weight of another dtype": lambda a: [*a[:3], a[3].float(), *a[4:]],
     }
     for why, change in bad.items():
-        assert not launch.kda_step_decode_fits(*change(args)), why
+        assert not attention.kda_step_decode_fits(*change(args)), why
 
 
 @pytest.mark.gpu
@@ -209,11 +209,11 @@ def test_kda_step_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, M, p)
     states, against the reference on CPU, over three steps in a row (each reading the states the last
     wrote: a program that read a shifted window, or a counter not put back to zero, shows), then one
     step replayed from a CUDA graph. At M=16, 4 programs per head are 768 programs: not all resident."""
-    from k3compile.kernels import launch, registry
+    from k3compile.kernels import dispatch, gemm
     monkeypatch.setenv("K3_KNOBS", knobs_text(kda_step_p=p))
     args = _kernel_args(M, torch.bfloat16, "cuda", 5 + M, 12, 128, 128)
     consts = (-5.0, 128 ** -0.5, 1e-12, torch.bfloat16)
-    k = registry.pick("kda_step_decode_", "cuda", *args, *consts)
+    k = dispatch.pick("kda_step_decode_", "cuda", *args, *consts)
     assert k is not None and k.name == "triton_kda_step"
     mine = [t.clone() for t in args[9:]]
     theirs = [t.cpu() for t in args[9:]]
@@ -227,7 +227,7 @@ def test_kda_step_on_cuda_at_real_widths_repeated_and_graphed(monkeypatch, M, p)
         assert _err(got.cpu(), want) < 1e-2 and _err(mine[1].cpu(), theirs[1]) < 1e-2, \
             (step, _err(got.cpu(), want), _err(mine[1].cpu(), theirs[1]))
         mine[1].copy_(theirs[1])   # the next step from the same state on both sides
-    cnt = launch.split_counters(args[0].device)
+    cnt = gemm.split_counters(args[0].device)
     assert cnt is not None and not cnt.any()
     from _cuda_graph import replay_once
     cs0, st0 = mine[0].cpu(), mine[1].cpu()

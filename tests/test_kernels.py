@@ -2,7 +2,7 @@
 
 Each test plays rank r of a TP group: the peers' symmetric buffers are ordinary tensors filled
 with what those ranks' GEMMs would have written, and the peers' barrier signals are set in this
-rank's signal pad beforehand. The whole op (`kernels.launch.oproj` etc.) must equal the op's
+rank's signal pad beforehand. The whole op (`kernels.comm.oproj` etc.) must equal the op's
 PyTorch reference over the same partials; afterwards this rank's pad must be back to zero and
 each peer's pad must hold exactly this rank's signals. fp32 is checked to 1e-5, fp16 to 1e-2
 (the references round the all-reduce result and the residual the same way). Not bf16: the
@@ -24,8 +24,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from k3compile.config import knobs_text  # noqa: E402
-from k3compile.kernels import launch  # noqa: E402
+from k3compile.kernels import attention, comm, gemm, moe, tuning  # noqa: E402
+from k3compile.kernels.cute import artifacts  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
+from k3compile.runtime import streams  # noqa: E402
 from simpeers import SimGroup  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
@@ -45,20 +47,20 @@ def _weights(N, dtype, g):
 def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec, monkeypatch):
     """programs > 0: fewer programs than rows, so a program's later rows take the loop after its
     first (whose residual and blocks are read between the barrier's signal and wait); vec=0: the
-    45ff89b order (launch.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0) and
+    45ff89b order (comm.COMM_VEC=0: the peers signalled and polled one by one; COMM_EARLY=0) and
     each block row loaded just before it is reduced (AR_PRELOAD=0), g, the AttnRes query and the
     residual held in fp32 for the whole kernel (AR_LEAN=0), the AttnRes sources one by one (AR_JOINT=0);
     nb > 4: blocks past the four preloaded ones (a second group of four with AR_JOINT; at world 1 the
     updated row joins a group, or comes after full groups at nb = 4 and 8). At world 1 with AR_JOINT the
     block rows are loaded before the updated row's store at even nb (AR_W1_FIRST, the default), after it
     at odd nb."""
-    monkeypatch.setattr(launch, "COLS", False)   # the row kernels (the column-split form: below)
-    monkeypatch.setattr(launch, "AR_W1_FIRST", nb % 2 == 0)
-    monkeypatch.setattr(launch, "AR_LEAN", bool(vec))
-    monkeypatch.setattr(launch, "AR_JOINT", bool(vec))
-    monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
-    monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
-    monkeypatch.setattr(launch, "AR_PRELOAD", bool(vec))
+    monkeypatch.setattr(tuning, "COLS", False)   # the row kernels (the column-split form: below)
+    monkeypatch.setattr(comm, "AR_W1_FIRST", nb % 2 == 0)
+    monkeypatch.setattr(comm, "AR_LEAN", bool(vec))
+    monkeypatch.setattr(comm, "AR_JOINT", bool(vec))
+    monkeypatch.setattr(comm, "COMM_VEC", bool(vec))
+    monkeypatch.setattr(comm, "COMM_EARLY", bool(vec))
+    monkeypatch.setattr(comm, "AR_PRELOAD", bool(vec))
     g = torch.Generator().manual_seed(world * 10 + nb)
     K, N = 24, 48
     xs = [torch.randn(M, K, generator=g).to(dtype) for _ in range(world)]
@@ -69,14 +71,14 @@ def test_oproj_allreduce_residual_norm(dtype, world, rank, nb, M, programs, vec,
     sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
     progs = programs or M
     if programs:
-        monkeypatch.setattr(launch, "MAX_PROGRAMS", programs)   # TP=1 (no peers)
+        monkeypatch.setattr(comm, "MAX_PROGRAMS", programs)   # TP=1 (no peers)
     if sim:
         sim.peers.programs = progs
         for p in range(world):  # the peers' GEMMs
             if p != rank:
                 torch.mm(xs[p], w.t(), out=sim.view(p, dtype, M, N))
         sim.arm(progs)
-    upd, nrm = launch.oproj(xs[rank], w, sim.peers if sim else None, res, blocks, w_norm, w_qk, gam, 1e-5)
+    upd, nrm = comm.oproj(xs[rank], w, sim.peers if sim else None, res, blocks, w_norm, w_qk, gam, 1e-5)
     if sim:
         sim.check_signals(progs, 0)  # and this rank's partial was copied in for the peers:
         torch.testing.assert_close(sim.view(rank, dtype, M, N, half=0), F.linear(xs[rank], w))
@@ -95,24 +97,24 @@ def test_all_reduce_norm_columns_split_over_programs(dtype, world, rank, nb, M, 
     programs, the last one partly masked): the same updated row and AttnRes / RMSNorm output as the
     reference, each rank's partial copied into its buffer for the peers, one barrier slot per
     program. On CPU the kernel runs in two launches split at its grid barrier."""
-    monkeypatch.setattr(launch, "COLS_W", 32)
-    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)   # the form at every group size and up to 4 rows
-    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
-    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
+    monkeypatch.setattr(tuning, "COLS_W", 32)
+    monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)   # the form at every group size and up to 4 rows
+    monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+    monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
     g = torch.Generator().manual_seed(world * 10 + nb + N)
     parts = [torch.randn(M, N, generator=g).to(dtype) for _ in range(world)]
     resid = torch.randn(M, N, generator=g).to(dtype) if res else None
     blocks = [torch.randn(M, N, generator=g).to(dtype) * (1 + i) for i in range(nb)]
     w_norm, w_qk, gam = _weights(N, dtype, g)
     sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
-    plan = launch.cols_plan(M, N, nb + 1, sim.peers if sim else None)
+    plan = comm.cols_plan(M, N, nb + 1, sim.peers if sim else None)
     assert plan is not None and plan.programs == -(-N // 32) and plan.programs >= 2
     if sim:
         for p in range(world):
             if p != rank:
                 sim.view(p, dtype, M, N).copy_(parts[p])
         sim.arm(plan.programs)
-    upd, nrm = launch.ar_residual_norm(parts[rank], sim.peers if sim else None, resid, gam, w_norm, w_qk,
+    upd, nrm = comm.ar_residual_norm(parts[rank], sim.peers if sim else None, resid, gam, w_norm, w_qk,
                                        blocks, 1e-5)
     y = sum(x.float() for x in parts).to(dtype)
     ref_nrm, ref_upd = attnres_mix(resid if res else torch.zeros_like(y), y, blocks, w_norm, w_qk, gam, 1e-5)
@@ -129,25 +131,25 @@ def test_columns_split_plan_keeps_its_limits(monkeypatch):
     the programs COLS_MAX_PROGRAMS or the peers' barrier slots."""
     sim = SimGroup(8, 0, 1024, pad_bytes=2048)
     assert sim.peers.programs == 64
-    assert launch.cols_plan(1, 7168, 4, None) is None                      # group size 1: the row kernels
-    p = launch.cols_plan(1, 7168, 4, sim.peers)
+    assert comm.cols_plan(1, 7168, 4, None) is None                      # group size 1: the row kernels
+    p = comm.cols_plan(1, 7168, 4, sim.peers)
     assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
-    p = launch.cols_plan(1, 3584, 1, sim.peers)                           # the latent tail
+    p = comm.cols_plan(1, 3584, 1, sim.peers)                           # the latent tail
     assert (p.programs, p.w, p.s_pad) == (28, 128, 2)
-    assert launch.cols_plan(1, 7168, 6, sim.peers) is None                 # 64 columns: 112 programs
-    assert launch.cols_plan(2, 7168, 4, sim.peers) is None                 # one row only
-    assert launch.cols_plan(1, 7168, 4, SimGroup(8, 0, 1024, pad_bytes=512).peers) is None   # 16 slots
+    assert comm.cols_plan(1, 7168, 6, sim.peers) is None                 # 64 columns: 112 programs
+    assert comm.cols_plan(2, 7168, 4, sim.peers) is None                 # one row only
+    assert comm.cols_plan(1, 7168, 4, SimGroup(8, 0, 1024, pad_bytes=512).peers) is None   # 16 slots
     monkeypatch.setenv("K3_KNOBS", knobs_text(cols="1"))
-    p = launch.cols_plan(1, 7168, 4, None)
+    p = comm.cols_plan(1, 7168, 4, None)
     assert (p.programs, p.w, p.rows, p.s_pad) == (56, 128, 1, 4)
-    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
-    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
-    p = launch.cols_plan(4, 7168, 8, None)
-    assert p.rows * p.s_pad * p.w <= 4096 and p.programs <= launch.COLS_MAX_PROGRAMS
-    assert launch.cols_plan(5, 7168, 4, None) is None
-    assert launch.cols_plan(1, 7168, 9, None) is None
+    monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+    monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
+    p = comm.cols_plan(4, 7168, 8, None)
+    assert p.rows * p.s_pad * p.w <= 4096 and p.programs <= tuning.COLS_MAX_PROGRAMS
+    assert comm.cols_plan(5, 7168, 4, None) is None
+    assert comm.cols_plan(1, 7168, 9, None) is None
     monkeypatch.setenv("K3_KNOBS", knobs_text(cols="0"))
-    assert launch.cols_plan(1, 7168, 4, sim.peers) is None
+    assert comm.cols_plan(1, 7168, 4, sim.peers) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -155,12 +157,12 @@ def test_columns_split_plan_keeps_its_limits(monkeypatch):
 def test_moe_latent_tail_columns_split_over_programs(dtype, world, rank, M, monkeypatch):
     """triton_cols.latent_tail_cols_kernel through the whole tail op: the finalize, the all-reduce,
     the norm and the shared partial's copy split over the programs' columns."""
-    monkeypatch.setattr(launch, "COLS_W", 32)
-    monkeypatch.setattr(launch, "COLS_MIN_WORLD", 1)
-    monkeypatch.setattr(launch, "COLS_MAX_M", 4)
-    monkeypatch.setattr(launch, "COLS_MAX_TILE", 4096)
+    monkeypatch.setattr(tuning, "COLS_W", 32)
+    monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+    monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+    monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
     case = _TailCase(dtype, world, rank, M, L=136, H=200, seed=7 * M + world)
-    plan = launch.cols_plan(M, 136, 1, case.sim.peers if case.sim else None)
+    plan = comm.cols_plan(M, 136, 1, case.sim.peers if case.sim else None)
     assert plan.programs == 5
     case.run_and_check(plan.programs)
 
@@ -202,7 +204,7 @@ def test_oproj_with_pushed_partials(dtype, world, rank, nb, M, N):
     w_norm, w_qk, gam = _weights(N, dtype, g)
     sim = SimGroup(world, rank, world * M * N * 4, flag_bytes=4 * 128 * world)
     sim.epoch[2] = 41   # a later call: the flags must carry its number, 42
-    upd, nrm = launch.oproj(xs[rank], w, sim.peers, res, blocks, w_norm, w_qk, gam, 1e-5, push=FakePush(sim, xs))
+    upd, nrm = comm.oproj(xs[rank], w, sim.peers, res, blocks, w_norm, w_qk, gam, 1e-5, push=FakePush(sim, xs))
     y = sum(F.linear(x, w).float() for x in xs).to(dtype)
     ref_nrm, ref_upd = attnres_mix(res, y, blocks, w_norm, w_qk, gam, 1e-5)
     torch.testing.assert_close(upd, ref_upd, **TOL[dtype])
@@ -219,44 +221,43 @@ class _Cuda(torch.Tensor):
 
 
 def test_push_gemm_choice_is_agreed_by_every_rank_and_memoised(monkeypatch):
-    """choose.push_gemm: off by default (no measured range), on with K3_KNOBS=cute_push=1; never at TP=1,
+    """comm.push_gemm: off by default (no measured range), on with K3_KNOBS=cute_push=1; never at TP=1,
     without a flag region or for a call whose partials do not fit a half; the artifact is used only
     when every rank found it (one all-reduce per shape, memoised), otherwise the reason is noted."""
-    from k3compile.kernels import choose
     sim = SimGroup(2, 0, 1 << 16, flag_bytes=1024)
     x, w = torch.zeros(3, 64, dtype=torch.bfloat16).as_subclass(_Cuda), torch.zeros(128, 64, dtype=torch.bfloat16)
     art = object()
     finds, votes, loads = [], [], []
-    monkeypatch.setattr(choose, "_find", lambda *k: finds.append(k) or (art, ""))
-    monkeypatch.setattr(choose, "_load", lambda a, dev: loads.append(a))
-    monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) or ok)
-    monkeypatch.setattr(choose, "_PUSH", {})
+    monkeypatch.setattr(artifacts, "find", lambda *k: finds.append(k) or (art, ""))
+    monkeypatch.setattr(comm, "_load", lambda a, dev: loads.append(a))
+    monkeypatch.setattr(comm, "_all_ranks", lambda ok, group, dev: votes.append(ok) or ok)
+    monkeypatch.setattr(comm, "_PUSH", {})
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute="", cute_push=""))
-    assert "oproj_push" not in choose.CUTE_M and choose.push_gemm(x, w, sim.peers, "tp") is None and not finds
+    assert "oproj_push" not in tuning.CUTE_M and comm.push_gemm(x, w, sim.peers, "tp") is None and not finds
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="1"))
-    assert choose.push_gemm(x, w, sim.peers, "tp") is art and choose.push_gemm(x, w, sim.peers, "tp") is art
+    assert comm.push_gemm(x, w, sim.peers, "tp") is art and comm.push_gemm(x, w, sim.peers, "tp") is art
     assert finds == [("gemm", "oproj_push", 128, 64, 3)] and votes == [True] and loads == [art]  # decided once
-    assert choose.push_gemm(x.as_subclass(torch.Tensor), w, sim.peers, "tp") is None     # not CUDA
+    assert comm.push_gemm(x.as_subclass(torch.Tensor), w, sim.peers, "tp") is None     # not CUDA
     tp1 = SimGroup(1, 0, 1 << 16, flag_bytes=1024).peers
     noflags = SimGroup(2, 0, 1 << 16).peers
-    assert choose.push_gemm(x, w, tp1, "tp") is None and choose.push_gemm(x, w, noflags, "tp") is None
+    assert comm.push_gemm(x, w, tp1, "tp") is None and comm.push_gemm(x, w, noflags, "tp") is None
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="0"))
-    assert choose.push_gemm(x, w, sim.peers, "tp2") is None and votes == [True]
+    assert comm.push_gemm(x, w, sim.peers, "tp2") is None and votes == [True]
     # another rank could not load it: nobody pushes, and the report says why
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_push="1"))
-    monkeypatch.setattr(choose, "_all_ranks", lambda ok, group, dev: votes.append(ok) and False)
-    choose._WHY.clear()
+    monkeypatch.setattr(comm, "_all_ranks", lambda ok, group, dev: votes.append(ok) and False)
+    artifacts._WHY.clear()
     with pytest.warns(UserWarning, match="another rank"):
-        assert choose.push_gemm(x, w, sim.peers, "tp3") is None
+        assert comm.push_gemm(x, w, sim.peers, "tp3") is None
     # partials that do not fit one half of the workspace: not tried, on any rank (all vote no)
     big = torch.zeros(300, 64, dtype=torch.bfloat16).as_subclass(_Cuda)
     with pytest.warns(UserWarning, match="do not fit"):
-        assert choose.push_gemm(big, w, sim.peers, "tp") is None
+        assert comm.push_gemm(big, w, sim.peers, "tp") is None
     assert votes[-1] is False and len(finds) == 2
-    choose._WHY.clear()   # one warning per op and shape
+    artifacts._WHY.clear()   # one warning per op and shape
     with pytest.warns(UserWarning, match="dtype"):
-        assert choose.push_gemm(x.float(), w.float(), sim.peers, "tp") is None
-    assert "dtype torch.float32" in choose.fallbacks()["oproj_push N=128 K=64 M=3"]
+        assert comm.push_gemm(x.float(), w.float(), sim.peers, "tp") is None
+    assert "dtype torch.float32" in artifacts.fallbacks()["oproj_push N=128 K=64 M=3"]
 
 
 def test_workspace_halves_leave_the_flag_region_out():
@@ -270,19 +271,19 @@ def test_workspace_halves_leave_the_flag_region_out():
 
 
 def test_all_reduce_norm_kernel_form_by_group_size_and_rows(monkeypatch):
-    """launch._ar_form: the lean kernel from group size 4, the joint AttnRes reductions with 32 warps at
+    """comm._ar_form: the lean kernel from group size 4, the joint AttnRes reductions with 32 warps at
     group size >= 8 for one row of 7168 (BLOCK 8192), else the warps by width and joint at group size 1;
     K3_KNOBS ar_lean / K3_KNOBS ar_warps / K3_KNOBS ar_joint (module values) override."""
-    monkeypatch.setattr(launch, "AR_LEAN", None)
-    monkeypatch.setattr(launch, "AR_WARPS", 0)
-    monkeypatch.setattr(launch, "AR_JOINT", None)
-    assert launch._ar_form(1, 1, 8192) == (False, 8, True) and launch._ar_form(2, 1, 8192) == (False, 8, False)
-    assert launch._ar_form(4, 1, 8192) == (True, 8, False) and launch._ar_form(8, 16, 8192) == (True, 8, False)
-    assert launch._ar_form(8, 1, 8192) == (True, 32, True) and launch._ar_form(8, 1, 4096) == (True, 8, False)
-    monkeypatch.setattr(launch, "AR_LEAN", False)
-    monkeypatch.setattr(launch, "AR_WARPS", 32)
-    monkeypatch.setattr(launch, "AR_JOINT", True)
-    assert launch._ar_form(8, 1, 8192) == (False, 32, True)
+    monkeypatch.setattr(comm, "AR_LEAN", None)
+    monkeypatch.setattr(comm, "AR_WARPS", 0)
+    monkeypatch.setattr(comm, "AR_JOINT", None)
+    assert comm._ar_form(1, 1, 8192) == (False, 8, True) and comm._ar_form(2, 1, 8192) == (False, 8, False)
+    assert comm._ar_form(4, 1, 8192) == (True, 8, False) and comm._ar_form(8, 16, 8192) == (True, 8, False)
+    assert comm._ar_form(8, 1, 8192) == (True, 32, True) and comm._ar_form(8, 1, 4096) == (True, 8, False)
+    monkeypatch.setattr(comm, "AR_LEAN", False)
+    monkeypatch.setattr(comm, "AR_WARPS", 32)
+    monkeypatch.setattr(comm, "AR_JOINT", True)
+    assert comm._ar_form(8, 1, 8192) == (False, 32, True)
 
 
 def test_oproj_without_norm_and_plain_all_reduce():
@@ -293,7 +294,7 @@ def test_oproj_without_norm_and_plain_all_reduce():
     sim.view(1, torch.float32, M, N).copy_(other)
     x = torch.randn(M, N, generator=g)
     sim.arm(M)
-    out = launch.all_reduce(x, sim.peers)
+    out = comm.all_reduce(x, sim.peers)
     torch.testing.assert_close(out, x + other)
     sim.check_signals(M, 0)
     torch.testing.assert_close(sim.view(0, torch.float32, M, N, half=0), x)  # copied in for the peers
@@ -303,13 +304,13 @@ def test_oproj_without_norm_and_plain_all_reduce():
     torch.mm(xs[1], w.t(), out=sim.view(1, torch.float32, M, N))
     sim.arm(M)
     res = torch.randn(M, N, generator=g)
-    upd, nrm = launch.oproj(xs[0], w, sim.peers, res, [], None, None, None, 1e-5)
+    upd, nrm = comm.oproj(xs[0], w, sim.peers, res, [], None, None, None, 1e-5)
     assert nrm.numel() == 0
     torch.testing.assert_close(upd, res + xs[0] @ w.t() + xs[1] @ w.t(), atol=1e-5, rtol=1e-5)
     sim.check_signals(M, 1)  # the second call used the other half
 
 
-@pytest.mark.skipif(not launch.SEQ_BARRIER, reason="the sequence-flag barrier is off (K3_KNOBS=barrier_seq=0)")
+@pytest.mark.skipif(not comm.SEQ_BARRIER, reason="the sequence-flag barrier is off (K3_KNOBS=barrier_seq=0)")
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
     """The call counter wraps past 2^31 (int32 difference) and a peer that already signalled its
@@ -322,7 +323,7 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
     sim.view(0, torch.float32, M, N).copy_(other)
     x = torch.randn(M, N, generator=g)
     sim.pads[1][0 * 2 + 0] = -2 ** 31 + ahead
-    out = launch.all_reduce(x, sim.peers)
+    out = comm.all_reduce(x, sim.peers)
     torch.testing.assert_close(out, x + other)
     assert int(sim.epoch[2]) == -2 ** 31 and int(sim.pads[0][1]) == -2 ** 31
 
@@ -331,22 +332,22 @@ def test_seq_barrier_wraps_and_lets_a_peer_one_call_ahead_pass(ahead):
 @pytest.mark.parametrize("world,rank,M,programs,vec", [(1, 0, 3, 0, 1), (1, 0, 5, 2, 1), (2, 1, 2, 0, 1), (4, 3, 5, 0, 1), (2, 0, 5, 2, 1),
                                                        (4, 3, 5, 0, 0), (8, 5, 3, 2, 1)])
 def test_moe_latent_tail(dtype, world, rank, M, programs, vec, monkeypatch):
-    """programs > 0: fewer programs than rows; vec=0: the 45ff89b order (launch.COMM_VEC=0, the
+    """programs > 0: fewer programs than rows; vec=0: the 45ff89b order (comm.COMM_VEC=0, the
     peers signalled and polled one by one; COMM_EARLY=0, the shared partial copied before the signal)."""
-    monkeypatch.setattr(launch, "COLS", False)
-    monkeypatch.setattr(launch, "COMM_VEC", bool(vec))
-    monkeypatch.setattr(launch, "COMM_EARLY", bool(vec))
+    monkeypatch.setattr(tuning, "COLS", False)
+    monkeypatch.setattr(comm, "COMM_VEC", bool(vec))
+    monkeypatch.setattr(comm, "COMM_EARLY", bool(vec))
     case = _TailCase(dtype, world, rank, M, L=64, H=96, seed=M + world)
     progs = programs or M
     if programs and not case.sim:
-        monkeypatch.setattr(launch, "MAX_PROGRAMS", programs)   # TP=1: a program's rows in a loop
+        monkeypatch.setattr(comm, "MAX_PROGRAMS", programs)   # TP=1: a program's rows in a loop
     if case.sim:
         case.sim.peers.programs = progs
     case.run_and_check(progs)
 
 
 class _TailCase:
-    """The latent-tail op (launch.moe_tail) as rank `rank` of a simulated group: every rank's
+    """The latent-tail op (comm.moe_tail) as rank `rank` of a simulated group: every rank's
     [M, 3, L] expert outputs and top-k weights, the shared partial [M, H], the up-projection shard;
     run_and_check(programs) arms the peers' signals for that many programs, runs the op, and checks
     it, and what this rank left for its peers, against the PyTorch reference."""
@@ -372,7 +373,7 @@ class _TailCase:
                 if p != rank:
                     sim.view(p, dt, self.M, self.L).copy_(self._mine(p))
             sim.arm(programs)
-        out = launch.moe_tail(self.ys[rank], self.ws, sim.peers if sim else None, self.sp, self.gam, self.w_up,
+        out = comm.moe_tail(self.ys[rank], self.ws, sim.peers if sim else None, self.sp, self.gam, self.w_up,
                               1e-5, rank)
         routed = sum(self._mine(p).float() for p in range(self.world)).to(dt)
         ref = self.sp.clone()
@@ -394,10 +395,10 @@ def test_router_latent_gather(world, rank):
     sim = SimGroup(world, rank, M * S * 4)
     for p in range(world):  # each peer's shard, copied into its own buffer by its own kernel
         if p != rank:
-            sim.view(p, torch.float32, M * S).copy_(launch.router_latent_shard(x, wr, wd, world, p))
+            sim.view(p, torch.float32, M * S).copy_(comm.router_latent_shard(x, wr, wd, world, p))
     programs = min(sim.peers.programs, -(-M * (E + L) // 1024))
     sim.arm(programs)
-    router, latent = launch.router_latent(x, wr, wd, sim.peers)
+    router, latent = comm.router_latent(x, wr, wd, sim.peers)
     torch.testing.assert_close(router, x @ wr.t(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(latent, x @ wd.t(), atol=1e-5, rtol=1e-5)
     sim.check_signals(programs, 0)
@@ -414,11 +415,11 @@ def test_router_latent_gather(world, rank):
                                              # the tensor-core kernel: unsplit, split (ragged K, a split
                                              # left empty), swapped, 16 tokens (fp16 / fp32: the
                                              # interpreter's bf16 dot is wrong)
-                                             (1, 40, 96, launch.MmaCfg(16, 32, 1), torch.float32),
-                                             (3, 37, 100, launch.MmaCfg(16, 32, 3), torch.float16),
-                                             (2, 48, 64, launch.MmaCfg(16, 16, 8), torch.float32),
-                                             (16, 64, 256, launch.MmaCfg(32, 64, 2), torch.float16),
-                                             (5, 70, 130, launch.MmaCfg(64, 32, 4, swap=True), torch.float16)])
+                                             (1, 40, 96, gemm.MmaCfg(16, 32, 1), torch.float32),
+                                             (3, 37, 100, gemm.MmaCfg(16, 32, 3), torch.float16),
+                                             (2, 48, 64, gemm.MmaCfg(16, 16, 8), torch.float32),
+                                             (16, 64, 256, gemm.MmaCfg(32, 64, 2), torch.float16),
+                                             (5, 70, 130, gemm.MmaCfg(64, 32, 4, swap=True), torch.float16)])
 def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K, cfg, dt):
     """The decode GEMVs: out = x @ W^T, out += x @ W^T, and into a column slice of a wider buffer
     (the latent tail's up-projection), ragged N and K, M not a power of two. A split MMA config
@@ -427,23 +428,23 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
     x, w = torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)
     ref = x.float() @ w.float().t()
     tol = dict(atol=2e-2 * ref.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(launch.gemv(x, w, cfg=cfg).float(), ref, **tol)
+    torch.testing.assert_close(gemm.gemv(x, w, cfg=cfg).float(), ref, **tol)
     base = torch.randn(M, N, generator=g).to(dt)
-    acc = launch.gemv(x, w, out=base.clone(), accumulate=True, cfg=cfg)
+    acc = gemm.gemv(x, w, out=base.clone(), accumulate=True, cfg=cfg)
     torch.testing.assert_close(acc.float(), base.float() + ref, **tol)
     wide = torch.zeros(M, N + 10, dtype=dt)
-    launch.gemv(x, w, out=wide[:, 5:5 + N], cfg=cfg)
+    gemm.gemv(x, w, out=wide[:, 5:5 + N], cfg=cfg)
     torch.testing.assert_close(wide[:, 5:5 + N].float(), ref, **tol)
     assert wide[:, :5].abs().max() == 0 and wide[:, 5 + N:].abs().max() == 0
-    if isinstance(cfg, launch.MmaCfg) and cfg.split > 1:
-        assert launch.split_counters(x.device).abs().max() == 0
+    if isinstance(cfg, gemm.MmaCfg) and cfg.split > 1:
+        assert gemm.split_counters(x.device).abs().max() == 0
 
 
-@pytest.mark.parametrize("M, N1, N2, K, cfg, dt", [(1, 32, 40, 96, launch.MmaCfg(16, 32, 1), torch.float32),
-                                                   (3, 64, 37, 130, launch.MmaCfg(32, 32, 3), torch.float16),
-                                                   (16, 64, 70, 256, launch.MmaCfg(64, 64, 2, swap=True), torch.float16),
+@pytest.mark.parametrize("M, N1, N2, K, cfg, dt", [(1, 32, 40, 96, gemm.MmaCfg(16, 32, 1), torch.float32),
+                                                   (3, 64, 37, 130, gemm.MmaCfg(32, 32, 3), torch.float16),
+                                                   (16, 64, 70, 256, gemm.MmaCfg(64, 64, 2, swap=True), torch.float16),
                                                    # w1's rows not a multiple of BN: two launches
-                                                   (2, 40, 24, 64, launch.MmaCfg(16, 16, 4), torch.float32),
+                                                   (2, 40, 24, 64, gemm.MmaCfg(16, 16, 4), torch.float32),
                                                    # the CUDA-core GEMV's stacked form (TWO), K not a
                                                    # multiple of BLOCK_K, and its two-launch fallback
                                                    (1, 32, 40, 96, (8, 32, 4, 2), torch.float32),
@@ -451,7 +452,7 @@ def test_gemv_kernel_matches_matmul_plain_accumulating_and_into_columns(M, N, K,
                                                    (2, 40, 24, 64, (16, 32, 4, 1), torch.float32),
                                                    (3, 64, 37, 130, (16, 64, 4, 2, 1), torch.float16)])
 def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
-    """launch.mma_gemm2 (the TP=1 router + latent GEMM): x @ w1^T and x @ w2^T of two separate
+    """gemm.mma_gemm2 (the TP=1 router + latent GEMM): x @ w1^T and x @ w2^T of two separate
     weights (neither copied), into fresh outputs and into two column ranges of one NaN-poisoned
     buffer (every element written, nothing outside); the split counters left zero."""
     g = torch.Generator().manual_seed(M * 1000 + N1 + N2)
@@ -460,37 +461,36 @@ def test_mma_gemm2_two_weights_in_one_launch(M, N1, N2, K, cfg, dt):
     r1, r2 = x.float() @ w1.float().t(), x.float() @ w2.float().t()
     big = max(r1.abs().max().item(), r2.abs().max().item())
     tol = dict(atol=2e-2 * big, rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
-    o1, o2 = launch.mma_gemm2(x, w1, w2, cfg)
+    o1, o2 = gemm.mma_gemm2(x, w1, w2, cfg)
     torch.testing.assert_close(o1.float(), r1, **tol)
     torch.testing.assert_close(o2.float(), r2, **tol)
     buf = torch.full((M, N1 + N2 + 8), float("nan"), dtype=dt)
-    launch.mma_gemm2(x, w1, w2, cfg, out1=buf[:, 4:4 + N1], out2=buf[:, 4 + N1:4 + N1 + N2])
+    gemm.mma_gemm2(x, w1, w2, cfg, out1=buf[:, 4:4 + N1], out2=buf[:, 4 + N1:4 + N1 + N2])
     torch.testing.assert_close(buf[:, 4:4 + N1 + N2].float(), torch.cat([r1, r2], 1), **tol)
     assert buf[:, :4].isnan().all() and buf[:, 4 + N1 + N2:].isnan().all()
-    if isinstance(cfg, launch.MmaCfg) and cfg.split > 1:
-        assert launch.split_counters(x.device).abs().max() == 0
+    if isinstance(cfg, gemm.MmaCfg) and cfg.split > 1:
+        assert gemm.split_counters(x.device).abs().max() == 0
     with pytest.raises(ValueError, match="share K"):
-        launch.mma_gemm2(x, w1, w2[:, :-1], cfg)
+        gemm.mma_gemm2(x, w1, w2[:, :-1], cfg)
 
 
 def test_router_latent_one_takes_the_stacked_config_or_the_single_gemms(monkeypatch):
     """The TP=1 router + latent op's launcher: the stacked shape's tuned MMA config -> one mma_gemm2
-    launch; no config for it -> each GEMM through choose.gemm (what lower_decode_gemm would run)."""
-    from k3compile.kernels import choose
+    launch; no config for it -> each GEMM through gemm.gemm (what lower_decode_gemm would run)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 64, generator=g).half()
     wr, wd = torch.randn(32, 64, generator=g).half(), torch.randn(48, 64, generator=g).half()
     calls = []
-    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: calls.append(rows)
-                        or launch.MmaCfg(16, 32, 2))
-    r, lat = launch.router_latent_one(x, wr, wd)
+    monkeypatch.setattr(gemm, "gemv_plan", lambda x, w, out=None, rows=None: calls.append(rows)
+                        or gemm.MmaCfg(16, 32, 2))
+    r, lat = comm.router_latent_one(x, wr, wd)
     assert calls == [80]
     tol = dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(r.float(), x.float() @ wr.float().t(), **tol)
     torch.testing.assert_close(lat.float(), x.float() @ wd.float().t(), **tol)
-    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: None)
-    monkeypatch.setattr(choose, "gemm", lambda op, x, w: calls.append(op) or x @ w.t())
-    r, lat = launch.router_latent_one(x, wr, wd)
+    monkeypatch.setattr(gemm, "gemv_plan", lambda x, w, out=None, rows=None: None)
+    monkeypatch.setattr(gemm, "gemm", lambda op, x, w: calls.append(op) or x @ w.t())
+    r, lat = comm.router_latent_one(x, wr, wd)
     assert calls[1:] == ["router", "latent"]
     torch.testing.assert_close(lat, x @ wd.t())
 
@@ -498,20 +498,19 @@ def test_router_latent_one_takes_the_stacked_config_or_the_single_gemms(monkeypa
 def test_router_latent_one_stacks_a_gemv_config_up_to_its_m(monkeypatch):
     """A CUDA-core GEMV config for the stacked shape (a per-card row) runs as one mma_gemm2 launch too, up to
     GEMV_MAX_M tokens; above it, each GEMM on its own (the GEMV kernel takes no more rows)."""
-    from k3compile.kernels import choose
     g = torch.Generator().manual_seed(6)
     wr, wd = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)
-    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: (16, 32, 4, 1))
+    monkeypatch.setattr(gemm, "gemv_plan", lambda x, w, out=None, rows=None: (16, 32, 4, 1))
     seen = []
-    real = launch.mma_gemm2
-    monkeypatch.setattr(launch, "mma_gemm2", lambda x, w1, w2, cfg, **kw: seen.append(cfg) or real(x, w1, w2, cfg, **kw))
+    real = gemm.mma_gemm2
+    monkeypatch.setattr(gemm, "mma_gemm2", lambda x, w1, w2, cfg, **kw: seen.append(cfg) or real(x, w1, w2, cfg, **kw))
     x = torch.randn(2, 64, generator=g)
-    r, lat = launch.router_latent_one(x, wr, wd)
+    r, lat = comm.router_latent_one(x, wr, wd)
     assert seen == [(16, 32, 4, 1)]
     torch.testing.assert_close(r, x @ wr.t(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lat, x @ wd.t(), atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(choose, "gemm", lambda op, x, w: x @ w.t())
-    launch.router_latent_one(torch.randn(launch.GEMV_MAX_M + 1, 64, generator=g), wr, wd)
+    monkeypatch.setattr(gemm, "gemm", lambda op, x, w: x @ w.t())
+    comm.router_latent_one(torch.randn(gemm.GEMV_MAX_M + 1, 64, generator=g), wr, wd)
     assert len(seen) == 1
 
 
@@ -520,35 +519,34 @@ def test_mma_gemm_refuses_more_than_16_tokens_and_splits_only_with_counters(monk
     counters (first use inside a CUDA graph capture, too many streams) runs unsplit, still exact."""
     x, w = torch.randn(17, 64), torch.randn(32, 64)
     with pytest.raises(ValueError, match="M <= 16"):
-        launch.mma_gemm(x, w, launch.MmaCfg(16, 32, 2))
-    monkeypatch.setattr(launch, "split_counters", lambda device: None)
-    torch.testing.assert_close(launch.mma_gemm(x[:4], w, launch.MmaCfg(16, 16, 4)), x[:4] @ w.t(),
+        gemm.mma_gemm(x, w, gemm.MmaCfg(16, 32, 2))
+    monkeypatch.setattr(gemm, "split_counters", lambda device: None)
+    torch.testing.assert_close(gemm.mma_gemm(x[:4], w, gemm.MmaCfg(16, 16, 4)), x[:4] @ w.t(),
                                atol=1e-4, rtol=1e-4)
 
 
 def test_gemv_config_names_round_trip():
     """gemv_bench's config names parse back into what dispatch launches."""
-    from k3compile.kernels import choose
-    for c in (launch.MmaCfg(64, 128, 8, 4, 4, True), launch.MmaCfg(16, 256, 1, 4, 4)):
-        assert choose.parse_cfg(c.name()) == c
-    assert choose.parse_cfg("gemv 8/512/4/3") == (8, 512, 4, 3)
-    assert choose.parse_cfg("gemvl 4/1024/4/3") == (4, 1024, 4, 3, 1)
+    for c in (gemm.MmaCfg(64, 128, 8, 4, 4, True), gemm.MmaCfg(16, 256, 1, 4, 4)):
+        assert gemm.parse_cfg(c.name()) == c
+    assert gemm.parse_cfg("gemv 8/512/4/3") == (8, 512, 4, 3)
+    assert gemm.parse_cfg("gemvl 4/1024/4/3") == (4, 1024, 4, 3, 1)
     for c in ((8, 512, 4, 3), (4, 1024, 4, 3, 1)):
-        assert choose.parse_cfg(launch.gemv_name(c)) == c
+        assert gemm.parse_cfg(gemm.gemv_name(c)) == c
     for bad in ("gemv 8/512/4", "gemvx 8/512/4/3"):
         with pytest.raises(ValueError):
-            choose.parse_cfg(bad)
+            gemm.parse_cfg(bad)
     with pytest.raises(ValueError):
-        launch.MmaCfg.parse("gemv 8/512/4/3")
+        gemm.MmaCfg.parse("gemv 8/512/4/3")
 
 
 def test_gemv_lazy_only_where_its_tile_fits():
     """gemv_parts: the LAZY form where the config asks for it and MP x BLOCK_N x BLOCK_K fp32 fit
     GEMV_LAZY_REGS registers a thread (M=1 at 4 x 1024 on 4 warps: 32), else the plain form (M=8: 256)."""
-    assert launch.gemv_parts((4, 1024, 4, 3, 1), 1) == (4, 1024, 4, 3, True)
-    assert launch.gemv_parts((4, 1024, 4, 3, 1), 8) == (4, 1024, 4, 3, False)
-    assert launch.gemv_parts((4, 1024, 4, 3), 1) == (4, 1024, 4, 3, False)
-    assert launch.gemv_parts((16, 256, 8, 3, 1), 2) == (16, 256, 8, 3, True)
+    assert gemm.gemv_parts((4, 1024, 4, 3, 1), 1) == (4, 1024, 4, 3, True)
+    assert gemm.gemv_parts((4, 1024, 4, 3, 1), 8) == (4, 1024, 4, 3, False)
+    assert gemm.gemv_parts((4, 1024, 4, 3), 1) == (4, 1024, 4, 3, False)
+    assert gemm.gemv_parts((16, 256, 8, 3, 1), 2) == (16, 256, 8, 3, True)
 
 
 @pytest.mark.parametrize("M, N, K, cfg, dt", [(1, 40, 96, (8, 32, 4, 2), torch.float32),
@@ -561,57 +559,57 @@ def test_gemv_pdl_form_matches_matmul(M, N, K, cfg, dt):
     x, w = torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)
     ref = x.float() @ w.float().t()
     tol = dict(atol=2e-2 * ref.abs().max().item(), rtol=0) if dt != torch.float32 else dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(launch.gemv(x, w, cfg=cfg, pdl=True).float(), ref, **tol)
+    torch.testing.assert_close(gemm.gemv(x, w, cfg=cfg, pdl=True).float(), ref, **tol)
     base = torch.randn(M, N, generator=g).to(dt)
-    torch.testing.assert_close(launch.gemv(x, w, out=base.clone(), accumulate=True, cfg=cfg, pdl=True).float(),
+    torch.testing.assert_close(gemm.gemv(x, w, out=base.clone(), accumulate=True, cfg=cfg, pdl=True).float(),
                                base.float() + ref, **tol)
     with pytest.raises(ValueError, match="K >= BLOCK_K"):
-        launch.gemv(x, w, cfg=(cfg[0], 2 * K, cfg[2], cfg[3]), pdl=True)
+        gemm.gemv(x, w, cfg=(cfg[0], 2 * K, cfg[2], cfg[3]), pdl=True)
 
 
 def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
-    """launch.gemv_pdl: None off CUDA, before Hopper or with K3_KNOBS=gemv_pdl=off; "on" (or unset with GEMV_PDL_DEFAULT),
+    """gemm.gemv_pdl: None off CUDA, before Hopper or with K3_KNOBS=gemv_pdl=off; "on" (or unset with GEMV_PDL_DEFAULT),
     GEMV_PDL_PF's bytes for the weight shape (None for a shape not in it); a number, those bytes for every shape
     (0: PDL without prefetch).
     The L2 prefetch only where each program's rows are one contiguous, 16-byte aligned slice. On CPU the
     variable changes nothing: the interpreter runs the plain GEMV."""
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl=""))
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert launch.gemv_pdl(cpu) is None and launch.gemv_pdl(cpu, (3648, 7168)) is None
+    assert gemm.gemv_pdl(cpu) is None and gemm.gemv_pdl(cpu, (3648, 7168)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    shape, pf = next(iter(launch.GEMV_PDL_PF.items()))
-    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
-    assert launch.gemv_pdl(cuda, shape) is None and launch.gemv_pdl(cuda) is None   # unset: the default, off
-    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", True)
-    assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
-    assert launch.gemv_pdl(cuda) == 0   # on: the norm kernel triggers
-    monkeypatch.setattr(launch, "GEMV_PDL_DEFAULT", False)
+    shape, pf = next(iter(tuning.GEMV_PDL_PF.items()))
+    monkeypatch.setattr(tuning, "GEMV_PDL_DEFAULT", False)
+    assert gemm.gemv_pdl(cuda, shape) is None and gemm.gemv_pdl(cuda) is None   # unset: the default, off
+    monkeypatch.setattr(tuning, "GEMV_PDL_DEFAULT", True)
+    assert gemm.gemv_pdl(cuda, shape) == pf and gemm.gemv_pdl(cuda, (5, 7)) is None
+    assert gemm.gemv_pdl(cuda) == 0   # on: the norm kernel triggers
+    monkeypatch.setattr(tuning, "GEMV_PDL_DEFAULT", False)
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="on"))
-    assert launch.gemv_pdl(cuda, shape) == pf and launch.gemv_pdl(cuda, (5, 7)) is None
+    assert gemm.gemv_pdl(cuda, shape) == pf and gemm.gemv_pdl(cuda, (5, 7)) is None
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl_pf="5x7=512;9x16=0"))   # the table replaced (bench rows)
-    assert launch.gemv_pdl(cuda, (5, 7)) == 512 and launch.gemv_pdl(cuda, (9, 16)) == 0
-    assert launch.gemv_pdl(cuda, shape) is None
+    assert gemm.gemv_pdl(cuda, (5, 7)) == 512 and gemm.gemv_pdl(cuda, (9, 16)) == 0
+    assert gemm.gemv_pdl(cuda, shape) is None
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl_pf=""))
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="4096"))
-    assert launch.gemv_pdl(cuda, (5, 7)) == 4096 and launch.gemv_pdl(cpu, (5, 7)) is None
+    assert gemm.gemv_pdl(cuda, (5, 7)) == 4096 and gemm.gemv_pdl(cpu, (5, 7)) is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
-    assert launch.gemv_pdl(cuda, shape) is None   # no griddepcontrol before Hopper
+    assert gemm.gemv_pdl(cuda, shape) is None   # no griddepcontrol before Hopper
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     for v, want in (("0", 0), ("off", None)):
         monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl=v))
-        assert launch.gemv_pdl(cuda, shape) == want, v
+        assert gemm.gemv_pdl(cuda, shape) == want, v
     w = torch.zeros(64, 256, dtype=torch.float16)
-    assert launch._pdl_rows_ok(w, 256)
-    assert not launch._pdl_rows_ok(w[:, :200], 200)            # rows strided: slices not contiguous
-    assert not launch._pdl_rows_ok(w.view(-1)[1:1 + 63 * 256].view(63, 256), 256)   # 2 bytes off 16
+    assert gemm._pdl_rows_ok(w, 256)
+    assert not gemm._pdl_rows_ok(w[:, :200], 200)            # rows strided: slices not contiguous
+    assert not gemm._pdl_rows_ok(w.view(-1)[1:1 + 63 * 256].view(63, 256), 256)   # 2 bytes off 16
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_pdl="16384"))
     x = torch.randn(1, 256).half()
-    torch.testing.assert_close(launch.gemv(x, w + 1, cfg=(8, 64, 4, 2)).float(), x.float() @ (w + 1).float().t(),
+    torch.testing.assert_close(gemm.gemv(x, w + 1, cfg=(8, 64, 4, 2)).float(), x.float() @ (w + 1).float().t(),
                                atol=2e-2, rtol=1e-2)
 
 
 def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
-    """The norm kernel's mark (launch._note_trigger) goes to the first decode GEMM launched after it on the same
+    """The norm kernel's mark (streams.note_trigger) goes to the first decode GEMM launched after it on the same
     stream, and makes it a PDL secondary only if that GEMM reads the norm's output: a GEMV after a kernel that
     does not trigger measured slower with PDL (the MLA q_b after Inductor's norm, 5.44 against 4.77 us)."""
     class S:
@@ -620,47 +618,45 @@ def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch)
     cur = {"s": S(1)}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: cur["s"])
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(launch, "_TRIGGERED", {})
+    monkeypatch.setattr(streams, "_TRIGGERED", {})
     nrm, other = torch.zeros(4), torch.zeros(4)
-    launch._note_trigger(nrm)
-    assert not launch._after_trigger(other)   # another input: no PDL, and the mark is taken
-    assert not launch._after_trigger(nrm)
-    launch._note_trigger(nrm)
+    streams.note_trigger(nrm)
+    assert not streams.take_trigger(other)   # another input: no PDL, and the mark is taken
+    assert not streams.take_trigger(nrm)
+    streams.note_trigger(nrm)
     cur["s"] = S(2)
-    assert not launch._after_trigger(nrm)     # another stream
+    assert not streams.take_trigger(nrm)     # another stream
     cur["s"] = S(1)
-    assert launch._after_trigger(nrm) and not launch._after_trigger(nrm)
+    assert streams.take_trigger(nrm) and not streams.take_trigger(nrm)
 
 
 def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):
-    """choose.gemv_plan: CUDA, 1 <= M <= GEMV_MAX_M, bf16/fp16, unit K stride, and a measured
+    """gemm.gemv_plan: CUDA, 1 <= M <= GEMV_MAX_M, bf16/fp16, unit K stride, and a measured
     config for this weight shape at an M >= this M (GEMV_TABLE, or a sweep's JSON through
     K3_KNOBS gemv_table: only rows faster than cuBLAS); K3_KNOBS=gemv=1 / 0 force it on / off."""
     import json
-    from k3compile.kernels import choose
-    from k3compile.kernels.launch import GEMV_DEFAULT
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="", gemv_table=""))
-    monkeypatch.setattr(choose, "GEMV_TABLE", {(64, 32): {1: (4, 32, 4, 2), 4: (8, 32, 4, 3)}})
+    monkeypatch.setattr(tuning, "GEMV_TABLE", {(64, 32): {1: (4, 32, 4, 2), 4: (8, 32, 4, 3)}})
     bf = dict(dtype=torch.bfloat16)
     w, x = torch.zeros(64, 32, **bf), torch.zeros(4, 32, **bf)
-    assert choose.gemv_plan(x[:1], w) == (4, 32, 4, 2)
-    assert choose.gemv_plan(x[:2], w) == choose.gemv_plan(x, w) == (8, 32, 4, 3)
-    assert choose.gemv_plan(torch.zeros(5, 32, **bf), w) is None              # above the measured Ms
-    assert choose.gemv_plan(x, torch.zeros(48, 32, **bf)) is None             # shape not measured
-    assert choose.gemv_plan(x.float(), w.float()) is None                     # fp32
-    assert choose.gemv_plan(torch.zeros(32, 4, **bf).t(), w) is None          # K not unit stride
+    assert gemm.gemv_plan(x[:1], w) == (4, 32, 4, 2)
+    assert gemm.gemv_plan(x[:2], w) == gemm.gemv_plan(x, w) == (8, 32, 4, 3)
+    assert gemm.gemv_plan(torch.zeros(5, 32, **bf), w) is None              # above the measured Ms
+    assert gemm.gemv_plan(x, torch.zeros(48, 32, **bf)) is None             # shape not measured
+    assert gemm.gemv_plan(x.float(), w.float()) is None                     # fp32
+    assert gemm.gemv_plan(torch.zeros(32, 4, **bf).t(), w) is None          # K not unit stride
     rows = [dict(N=48, K=32, M=1, best="gemv 16/64/8/4", speedup_vs_cublas=1.3),
             dict(N=48, K=32, M=4, best="gemv 2/64/4/4", speedup_vs_cublas=0.9)]
     (tmp_path / "g.json").write_text(json.dumps(dict(rows=rows)))
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_table=str(tmp_path / "g.json")))
-    assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) == (16, 64, 8, 4)
-    assert choose.gemv_plan(x, torch.zeros(48, 32, **bf)) is None and choose.gemv_plan(x, w) is None
+    assert gemm.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) == (16, 64, 8, 4)
+    assert gemm.gemv_plan(x, torch.zeros(48, 32, **bf)) is None and gemm.gemv_plan(x, w) is None
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="1"))
-    assert choose.gemv_plan(torch.zeros(8, 32, **bf), torch.zeros(40, 32, **bf)) == GEMV_DEFAULT
-    assert choose.gemv_plan(torch.zeros(9, 32, **bf), w) is None              # above GEMV_MAX_M
+    assert gemm.gemv_plan(torch.zeros(8, 32, **bf), torch.zeros(40, 32, **bf)) == tuning.GEMV_DEFAULT
+    assert gemm.gemv_plan(torch.zeros(9, 32, **bf), w) is None              # above GEMV_MAX_M
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="0"))
-    assert choose.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) is None
+    assert gemm.gemv_plan(x[:1], torch.zeros(48, 32, **bf)) is None
 
 
 @pytest.mark.parametrize("E, bn, copies", [(32, 16, False), (24, 16, True)])
@@ -668,18 +664,17 @@ def test_router_latent_shard_straddling_rank_without_a_copy(E, bn, copies, monke
     """The TP rank whose rows straddle [W_r; W_down] runs one two-weight MMA launch (no copy of its
     rows) where the tuned config's BN divides its router rows; otherwise the kept copy (rank_rows).
     Both equal x @ [W_r; W_down][rows].T; the ranks with rows in one weight are unchanged."""
-    from k3compile.kernels import choose
     g = torch.Generator().manual_seed(E)
     M, H, L, tp = 3, 32, 128 - E, 2
     x = torch.randn(M, H, generator=g)
     wr, wd = torch.randn(E, H, generator=g), torch.randn(L, H, generator=g)
-    monkeypatch.setattr(choose, "gemv_plan", lambda x, w, out=None, rows=None: launch.MmaCfg(bn, 16, 2))
+    monkeypatch.setattr(gemm, "gemv_plan", lambda x, w, out=None, rows=None: gemm.MmaCfg(bn, 16, 2))
     copied = []
-    real = launch.rank_rows
-    monkeypatch.setattr(launch, "rank_rows", lambda *a: copied.append(a[2:]) or real(*a))
+    real = comm.rank_rows
+    monkeypatch.setattr(comm, "rank_rows", lambda *a: copied.append(a[2:]) or real(*a))
     full = x @ torch.cat([wr, wd]).t()
     for rank in range(tp):
-        got = launch.router_latent_shard(x, wr, wd, tp, rank).view(M, -1)
+        got = comm.router_latent_shard(x, wr, wd, tp, rank).view(M, -1)
         torch.testing.assert_close(got, full[:, rank * 64:(rank + 1) * 64], atol=1e-4, rtol=1e-4)
     assert ((tp, 0) in copied) == copies and (tp, 1) in copied  # rank 1's rows are all W_down's: a view
 
@@ -692,19 +687,19 @@ def test_rank_rows_one_weight_per_rank_views_or_one_kept_copy():
     E, L, K, tp = 20, 44, 8, 4              # S = 16: rank 1 holds router rows 16..19 + latent rows 0..11
     wr, wd = torch.randn(E, K), torch.randn(L, K)
     for rank in (0, 2, 3):
-        w = launch.rank_rows(wr, wd, tp, rank)
+        w = comm.rank_rows(wr, wd, tp, rank)
         assert w.untyped_storage().data_ptr() in (wr.untyped_storage().data_ptr(), wd.untyped_storage().data_ptr())
         assert torch.equal(w, torch.cat([wr, wd])[rank * 16:(rank + 1) * 16])
-    w1 = launch.rank_rows(wr, wd, tp, 1)
-    assert torch.equal(w1, torch.cat([wr, wd])[16:32]) and launch.rank_rows(wr, wd, tp, 1) is w1
+    w1 = comm.rank_rows(wr, wd, tp, 1)
+    assert torch.equal(w1, torch.cat([wr, wd])[16:32]) and comm.rank_rows(wr, wd, tp, 1) is w1
     with torch.no_grad():
         wd[0] += 1.0                          # in place: the version counter moves
-    w2 = launch.rank_rows(wr, wd, tp, 1)
+    w2 = comm.rank_rows(wr, wd, tp, 1)
     assert w2 is not w1 and torch.equal(w2, torch.cat([wr, wd])[16:32])
-    n = len(launch._RANK_ROWS)
+    n = len(comm._RANK_ROWS)
     del wr, wd, w1, w2
     gc.collect()
-    assert len(launch._RANK_ROWS) == n - 1
+    assert len(comm._RANK_ROWS) == n - 1
 
 
 @pytest.mark.parametrize("variant", ["v1", "dot", "v2b"])
@@ -723,10 +718,10 @@ def test_mxfp4_expert_kernels_match_reference(N, K, E, I, L, variant):
     s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
     w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
     s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
-    assert launch.mxfp4_experts_ok(x, ids, w13, variant=variant)
+    assert moe.mxfp4_experts_ok(x, ids, w13, variant=variant)
     if variant == "dot":
         x = x.bfloat16().float()
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     tol = 1e-2 if variant == "dot" else 1e-4
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -746,8 +741,8 @@ def test_mxfp4_expert_tiles_match_reference(variant, tiles):
     s13 = torch.randint(123, 131, (E, 2 * I, L // 32), generator=g, dtype=torch.uint8)
     w2 = torch.randint(0, 256, (E, L, I // 2), generator=g, dtype=torch.uint8)
     s2 = torch.randint(118, 124, (E, L, I // 32), generator=g, dtype=torch.uint8)
-    assert launch.mxfp4_experts_ok(x, ids, w13, variant=variant, tiles=tiles)
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant, tiles=tiles)
+    assert moe.mxfp4_experts_ok(x, ids, w13, variant=variant, tiles=tiles)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant=variant, tiles=tiles)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     tol = 1e-2 if variant == "dot" else 1e-4
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -781,8 +776,8 @@ def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
     w13, s13, w2, s2 = _v3_experts(g, E, I, L)
     tiles = dict(tiles or {}, FP16=fp16)
-    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3", tiles=tiles)
-    d = launch._mxfp4_tiles("v3", L, I, tiles)
+    assert moe.mxfp4_experts_ok(x, ids, w13, variant="v3", tiles=tiles)
+    d = moe._mxfp4_tiles("v3", L, I, tiles)
     P = N * K
     mid = torch.empty(P, I)
     KM.mxfp4_gate_up_v3_kernel[(P, I // d["BI"])](x, ids.reshape(-1), w13, s13, mid, K, I, L, 4.0, 25.0,
@@ -795,7 +790,7 @@ def test_mxfp4_v3_matches_reference(N, K, E, I, L, tiles, fp16):
     # cancelling sum was 2.4e-3 off (7.7e-5 relative) with numpy 2.4
     mag = torch.einsum("pnk,pk->pn", w13_f.abs(), xr.abs()).max().item()
     torch.testing.assert_close(mid, want, atol=2e-6 * mag, rtol=1e-5)
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3", tiles=tiles)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3", tiles=tiles)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     tol = 1e-2 if not fp16 else 5e-3
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -820,14 +815,14 @@ def test_mxfp4_v3g_matches_reference(N, K, E, I, L, tiles, skew, fp16):
         ids = ids[:1].repeat(N, 1)
     w13, s13, w2, s2 = _v3_experts(g, E, I, L)
     tiles = dict(tiles or {}, FP16=fp16)
-    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=tiles)
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3g", tiles=tiles)
+    assert moe.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=tiles)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3g", tiles=tiles)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     tol = 1e-2 if not fp16 else 5e-3
     torch.testing.assert_close(out, ref, atol=tol * ref.abs().max().item(), rtol=tol)
-    assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=dict(TG=3))   # not a power of 2
-    big = torch.zeros(launch.MXFP4_GROUPED_MAX_P // K + 1, K, dtype=torch.int32)     # one grouping program: too many pairs
-    assert not launch.mxfp4_experts_ok(x, big, w13, variant="v3g") and launch.mxfp4_experts_ok(x, big, w13, "v3")
+    assert not moe.mxfp4_experts_ok(x, ids, w13, variant="v3g", tiles=dict(TG=3))   # not a power of 2
+    big = torch.zeros(moe.MXFP4_GROUPED_MAX_P // K + 1, K, dtype=torch.int32)     # one grouping program: too many pairs
+    assert not moe.mxfp4_experts_ok(x, big, w13, variant="v3g") and moe.mxfp4_experts_ok(x, big, w13, "v3")
 
 
 @pytest.mark.parametrize("P,E,TG", [(1, 4, 16), (7, 3, 4), (40, 5, 8), (33, 896, 4), (64, 2, 16), (300, 7, 16)])
@@ -871,17 +866,17 @@ def test_mxfp4_v4g_matches_reference(N, K, E, I, L, tiles, skew):
     if skew:
         ids = ids[:1].repeat(N, 1)
     w13, s13, w2, s2 = _v3_experts(g, E, I, L)
-    assert launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=tiles)
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
+    assert moe.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=tiles)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
     ref = mxfp4_experts_reference(x, ids, w13, s13, w2, s2, 4.0, 25.0)
     torch.testing.assert_close(out, ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
     for bad in (dict(TG=8), dict(FP16=1), dict(MUL2=2), dict(BKB_GU=32)):   # N < 16, fp16, unknown, < 64 B
-        assert not launch.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=bad)
-    many = torch.zeros(launch.MXFP4_GROUPED_MAX_P + 1, 1, 1, dtype=torch.uint8).expand(-1, *w13.shape[1:])
-    assert not launch.mxfp4_experts_ok(x, ids, many, variant="v4g")        # more experts than one program takes
+        assert not moe.mxfp4_experts_ok(x, ids, w13, variant="v4g", tiles=bad)
+    many = torch.zeros(moe.MXFP4_GROUPED_MAX_P + 1, 1, 1, dtype=torch.uint8).expand(-1, *w13.shape[1:])
+    assert not moe.mxfp4_experts_ok(x, ids, many, variant="v4g")        # more experts than one program takes
     # a scale past the A tile's range (2^(s-127), s >= 192) gives inf / NaN in that output, not a wrong number
     s13[ids[0, 0].long(), 0, 0] = 200
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v4g", tiles=tiles)
     assert not out[0, 0].isfinite().all()
 
 
@@ -892,36 +887,36 @@ def test_mxfp4_variant_selection(monkeypatch):
     monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=""))
     xb = x.to(torch.bfloat16)
     # default: v3 for bf16 activations at shapes its tiles fit, else v2b (fp32 activations, or I=32)
-    assert launch.mxfp4_variant() == "v3" and launch.mxfp4_variant(None, xb, 384) == "v3"
-    assert launch.mxfp4_variant(None, x, 384) == "v2b" and launch.mxfp4_variant(None, xb, 32) == "v2b"
-    assert launch.mxfp4_experts_ok(xb, ids, torch.zeros(1, 2 * 32, 1, dtype=torch.uint8))  # through v2b
+    assert moe.mxfp4_variant() == "v3" and moe.mxfp4_variant(None, xb, 384) == "v3"
+    assert moe.mxfp4_variant(None, x, 384) == "v2b" and moe.mxfp4_variant(None, xb, 32) == "v2b"
+    assert moe.mxfp4_experts_ok(xb, ids, torch.zeros(1, 2 * 32, 1, dtype=torch.uint8))  # through v2b
 
     class CudaX:  # what mxfp4_variant reads of a CUDA bf16 activation
         is_cuda, dtype, shape = True, torch.bfloat16, (1, 3584)
-    # on CUDA the CuTe f16x2 GEMVs in choose.CUTE_M's measured batch range; above it or when off
+    # on CUDA the CuTe f16x2 GEMVs in tuning.CUTE_M's measured batch range; above it or when off
     # v3, or v3g (pairs grouped by expert) from MXFP4_GROUPED_MIN_N tokens
-    lo, hi = launch.choose.CUTE_M["mxfp4_experts"]
-    g = launch.MXFP4_GROUPED_MIN_N
-    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == launch.mxfp4_variant(None, CudaX(), 384, hi)
-    assert launch.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v4g" and lo < g <= hi
+    lo, hi = tuning.CUTE_M["mxfp4_experts"]
+    g = tuning.MXFP4_GROUPED_MIN_N
+    assert moe.mxfp4_variant(None, CudaX(), 384, lo) == "cute_h2" == moe.mxfp4_variant(None, CudaX(), 384, hi)
+    assert moe.mxfp4_variant(None, CudaX(), 384, hi + 1) == "v4g" and lo < g <= hi
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute="0"))
-    assert launch.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == launch.mxfp4_variant(None, CudaX(), 384, g - 1)
-    assert launch.mxfp4_variant(None, CudaX(), 384, g) == "v4g" == launch.mxfp4_variant(None, CudaX(), 384, 256)
-    assert launch.mxfp4_variant(None, CudaX(), 384, launch.MXFP4_GROUPED_MAX_N + 1) == "v3"   # not run above
+    assert moe.mxfp4_variant(None, CudaX(), 384, lo) == "v3" == moe.mxfp4_variant(None, CudaX(), 384, g - 1)
+    assert moe.mxfp4_variant(None, CudaX(), 384, g) == "v4g" == moe.mxfp4_variant(None, CudaX(), 384, 256)
+    assert moe.mxfp4_variant(None, CudaX(), 384, tuning.MXFP4_GROUPED_MAX_N + 1) == "v3"   # not run above
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
     monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4="dot"))
-    assert launch.mxfp4_variant() == "dot" and launch.mxfp4_variant("v2b") == "v2b"
+    assert moe.mxfp4_variant() == "dot" and moe.mxfp4_variant("v2b") == "v2b"
     with pytest.raises(ValueError):
-        launch.mxfp4_variant("nope")
-    for v in launch.MXFP4_VARIANTS:  # the real TP=8 / TP=2 shapes fit every variant
-        assert launch.mxfp4_experts_ok(x, ids, w13, variant=v)
-        assert launch.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 1536, 1, dtype=torch.uint8), variant=v)
-    assert not launch.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 40, 1, dtype=torch.uint8), variant="dot")
-    assert not launch.mxfp4_experts_ok(x, ids, w13, variant="dot", tiles=dict(BN=48))
+        moe.mxfp4_variant("nope")
+    for v in moe.MXFP4_VARIANTS:  # the real TP=8 / TP=2 shapes fit every variant
+        assert moe.mxfp4_experts_ok(x, ids, w13, variant=v)
+        assert moe.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 1536, 1, dtype=torch.uint8), variant=v)
+    assert not moe.mxfp4_experts_ok(x, ids, torch.zeros(1, 2 * 40, 1, dtype=torch.uint8), variant="dot")
+    assert not moe.mxfp4_experts_ok(x, ids, w13, variant="dot", tiles=dict(BN=48))
 
 
 def test_kernel_path_is_described_for_the_report(monkeypatch):
-    from k3compile.kernels.registry import describe
+    from k3compile.kernels.dispatch import describe
     assert describe("cpu", "0") is None  # CPU graphs run the references; nothing to say
     assert describe("cuda", None) == "kernels: CUDA kernels, TP=1 (no communication)"
     # without CUDA the report must say the communication falls back to NCCL, and why
@@ -957,11 +952,11 @@ def test_router_topk_kernel_matches_reference(M, E, k, dt, sort, monkeypatch):
     g = torch.Generator().manual_seed(M * 1000 + E)
     logits = (torch.randn(M, E, generator=g) * 2).to(dt)
     bias = torch.randn(E, generator=g) * 0.1
-    ids, w = launch.router_topk(logits, bias, k, 2.5)
+    ids, w = moe.router_topk(logits, bias, k, 2.5)
     rid, rw = ref.router_topk(logits, bias, k, 2.5)
     assert torch.equal(ids, rid), (ids, rid)
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
-    ids32, w32 = launch.router_topk(logits, bias, k, 2.5, torch.int32)  # what the expert kernels read
+    ids32, w32 = moe.router_topk(logits, bias, k, 2.5, torch.int32)  # what the expert kernels read
     assert ids32.dtype == torch.int32 and torch.equal(ids32, ref.router_topk(logits, bias, k, 2.5, True)[0])
     assert torch.equal(ids32.long(), rid) and torch.equal(w32, w)
 
@@ -984,19 +979,19 @@ def _mla_case(M, H, L, R, S, dt, lens, seed=0):
 ])
 @pytest.mark.parametrize("bl", [0, 16])
 def test_mla_decode_kernel_matches_reference(M, H, L, R, S, lens, dt, bl, monkeypatch):
-    """launch.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
+    """attention.mla_decode (triton_mla's split + combine kernels) against the op's reference: the same
     output (fp32 to 1e-5, fp16 to 2e-3 relative: the softmax weights are rounded to the cache dtype),
     the same cache after the write, and nothing from the NaN slots past each row's end. Splits as
     short as one tile (MLA_MIN_CH=32), so that these small caches take several. bl: the combine's
     columns per program (0: one program per token and head)."""
     from k3compile.model import attention_ops as A
-    monkeypatch.setattr(launch, "MLA_MIN_CH", 32)
-    monkeypatch.setattr(launch, "MLA_COMBINE_BL", bl)
+    monkeypatch.setattr(tuning, "MLA_MIN_CH", 32)
+    monkeypatch.setattr(tuning, "MLA_COMBINE_BL", bl)
     ql, qr, kv_new, cache, sl = _mla_case(M, H, L, R, S, dt, lens)
     c1, c2 = cache.clone(), cache.clone()
     ref = A.mla_decode_reference(ql, qr, kv_new, c1, sl, L ** -0.5)
-    assert launch.mla_decode_fits(ql, qr, kv_new, c2)
-    got = launch.mla_decode(ql, qr, kv_new, c2, sl, L ** -0.5)
+    assert attention.mla_decode_fits(ql, qr, kv_new, c2)
+    got = attention.mla_decode(ql, qr, kv_new, c2, sl, L ** -0.5)
     assert got.dtype == ref.dtype and not got.isnan().any()
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err < (1e-5 if dt == torch.float32 else 2e-3), err
@@ -1010,7 +1005,7 @@ def test_mla_decode_cuda_path_falls_back_and_keeps_the_op_checks():
     from k3compile.kernels import model_ops
     from k3compile.model import attention_ops as A
     ql, qr, kv_new, cache, sl = _mla_case(2, 3, 24, 16, 20, torch.float32, [4, 7])
-    assert not launch.mla_decode_fits(ql, qr, kv_new, cache)
+    assert not attention.mla_decode_fits(ql, qr, kv_new, cache)
     c1, c2 = cache.clone(), cache.clone()
     torch.testing.assert_close(model_ops.mla_decode(ql, qr, kv_new, c1, sl, 0.2),
                                A.mla_decode_reference(ql, qr, kv_new, c2, sl, 0.2), rtol=0, atol=0)
@@ -1041,7 +1036,7 @@ def test_importing_k3compile_registers_the_mla_decode_cuda_kernel_unless_disable
 @pytest.mark.parametrize("M, cq, kw, dt", [(1, 40, 4, torch.float32), (3, 24, 4, torch.float16),
                                            (2, 16, 3, torch.bfloat16), (2, 700, 4, torch.float32)])
 def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
-    """launch.kda_conv_decode (triton_conv) against the op's reference: q, k, v and the new state,
+    """attention.kda_conv_decode (triton_conv) against the op's reference: q, k, v and the new state,
     with q, k, v read as column slices of one wider projection output (the in_proj GEMM's split);
     700 channels per part: several channel blocks, one straddling two parts. In place too (the new
     state written over the state read): the same results."""
@@ -1051,8 +1046,8 @@ def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
     xq, xk, xv = proj[:, :cq], proj[:, cq:2 * cq], proj[:, 2 * cq:3 * cq]
     state = torch.randn(M, 3 * cq, kw - 1, generator=g).to(dt)
     w = (torch.randn(3 * cq, kw, generator=g) / 2).to(dt)
-    assert launch.kda_conv_decode_fits(xq, xk, xv, state, w)
-    got, want = launch.kda_conv_decode(xq, xk, xv, state, w), ref.kda_conv_decode(xq, xk, xv, state, w)
+    assert attention.kda_conv_decode_fits(xq, xk, xv, state, w)
+    got, want = attention.kda_conv_decode(xq, xk, xv, state, w), ref.kda_conv_decode(xq, xk, xv, state, w)
     # 16-bit: the kernel sums the rounded products in fp32 and rounds once (as CUDA's sum does); PyTorch's
     # CPU sum over the 3-4 bf16 products can round a partial sum: one ulp of the sum apart at most
     tol = dict(atol=1e-6, rtol=1e-6) if dt == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -1060,10 +1055,10 @@ def test_kda_conv_decode_kernel_matches_reference(M, cq, kw, dt):
         assert a.shape == b.shape and a.is_contiguous()
         torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)   # the shifted window: copied values
-    assert not launch.kda_conv_decode_fits(xq, xk, xv, state, w[:, :2])   # state / width mismatch
+    assert not attention.kda_conv_decode_fits(xq, xk, xv, state, w[:, :2])   # state / width mismatch
     # in place (k3::kda_conv_decode_): the same q, k, v; the state itself now holds the new state
     s2 = state.clone()
-    q2, k2, v2, ns2 = launch.kda_conv_decode(xq, xk, xv, s2, w, inplace=True)
+    q2, k2, v2, ns2 = attention.kda_conv_decode(xq, xk, xv, s2, w, inplace=True)
     assert ns2 is s2 and not torch.equal(state, s2)
     torch.testing.assert_close(s2, want[3], rtol=0, atol=0)
     for a, b in zip((q2, k2, v2), got[:3]):
@@ -1080,74 +1075,74 @@ def test_router_topk_kernel_orders_ties_by_index_and_negative_scores_by_value(so
     logits = torch.randn(2, E, generator=torch.Generator().manual_seed(7))
     logits[:, ::3] = 0.25                    # many exact ties
     bias = torch.linspace(-1.5, 0.2, E)      # most biased scores negative
-    ids, _ = launch.router_topk(logits, bias, k, 1.0)
+    ids, _ = moe.router_topk(logits, bias, k, 1.0)
     biased = torch.sigmoid(logits) + bias
     order = sorted(range(E), key=lambda e: (-biased[0, e].item(), e))[:k]
     assert ids[0].tolist() == order and ids[1].tolist() == sorted(range(E), key=lambda e: (-biased[1, e].item(), e))[:k]
     logits[1, 40] = float("nan")
-    ids, w = launch.router_topk(logits, bias, k, 1.0)
+    ids, w = moe.router_topk(logits, bias, k, 1.0)
     assert ids[1, 0].item() == 40 and ids[0].tolist() == order
 
 
 def test_mxfp4_cute_variant_falls_back_to_v3_with_reason(monkeypatch):
-    """variant="cute" (the AOT-built CuTe GEMVs) cannot run on CPU: launch.mxfp4_experts runs
-    CUTE_FALLBACK (Triton v3) instead, with the same result, and choose.fallbacks() says why."""
-    from k3compile.kernels import choose
+    """variant="cute" (the AOT-built CuTe GEMVs) cannot run on CPU: moe.mxfp4_experts runs
+    CUTE_FALLBACK (Triton v3) instead, with the same result, and artifacts.fallbacks() says why."""
     g = torch.Generator().manual_seed(7)
     N, K, E, I, L = 2, 2, 3, 128, 256
     x = torch.randn(N, L, generator=g).bfloat16()
     ids = torch.randint(0, E, (N, K), generator=g, dtype=torch.int32)
     w13, s13, w2, s2 = random_experts(E, I, L, g)
-    assert launch.CUTE_FALLBACK == "v3" and launch.mxfp4_experts_ok(x, ids, w13, variant="cute")
-    monkeypatch.setattr(choose, "_WHY", {})
-    out = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="cute")
-    want = launch.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3")
+    assert moe.CUTE_FALLBACK == "v3" and moe.mxfp4_experts_ok(x, ids, w13, variant="cute")
+    monkeypatch.setattr(artifacts, "_WHY", {})
+    out = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="cute")
+    want = moe.mxfp4_experts(x, ids, w13, s13, w2, s2, 4.0, 25.0, variant="v3")
     torch.testing.assert_close(out, want, atol=0, rtol=0)
-    assert choose.fallbacks() == {f"mxfp4_experts I={I} L={L} K={K}": "not CUDA (the CuTe kernels are sm_90a cubins)"}
+    assert artifacts.fallbacks() == {f"mxfp4_experts I={I} L={L} K={K}": "not CUDA (the CuTe kernels are sm_90a cubins)"}
 
 
 @pytest.mark.parametrize("M, I, dt", [(1, 384, torch.float32), (5, 1500, torch.float16), (3, 64, torch.float32)])
 def test_situ_kernel_and_shared_expert_match_the_model(M, I, dt):
     """The shared expert's SiTU kernel equals model.functional.situ (fp32 math, rounded to the
-    input dtype), and launch.situ_mlp (GEMM, kernel, GEMM) equals situ_mlp."""
+    input dtype), and moe.situ_mlp (GEMM, kernel, GEMM) equals situ_mlp."""
     from k3compile.model.functional import situ, situ_mlp
     g = torch.Generator().manual_seed(M + I)
     gu = (torch.randn(M, 2 * I, generator=g) * 6).to(dt)
     tol = TOL[dt]
-    torch.testing.assert_close(launch.situ(gu, 4.0, 25.0), situ(gu, 4.0, 25.0), **tol)
+    torch.testing.assert_close(moe.situ(gu, 4.0, 25.0), situ(gu, 4.0, 25.0), **tol)
     H = 32
     x = torch.randn(M, H, generator=g).to(dt)
     wgu, wd = (torch.randn(2 * I, H, generator=g) / 4).to(dt), (torch.randn(H, I, generator=g) / 8).to(dt)
     want = situ_mlp(x, wgu, wd, 4.0, 25.0)
-    torch.testing.assert_close(launch.situ_mlp(x, wgu, wd, 4.0, 25.0), want,
+    torch.testing.assert_close(moe.situ_mlp(x, wgu, wd, 4.0, 25.0), want,
                                atol=tol["atol"] * want.abs().max().item() * 10, rtol=tol["rtol"])
 
 
 def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch, tmp_path):
     """The match report's kernel note says which MXFP4 expert kernel a CUDA graph will run: the CuTe
     f16x2 GEMVs where an artifact fits (or the DSL can build it on the first call) and M is in
-    choose.CUTE_M, else Triton v3 with the reason. The note itself never builds."""
-    from k3compile.kernels import choose, cute
-    from k3compile.kernels.registry import describe
+    tuning.CUTE_M, else Triton v3 with the reason. The note itself never builds."""
+    from k3compile.kernels import cute
+    from k3compile.kernels.dispatch import describe
     monkeypatch.setenv("K3_KNOBS", knobs_text(mxfp4=""))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute=""))
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit=""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cute, "dsl_available", lambda: False)
     monkeypatch.setenv("K3_CUTE_DIR", str(tmp_path / "none"))
-    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "packaged_dir", lambda: tmp_path / "no_packaged")   # as without the package's
+    monkeypatch.setattr(artifacts, "_FOUND", {})
     note = describe("cuda", None, (384, 3584, 16, 1, True))
     assert note.startswith("kernels: CUDA kernels, TP=1") and "MXFP4 experts: Triton v3 (no CuTe artifact directory" in note
     assert note.endswith("no JIT build: the CuTe DSL is not installed)")
     # with the DSL the first call would build the artifacts (the JIT path); the note does not
     monkeypatch.setattr(cute, "dsl_available", lambda: True)
-    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith(
         f"MXFP4 experts: CuTe f16x2 GEMVs (built just in time on the first call into {tmp_path / 'none'})")
-    assert not (tmp_path / "none").exists() and not choose._FOUND
+    assert not (tmp_path / "none").exists() and not artifacts._FOUND
     monkeypatch.setenv("K3_KNOBS", knobs_text(cute_jit="0"))
     assert describe("cuda", None, (384, 3584, 16, 1, True)).endswith("JIT build off (K3_KNOBS=cute_jit=0))")
-    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
     assert "Triton v4g (pairs grouped by expert) (M=80; CuTe at M in [1, 79])" in describe(
         "cuda", None, (384, 3584, 16, 80, True))
     assert "Triton v2b" in describe("cuda", None, (384, 3584, 16, 1, False))
@@ -1163,7 +1158,7 @@ def test_kernel_note_names_the_mxfp4_expert_kernel_and_why_not_cute(monkeypatch,
                                                   "shapes": {"I": 384, "L": 3584, "K": 16}}))
         (d / f"{op}.cubin").write_bytes(b"")
     monkeypatch.setenv("K3_CUTE_DIR", str(d))
-    monkeypatch.setattr(choose, "_FOUND", {})
+    monkeypatch.setattr(artifacts, "_FOUND", {})
     assert describe("cuda", None, (384, 3584, 16, 16, True)).endswith(f"MXFP4 experts: CuTe f16x2 GEMVs ({d})")
     assert "at M in [1, 79], Triton v4g above (M is dynamic)" in describe("cuda", None, (384, 3584, 16, None, True))
 
@@ -1183,49 +1178,47 @@ def test_gemv_card_rows_merge_per_m(monkeypatch):
     """GEMV_TABLE_BY_CARD: the rows of the card whose key is in the GPU's name replace GEMV_TABLE's at
     the Ms they name and leave the other Ms (and shapes, and other cards) to GEMV_TABLE; K3_KNOBS gemv_card
     forces a key or turns them off; a K3_KNOBS gemv_table sweep takes precedence over them."""
-    from k3compile.kernels import choose
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card=""))
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="", gemv_table="", gemv_cfg=""))
     kin, oproj = _FakeCuda(6284, 7168), _FakeCuda(7168, 1536)
     x1, x4 = _FakeCuda(1, 7168), _FakeCuda(4, 7168)
-    table = choose.GEMV_TABLE[(6284, 7168)]
-    card = choose.GEMV_TABLE_BY_CARD["H100"][(6284, 7168)]
+    table = tuning.GEMV_TABLE[(6284, 7168)]
+    card = tuning.GEMV_TABLE_BY_CARD["H100"][(6284, 7168)]
     assert card[1] != table[1]
     for name, m1 in (("NVIDIA H100 80GB HBM3", card[1]), ("NVIDIA H200", table[1])):
-        monkeypatch.setattr(choose, "_card_name", lambda i, name=name: name)
-        assert choose.gemv_plan(x1, kin) == choose.parse_cfg(m1)
-        assert choose.gemv_plan(x4, kin) == choose.parse_cfg(table[4])                 # M=4: GEMV_TABLE's
-        assert choose.gemv_plan(_FakeCuda(1, 1536), oproj) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
+        monkeypatch.setattr(gemm, "_card_name", lambda i, name=name: name)
+        assert gemm.gemv_plan(x1, kin) == gemm.parse_cfg(m1)
+        assert gemm.gemv_plan(x4, kin) == gemm.parse_cfg(table[4])                 # M=4: GEMV_TABLE's
+        assert gemm.gemv_plan(_FakeCuda(1, 1536), oproj) == gemm.parse_cfg(tuning.GEMV_TABLE[(7168, 1536)][1])
         # the stacked router + latent (looked up by its stacked rows): the card's GEMV at M=1 only
-        router, stacked = _FakeCuda(896, 7168), choose.GEMV_TABLE[(4480, 7168)]
-        want = choose.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1] if "H100" in name else stacked[1]
-        assert choose.gemv_plan(x1, router, rows=4480) == choose.parse_cfg(want)
-        assert choose.gemv_plan(_FakeCuda(2, 7168), router, rows=4480) == choose.parse_cfg(stacked[4])
-    assert isinstance(choose.parse_cfg(choose.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1]), tuple)
+        router, stacked = _FakeCuda(896, 7168), tuning.GEMV_TABLE[(4480, 7168)]
+        want = tuning.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1] if "H100" in name else stacked[1]
+        assert gemm.gemv_plan(x1, router, rows=4480) == gemm.parse_cfg(want)
+        assert gemm.gemv_plan(_FakeCuda(2, 7168), router, rows=4480) == gemm.parse_cfg(stacked[4])
+    assert isinstance(gemm.parse_cfg(tuning.GEMV_TABLE_BY_CARD["H100"][(4480, 7168)][1]), tuple)
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="none"))
-    assert choose.gemv_plan(x1, kin) == choose.parse_cfg(table[1])
+    assert gemm.gemv_plan(x1, kin) == gemm.parse_cfg(table[1])
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="H100"))
-    assert choose.gemv_plan(x1, kin) == choose.parse_cfg(card[1])
+    assert gemm.gemv_plan(x1, kin) == gemm.parse_cfg(card[1])
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_table="sweep.json"))
-    monkeypatch.setitem(choose._TABLES, "sweep.json", {(6284, 7168): {1: "mma 32/128/1/4/6"}})
-    assert choose.gemv_plan(x1, kin) == choose.parse_cfg("mma 32/128/1/4/6")
+    monkeypatch.setitem(gemm._TABLES, "sweep.json", {(6284, 7168): {1: "mma 32/128/1/4/6"}})
+    assert gemm.gemv_plan(x1, kin) == gemm.parse_cfg("mma 32/128/1/4/6")
 
 
 def test_gemv_cfg_env_forces_one_shape(monkeypatch):
     """K3_KNOBS gemv_cfg overrides the tuned table for the shapes it names (every M), "cublas" included;
     other shapes keep the table; a bad config name is an error, not a silent cuBLAS."""
-    from k3compile.kernels import choose
 
     Fake = _FakeCuda
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_card="none"))
     x, w, w2 = Fake(1, 7168), Fake(1536, 7168), Fake(7168, 1536)
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_cfg="1536x7168=mmas 64/128/4/4/4; 896x7168=cublas"))
-    assert choose.gemv_plan(x, w) == launch.MmaCfg(64, 128, 4, 4, 4, True)
-    assert choose.gemv_plan(x, Fake(896, 7168)) is None
-    assert choose.gemv_plan(Fake(1, 1536), w2) == choose.parse_cfg(choose.GEMV_TABLE[(7168, 1536)][1])
+    assert gemm.gemv_plan(x, w) == gemm.MmaCfg(64, 128, 4, 4, 4, True)
+    assert gemm.gemv_plan(x, Fake(896, 7168)) is None
+    assert gemm.gemv_plan(Fake(1, 1536), w2) == gemm.parse_cfg(tuning.GEMV_TABLE[(7168, 1536)][1])
     monkeypatch.setenv("K3_KNOBS", knobs_text(gemv_cfg="1536x7168=mma 64/x"))
     with pytest.raises(ValueError):
-        choose.gemv_plan(x, w)
+        gemm.gemv_plan(x, w)
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.float16])
@@ -1246,9 +1239,96 @@ def test_head_bmm_kernel_matches_bmm(dt, H, M, K, N, w_nk, gated):
     ref = torch.bmm(x.float(), (w.transpose(1, 2) if w_nk else w).float())
     if gated:
         ref = ref * torch.sigmoid(gate.float()).permute(1, 0, 2)
-    out = launch.head_bmm(x, w, w_nk, gate)
+    out = gemm.head_bmm(x, w, w_nk, gate)
     want = ref_ops.decode_bmm(x, w, w_nk, gate)
     assert out.shape == want.shape == (H, M, N) and out.dtype == dt and out.stride() == want.stride()
     assert out.permute(1, 0, 2).is_contiguous()
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()   # fp32: the summation order only
     assert err < (1e-6 if dt == torch.float32 else 4e-3), err
+
+
+@pytest.mark.parametrize("form", ["rows", "cols"])
+@pytest.mark.parametrize("world,rank,nb,M", [(1, 0, 0, 3), (1, 0, 3, 4), (2, 1, 2, 4)])
+@pytest.mark.parametrize("cast_first,key_fp32", [(1, 0), (0, 1), (1, 1)])
+def test_norm_kernels_round_in_the_models_order(form, world, rank, nb, M, cast_first, key_fp32, monkeypatch):
+    """comm.ar_residual_norm with the rounding bits of a model written otherwise than the reference
+    model (the post-norm rounded to the model dtype before its weight multiply; the AttnRes keys kept
+    in fp32): its outputs are those of the op's reference in that order (ops.reference.attnres_mix_as),
+    within fp16's 1e-2, and closer to them than to the reference model's order wherever the two orders
+    differ. The column-split kernel's keys are fp32 in either order (its docstring); its norm follows
+    the bit. fp16: the interpreter rounds fp32 -> fp16 as the GPU does (bf16 it truncates)."""
+    from k3compile.ops import reference as ref
+    dt = torch.float16
+    rounding = ref.NORM_CAST_FIRST if cast_first else 0
+    mix_rounding = ref.MIX_KEY_FP32 if key_fp32 else 0
+    N = 200
+    if form == "cols":
+        monkeypatch.setattr(tuning, "COLS_W", 32)
+        monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+        monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+        monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
+    else:
+        monkeypatch.setattr(tuning, "COLS", False)
+    g = torch.Generator().manual_seed(31 * nb + M + world)
+    parts = [torch.randn(M, N, generator=g).to(dt) for _ in range(world)]
+    resid = torch.randn(M, N, generator=g).to(dt)
+    blocks = [(torch.randn(M, N, generator=g) * (1 + i)).to(dt) for i in range(nb)]
+    w_norm, _, gam = _weights(N, dt, g)
+    w_qk = (torch.randn(N, generator=g) * (6 / N ** 0.5)).to(dt)   # logits of a few units: a soft softmax
+    sim = SimGroup(world, rank, M * N * 4) if world > 1 else None
+    programs = M
+    if form == "cols":
+        plan = comm.cols_plan(M, N, nb + 1, sim.peers if sim else None)
+        assert plan is not None
+        programs = plan.programs
+    if sim:
+        sim.peers.programs = programs
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dt, M, N).copy_(parts[p])
+        sim.arm(programs)
+    upd, nrm = comm.ar_residual_norm(parts[rank], sim.peers if sim else None, resid, gam, w_norm, w_qk, blocks,
+                                       1e-5, None, comm.rnd_bits(rounding, mix_rounding))
+    y = sum(x.float() for x in parts).to(dt)
+    want, want_upd = ref.attnres_mix_as(resid, y, blocks, w_norm, w_qk, gam, 1e-5, rounding, mix_rounding)
+    other, _ = ref.attnres_mix_as(resid, y, blocks, w_norm, w_qk, gam, 1e-5, 0, 0)
+    torch.testing.assert_close(upd, want_upd, **TOL[dt])
+    torch.testing.assert_close(nrm, want, **TOL[dt])
+    if form == "rows" or cast_first:
+        assert torch.equal(want, other) or int((nrm != want).sum()) < int((nrm != other).sum()), \
+            (int((nrm != want).sum()), int((nrm != other).sum()), nrm.numel())
+
+
+@pytest.mark.parametrize("form", ["rows", "cols"])
+@pytest.mark.parametrize("world,rank,M", [(1, 0, 3), (2, 1, 2)])
+def test_latent_tail_kernel_rounds_in_the_models_order(form, world, rank, M, monkeypatch):
+    """comm.latent_tail with the latent norm rounded to the model dtype before its weight multiply
+    (rnd_bits(NORM_CAST_FIRST)): its ln is the reference's in that order, closer to it than to the
+    reference model's order."""
+    from k3compile.ops import reference as ref
+    dt = torch.float16
+    L, H = 136, 200
+    if form == "cols":
+        monkeypatch.setattr(tuning, "COLS_W", 32)
+        monkeypatch.setattr(tuning, "COLS_MIN_WORLD", 1)
+        monkeypatch.setattr(tuning, "COLS_MAX_M", 4)
+        monkeypatch.setattr(tuning, "COLS_MAX_TILE", 4096)
+    else:
+        monkeypatch.setattr(tuning, "COLS", False)
+    case = _TailCase(dt, world, rank, M, L=L, H=H, seed=3 * M + world)
+    sim = case.sim
+    plan = comm.cols_plan(M, L, 1, sim.peers if sim else None) if form == "cols" else None
+    programs = plan.programs if plan is not None else M
+    if sim:
+        sim.peers.programs = programs
+        for p in range(world):
+            if p != rank:
+                sim.view(p, dt, M, L).copy_(case._mine(p))
+        sim.arm(programs)
+    ln, _ = comm.latent_tail(case.ys[rank], case.ws, sim.peers if sim else None, case.gam, case.sp, 1e-5,
+                               comm.rnd_bits(ref.NORM_CAST_FIRST))
+    routed = sum(case._mine(p).float() for p in range(world)).to(dt)
+    want = ref.rms_norm_as(routed, case.gam, 1e-5, ref.NORM_CAST_FIRST)
+    other = ref.rms_norm_as(routed, case.gam, 1e-5, 0)
+    torch.testing.assert_close(ln, want, **TOL[dt])
+    assert int((ln != want).sum()) < int((ln != other).sum()), (int((ln != want).sum()), int((ln != other).sum()))

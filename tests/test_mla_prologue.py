@@ -7,7 +7,7 @@ output gate) in k3::mla_decode_uv.
   names it, and the step stays correct; the same for fold_mla_output on the model's attention
   output path. (The whole-model site counts and the compile-vs-eager equality at TP 1 / 2, dynamic
   M included, are in test_compiler.py.)
-- The Triton path (launch.mla_decode with kv_norm: the norm in the split kernel, q_rope read
+- The Triton path (attention.mla_decode with kv_norm: the norm in the split kernel, q_rope read
   through its strides; with uv: the combine + value up-projection kernel, both weight layouts, with
   and without the gate) against the op's reference in Triton's CPU interpreter (fp32, fp16), and
   on CUDA in bf16, eagerly and graphed (GPU suite).
@@ -101,9 +101,9 @@ import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.environ["K3_TESTS"])
 from test_mla_prologue import _inputs, H, L, R, NOPE
-from k3compile.kernels import launch
+from k3compile.kernels import attention, tuning
 from k3compile.ops import reference as ref
-launch.MLA_MIN_CH = 32     # several splits of these small caches
+tuning.MLA_MIN_CH = 32     # several splits of these small caches
 worst = {}
 for dtype in (torch.float32, torch.float16):
     q, q_lat, kv_a, w, cache, lens = _inputs(M=3, dtype=dtype, seed=5)
@@ -112,8 +112,8 @@ for dtype in (torch.float32, torch.float16):
     q_rope = q.view(-1, H, NOPE + R)[..., NOPE:]
     c1, c2 = cache.clone(), cache.clone()
     o_ref = ref.mla_decode_normed(q_lat, q_rope, kv_a, w, 1e-6, c1, lens, 0.125)
-    assert launch.mla_decode_fits(q_lat, q_rope, kv_a, c2)
-    o = launch.mla_decode(q_lat, q_rope, kv_a, c2, lens, 0.125, kv_norm=(w, 1e-6))
+    assert attention.mla_decode_fits(q_lat, q_rope, kv_a, c2)
+    o = attention.mla_decode(q_lat, q_rope, kv_a, c2, lens, 0.125, kv_norm=(w, 1e-6))
     assert o.dtype == o_ref.dtype and not o.isnan().any()
     ar = torch.arange(3)
     rows = c2[ar, lens].float(), c1[ar, lens].float()
@@ -149,7 +149,7 @@ def test_mla_decode_normed_on_cuda_bf16_eager_and_graphed(M):
     (registry: triton_mla) against its reference, eagerly and replayed from a CUDA graph with new
     inputs (2e-2 relative: bf16, softmax weights rounded to bf16); the cache row it writes within one
     bf16 rounding step of the reference's."""
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     Hh, Ll, Rr, Nn, Ss = 12, 512, 64, 128, 1032
     g = torch.Generator("cuda").manual_seed(M)
 
@@ -164,7 +164,7 @@ def test_mla_decode_normed_on_cuda_bf16_eager_and_graphed(M):
     lens = torch.randint(0, Ss - 2, (M,), device="cuda", generator=g)
     q, ql, kva = draw()
     qr = q.view(M, Hh, Nn + Rr)[..., Nn:]
-    assert registry.pick("mla_decode_normed", "cuda", ql, qr, kva, w, 1e-6, cache, lens, 0.1).name == "triton_mla"
+    assert dispatch.pick("mla_decode_normed", "cuda", ql, qr, kva, w, 1e-6, cache, lens, 0.1).name == "triton_mla"
 
     def check(out, c_got, c_in):
         c_ref = c_in.clone()
@@ -238,11 +238,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.environ["K3_TESTS"])
 import test_mla_prologue as T
 from test_mla_prologue import _inputs, H, L, R, NOPE
-from k3compile.kernels import launch
+from k3compile.kernels import attention, tuning
 T.S = int(os.environ["K3_TEST_S"])                 # cache slots (_inputs reads it)
 from k3compile.ops import reference as ref
-launch.MLA_MIN_CH = int(os.environ["K3_TEST_MIN_CH"])
-launch.MLA_BS = int(os.environ["K3_TEST_BS"])
+tuning.MLA_MIN_CH = int(os.environ["K3_TEST_MIN_CH"])
+tuning.MLA_BS = int(os.environ["K3_TEST_BS"])
 g = torch.Generator().manual_seed(3)
 rows = []
 for dt in (torch.float32, torch.float16):
@@ -256,7 +256,7 @@ for dt in (torch.float32, torch.float16):
             q_rope = q.view(-1, H, NOPE + R)[..., NOPE:]
             c1, c2 = cache.clone(), cache.clone()
             want = ref.mla_decode_uv(q_lat, q_rope, kv_a, w, 1e-6, c1, lens, 0.125, wuv, w_nk, gate)
-            got = launch.mla_decode(q_lat, q_rope, kv_a, c2, lens, 0.125, kv_norm=(w, 1e-6), uv=(wuv, w_nk, gate))
+            got = attention.mla_decode(q_lat, q_rope, kv_a, c2, lens, 0.125, kv_norm=(w, 1e-6), uv=(wuv, w_nk, gate))
             rows.append((str(dt), w_nk, gated, tuple(got.shape) == tuple(want.shape) and got.stride() == want.stride(),
                          ((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
                          torch.equal(c1, c2)))
@@ -276,11 +276,11 @@ _UV_FORMS = {   # launch flags, split rows / tile rows, cache slots, the 3 rows'
 
 @pytest.mark.parametrize("form", list(_UV_FORMS))
 def test_combine_uv_kernel_matches_reference_in_the_interpreter(form):
-    """launch.mla_decode(uv=): the split kernel, then the combine + value up-projection kernel, equals
+    """attention.mla_decode(uv=): the split kernel, then the combine + value up-projection kernel, equals
     k3::mla_decode_uv's reference (fp32 to 1e-5, fp16 to 2e-3 relative) in its layout (decode_bmm's:
     [H, M, V] stored token-major), for W_uv stored [H, V, L] and [H, L, V], with and without the gate;
     the cache written as the reference writes it. The forms (_UV_FORMS): the default kernels; the
-    combine's constant split count (launch.MLA_UV_FLAT)."""
+    combine's constant split count (tuning.MLA_UV_FLAT)."""
     env = dict(os.environ, K3_TESTS=os.path.dirname(os.path.abspath(__file__)), **_UV_FORMS[form])
     r = subprocess.run([sys.executable, "-c", _UV_CPU], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -299,7 +299,7 @@ def test_mla_decode_uv_on_cuda_bf16_eager_and_graphed(M):
     1032-slot cache: the CUDA kernels (registry: triton_mla_uv) against the reference, eagerly and
     replayed from a CUDA graph with new inputs (2e-2 relative), the cache row within one bf16
     rounding step."""
-    from k3compile.kernels import registry
+    from k3compile.kernels import dispatch
     Hh, Ll, Rr, Nn, Vv, Ss = 12, 512, 64, 128, 128, 1032
     g = torch.Generator("cuda").manual_seed(M + 50)
 
@@ -317,7 +317,7 @@ def test_mla_decode_uv_on_cuda_bf16_eager_and_graphed(M):
     q, ql, kva, gate = draw()
     qr = q.view(M, Hh, Nn + Rr)[..., Nn:]
     args = lambda c: (ql, qr, kva, w, 1e-6, c, lens, 0.1, wuv, True, gate)  # noqa: E731
-    assert registry.pick("mla_decode_uv", "cuda", *args(cache)).name == "triton_mla_uv"
+    assert dispatch.pick("mla_decode_uv", "cuda", *args(cache)).name == "triton_mla_uv"
 
     def check(out, c_got, c_in, layout=True):
         c_ref = c_in.clone()

@@ -159,7 +159,7 @@ def _spec(model, tp, batch, passes, skip, device, dtype, inductor, graph, **kw):
 def _execute(spec, graph=None, trust_code=False, sym=None, rank=None, tp_given=None) -> list[dict]:
     """Run (rank results, rank 0 first); any failure is one line and exit code 1."""
     from .engine import RankError, run_graph, run_model
-    from .graphio import GraphFileError
+    from .graphfile import GraphFileError
     try:
         if graph is not None:
             return [run_graph(spec, graph, trust_code=trust_code, sym=_sym(sym), tp=tp_given, rank=rank)]

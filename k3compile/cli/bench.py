@@ -174,6 +174,7 @@ def run(kinds: list[str], tp: int, ms: list[int], ctx: int = 1024, rounds: int =
 
     import k3compile
     from ..model import K3Cache, K3Model, TPInfo
+    from ..ops.fused import model_experts_on_kernels
     if not torch.cuda.is_available():
         raise BenchError("k3c bench needs a CUDA GPU and none is visible (torch.cuda.is_available() is False)")
     if not ms or min(ms) < 1:
@@ -189,6 +190,7 @@ def run(kinds: list[str], tp: int, ms: list[int], ctx: int = 1024, rounds: int =
                          f"the GPU has {free / 2**30:.1f} GiB free: use fewer layers or a larger --tp")
     gen = torch.Generator(device=dev).manual_seed(0)
     materialise(model.layers, dev, gen)
+    model_experts_on_kernels()   # the baselines' experts on the project's kernels, as k3's
     layers = [model.layers[str(i)] for i in ids]
     nb = cfg.blocks_before(ids[0])
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -237,6 +239,7 @@ def run(kinds: list[str], tp: int, ms: list[int], ctx: int = 1024, rounds: int =
             for name, t in timers.items():
                 us_rounds[name].append(t.time())
         timers.clear()
+        torch.cuda.empty_cache()   # the graphs' private pools: the next M's graphs need the room
         us = {name: sorted(v)[len(v) // 2] for name, v in us_rounds.items()}
         restore()
         distinct = distinct_experts(step, inputs)

@@ -28,7 +28,7 @@ from torch.fx import Graph, GraphModule
 from ..options import PASS_ORDER, K3Options
 from ..passes.manager import PASSES, PassManager, snapshot
 from ..report import CompileReport, PassReport, clean_path
-from . import graphio
+from . import graphfile, graphio
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,7 @@ def decode_inputs(model, spec: RunSpec):
 def _groups(graph: Graph) -> dict:
     from ..patterns.structure import resolve_group
     out = {}
-    for name in graphio.collective_groups(graph):
+    for name in graphfile.collective_groups(graph):
         try:
             out[name] = list(resolve_group(name))
         except Exception:  # noqa: BLE001 - not resolvable here

@@ -5,10 +5,10 @@ Formats, chosen by file suffix:
   arguments, the shape/stride/dtype/device of its value, its module path and source line. The whole
   file is checked before FX generates code from it (`_check_node`): names, placeholder / get_attr
   targets and keyword names must be Python identifiers, call targets resolve only to ops of
-  `OP_NAMESPACES`, the functionalisation HOPs and a fixed set of Python operators; nothing from the
+  `graphfile.OP_NAMESPACES`, the functionalisation HOPs and a fixed set of Python operators; nothing from the
   file is executed. The graph's real inputs (weights, cache, token ids), when saved, sit next to it
   in `<stem>.inputs.pt` (tensors only, read with `torch.load(weights_only=True)`).
-- `.pt2`: a `torch.export` program. Without `trust_code` the archive is checked first
+- `.pt2`: a `torch.export` program (`graph_pt2`). Without `trust_code` the archive is checked first
   (`check_pt2`): no pickled weights, constants or objects, sample inputs readable as plain tensors,
   no compiled code, allow-listed node targets, identifiers for names and plain size expressions.
   It is decomposed with Inductor's decomposition table (the ATen forms the passes see after
@@ -22,117 +22,21 @@ Formats, chosen by file suffix:
 from __future__ import annotations
 
 import json
-import keyword
-import logging
 import math
-import operator
 import pathlib
 import re
-import warnings
-import zipfile
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from .graph_pt2 import check_pt2, load_pt2
+from .graphfile import (HOPS, PY_FUNCS, PY_NAMES, GraphFileError, LoadedGraph, UntrustedCodeError,
+                        dotted, is_ident, op_qualname, resolve_op, short)
+
 FORMAT = "k3c-graph"
 VERSION = 1
 DEFAULT_SYM = 8  # value given to a symbolic size in a .py graph when --sym does not name it
-
-
-class GraphFileError(Exception):
-    """The file cannot be read as a graph (the message is one line for the user)."""
-
-
-class UntrustedCodeError(GraphFileError):
-    pass
-
-
-@dataclass
-class LoadedGraph:
-    gm: GraphModule
-    kind: str                                   # "k3c json", "torch.export", "python"
-    inputs: list | None = None                  # real tensors for the placeholders, in order
-    user_outputs: list[int] | None = None       # which graph outputs are the model's outputs
-    groups: dict = field(default_factory=dict)  # process-group name -> [rank, size] when known
-    meta: dict = field(default_factory=dict)    # what the writer recorded (model, batch, ...)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def group_names(self) -> list[str]:
-        return collective_groups(self.gm.graph)
-
-
-def collective_groups(graph: Graph) -> list[str]:
-    """Names of the process groups the graph's functional collectives use, in first-use order."""
-    out: list[str] = []
-    for n in graph.nodes:
-        if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "_c10d_functional":
-            g = n.args[-1] if n.args else None
-            if isinstance(g, str) and g not in out:
-                out.append(g)
-    return out
-
-
-# ---------------------------------------------------------------------------------------- ops
-def op_qualname(op) -> str:
-    return f"{op._schema.name}.{op._overloadname}"  # aten::mm.default
-
-
-# Op namespaces a graph file may call (anything else is refused before a node is built): ATen and
-# prims, the functional collectives, this package's ops, and vLLM's / FlashInfer's / fla-core's ops.
-OP_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
-                           "c10d", "symm_mem", "k3", "k3model", "vllm", "_C", "_C_cache_ops", "_C_custom_ar",
-                           "_moe_C", "vllm_ir", "flashinfer", "fla"})
-# higher-order ops a graph file may name: the functionalisation wrappers of mutating ops (their
-# first argument is an op overload, itself resolved through OP_NAMESPACES)
-HOPS = frozenset({"auto_functionalized", "auto_functionalized_v2"})
-
-
-def is_ident(s) -> bool:
-    return isinstance(s, str) and s.isidentifier() and not keyword.iskeyword(s)
-
-
-def _dotted(s) -> bool:
-    return isinstance(s, str) and all(is_ident(p) for p in s.split("."))
-
-
-def resolve_op(q: str):
-    """`ns::name.overload` -> the OpOverload, or a one-line error naming what to load."""
-    try:
-        ns, rest = q.split("::", 1)
-        name, overload = rest.rsplit(".", 1)
-    except (ValueError, AttributeError):
-        raise GraphFileError(f"malformed op name {q!r}") from None
-    if not (is_ident(ns) and is_ident(name) and is_ident(overload)):
-        raise GraphFileError(f"malformed op name {q!r}")
-    if ns not in OP_NAMESPACES:
-        raise GraphFileError(f"the graph calls {ns}::{name}.{overload}: op namespace {ns!r} is not one k3c loads "
-                             f"({', '.join(sorted(OP_NAMESPACES))})")
-    if ns == "k3model":
-        import k3compile.model  # noqa: F401  (registers torch.ops.k3model.*)
-    elif ns == "k3":
-        import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
-    try:
-        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
-        if not isinstance(op, torch._ops.OpOverload):
-            raise AttributeError(q)
-        return op
-    except (AttributeError, RuntimeError):
-        hint = " (vLLM's ops: install and import vllm)" if ns in ("vllm", "_C", "vllm_ir", "_moe_C") else ""
-        raise GraphFileError(f"the graph calls {ns}::{name}.{overload}, which is not registered in this "
-                             f"process{hint}") from None
-
-
-# Python callables a .json graph may name: FX's operators on values; nothing that reaches code.
-_PY_FUNCS = {f"_operator.{n}": getattr(operator, n) for n in (
-    "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs",
-    "lt", "le", "gt", "ge", "eq", "ne", "and_", "or_", "not_")}
-_PY_FUNCS.update({f"math.{n}": getattr(math, n) for n in ("ceil", "floor", "sqrt", "trunc")})
-_PY_FUNCS.update({f"torch.{n}": getattr(torch, n) for n in (
-    "sym_max", "sym_min", "sym_float", "sym_int", "sym_not", "sym_ite", "sym_sum") if hasattr(torch, n)})
-_PY_NAMES = {id(f): k for k, f in _PY_FUNCS.items()}
 
 
 def _enc_target(t) -> Any:
@@ -140,8 +44,8 @@ def _enc_target(t) -> Any:
         return {"op": op_qualname(t)}
     if isinstance(t, torch._ops.HigherOrderOperator):
         return {"hop": t.name()}
-    if id(t) in _PY_NAMES:
-        return {"py": _PY_NAMES[id(t)]}
+    if id(t) in PY_NAMES:
+        return {"py": PY_NAMES[id(t)]}
     raise GraphFileError(f"cannot save a graph that calls {getattr(t, '__qualname__', t)!r} "
                          f"(only torch ops and Python operators)")
 
@@ -150,28 +54,22 @@ def _dec_target(d):
     if "op" in d:
         return resolve_op(d["op"])
     if not isinstance(d, dict) or len(d) != 1:
-        raise GraphFileError(f"a call target must be {{\"op\": ...}}, {{\"hop\": ...}} or {{\"py\": ...}}, got {_short(d)}")
+        raise GraphFileError(f"a call target must be {{\"op\": ...}}, {{\"hop\": ...}} or {{\"py\": ...}}, got {short(d)}")
     if "op" in d:
         return resolve_op(d["op"])
     if "hop" in d:
         if d["hop"] not in HOPS:
-            raise GraphFileError(f"the graph names higher-order op {_short(d['hop'])}, which k3c does not load "
+            raise GraphFileError(f"the graph names higher-order op {short(d['hop'])}, which k3c does not load "
                                  f"({', '.join(sorted(HOPS))})")
         try:
             return getattr(torch.ops.higher_order, d["hop"])
         except AttributeError:
             raise GraphFileError(f"unknown higher-order op {d['hop']!r} in this torch version") from None
-    if "py" in d and isinstance(d["py"], str) and d["py"] in _PY_FUNCS:
-        return _PY_FUNCS[d["py"]]
-    raise GraphFileError(f"the graph names a Python function that k3c does not load: {_short(d)}")
+    if "py" in d and isinstance(d["py"], str) and d["py"] in PY_FUNCS:
+        return PY_FUNCS[d["py"]]
+    raise GraphFileError(f"the graph names a Python function that k3c does not load: {short(d)}")
 
 
-def _short(x, n: int = 80) -> str:
-    r = repr(x)
-    return r if len(r) <= n else r[:n] + "...'"
-
-
-# ---------------------------------------------------------------------------------------- values
 _DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
@@ -217,9 +115,9 @@ def _dec(a, env: dict) -> Any:
     if not isinstance(a, dict):
         if a is None or isinstance(a, (bool, int, float, str)):
             return a
-        raise GraphFileError(f"malformed value {_short(a)}")
+        raise GraphFileError(f"malformed value {short(a)}")
     if len(a) != 1:
-        raise GraphFileError(f"malformed value {_short(a)}")
+        raise GraphFileError(f"malformed value {short(a)}")
     (k, v), = a.items()
     if k == "n":
         if v not in env:
@@ -231,7 +129,7 @@ def _dec(a, env: dict) -> Any:
         return tuple(_dec(x, env) for x in v)
     if k == "dict":
         if not isinstance(v, dict):
-            raise GraphFileError(f"malformed dict value {_short(v)}")
+            raise GraphFileError(f"malformed dict value {short(v)}")
         return {kk: _dec(vv, env) for kk, vv in v.items()}
     if k == "dtype":
         return _dtype(v)
@@ -240,7 +138,7 @@ def _dec(a, env: dict) -> Any:
     if k in ("layout", "memory_format"):
         val = getattr(torch, v, None) if is_ident(v) else None
         if not isinstance(val, torch.layout if k == "layout" else torch.memory_format):
-            raise GraphFileError(f"unknown {k} {_short(v)}")
+            raise GraphFileError(f"unknown {k} {short(v)}")
         return val
     if k == "slice":
         return slice(*(_dec(x, env) for x in v))
@@ -347,7 +245,7 @@ def load(path: str | pathlib.Path, trust_code: bool = False, sym: dict[str, int]
         if suffix == ".pt2":
             if not trust_code:
                 check_pt2(path)
-            return _load_pt2(path)
+            return load_pt2(path)
         if suffix == ".py":
             return _load_python(path, trust_code, sym or {})
     except GraphFileError:
@@ -426,40 +324,40 @@ def _check_node(d, n_traces: int) -> None:
     is not what `save_json` writes: names and targets are identifiers, call targets are checked by
     `_dec_target` (allow-listed op namespaces), keyword names are identifiers."""
     if not isinstance(d, dict):
-        raise GraphFileError(f"malformed node {_short(d)}")
+        raise GraphFileError(f"malformed node {short(d)}")
     name, op, target = d.get("name"), d.get("op"), d.get("target")
     if op not in _NODE_OPS:
-        raise GraphFileError(f"node {_short(name)}: op {_short(op)} is not one of {', '.join(_NODE_OPS)}")
+        raise GraphFileError(f"node {short(name)}: op {short(op)} is not one of {', '.join(_NODE_OPS)}")
     if op == "output":
         if target != "output":
-            raise GraphFileError(f"output node: target {_short(target)} is not 'output'")
+            raise GraphFileError(f"output node: target {short(target)} is not 'output'")
     elif not is_ident(name):
-        raise GraphFileError(f"node name {_short(name)} is not a Python identifier")
+        raise GraphFileError(f"node name {short(name)} is not a Python identifier")
     if op == "placeholder" and not is_ident(target):
-        raise GraphFileError(f"placeholder {name}: target {_short(target)} is not a Python identifier")
-    if op == "get_attr" and not _dotted(target):
-        raise GraphFileError(f"get_attr {name}: target {_short(target)} is not a dotted Python name")
+        raise GraphFileError(f"placeholder {name}: target {short(target)} is not a Python identifier")
+    if op == "get_attr" and not dotted(target):
+        raise GraphFileError(f"get_attr {name}: target {short(target)} is not a dotted Python name")
     if op == "call_function":
         _dec_target(target)
     kwargs = d.get("kwargs")
     if not (isinstance(kwargs, dict) and set(kwargs) == {"dict"} and isinstance(kwargs["dict"], dict)):
-        raise GraphFileError(f"node {_short(name)}: malformed kwargs {_short(kwargs)}")
+        raise GraphFileError(f"node {short(name)}: malformed kwargs {short(kwargs)}")
     bad = [k for k in kwargs["dict"] if not is_ident(k)]
     if bad:
-        raise GraphFileError(f"node {_short(name)}: keyword {_short(bad[0])} is not a Python identifier")
+        raise GraphFileError(f"node {short(name)}: keyword {short(bad[0])} is not a Python identifier")
     args = d.get("args")
     if not (isinstance(args, dict) and set(args) == {"tuple"} and isinstance(args["tuple"], list)):
-        raise GraphFileError(f"node {_short(name)}: malformed args {_short(args)}")
+        raise GraphFileError(f"node {short(name)}: malformed args {short(args)}")
     st = d.get("stack_trace", 0)
     if not (isinstance(st, int) and not isinstance(st, bool) and 0 <= st < max(n_traces, 1)):
-        raise GraphFileError(f"node {_short(name)}: stack_trace {_short(st)} is not an index into stack_traces")
+        raise GraphFileError(f"node {short(name)}: stack_trace {short(st)} is not an index into stack_traces")
     nms = d.get("nn_module_stack", {})
     if not (isinstance(nms, dict) and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2
                                           and all(isinstance(x, str) for x in v) for k, v in nms.items())):
-        raise GraphFileError(f"node {_short(name)}: malformed nn_module_stack")
+        raise GraphFileError(f"node {short(name)}: malformed nn_module_stack")
     for k in ("desc", "k3c_input"):
         if not isinstance(d.get(k, ""), str):
-            raise GraphFileError(f"node {_short(name)}: {k} must be a string")
+            raise GraphFileError(f"node {short(name)}: {k} must be a string")
 
 
 def _set_attr(root: torch.nn.Module, target: str, value) -> None:
@@ -470,153 +368,6 @@ def _set_attr(root: torch.nn.Module, target: str, value) -> None:
             m.add_module(p, torch.nn.Module())
         m = getattr(m, p)
     setattr(m, last, value)
-
-
-# Names the torch.export deserializer resolves through sympy (`expr_str`): its own functions and
-# sympy's, and symbols such as s0, u3, ps1. Anything else (builtins, dunders) would be evaluated.
-_SYM_FUNCS = frozenset({
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "Mod", "CleanDiv", "CeilToInt", "FloorToInt",
-    "CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
-    "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
-    "ToFloat", "FloatTrueDiv", "OpaqueUnaryFn_sqrt", "Identity", "Max", "Min", "Abs", "floor", "ceiling",
-    "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "Piecewise", "True", "False", "oo", "zoo", "nan"})
-_SYM_EXPR = re.compile(r"[A-Za-z0-9_\s+\-*/%().,<>=!&|~]*")
-_PT2_TARGET = re.compile(r"torch\.ops\.(?P<ns>\w+)\.\w+\.\w+|torch\.ops\.higher_order\.\w+")
-
-
-def _safe_sym_expr(e) -> bool:
-    return (isinstance(e, str) and _SYM_EXPR.fullmatch(e) is not None and "__" not in e
-            and all(t in _SYM_FUNCS or re.fullmatch(r"[a-z]{1,4}\d+", t)
-                    for t in re.findall(r"[A-Za-z_]\w*", e)))
-
-
-def check_pt2(path: pathlib.Path) -> None:
-    """Refuse (one line) a .pt2 whose loading could run code: `torch.export.load` unpickles weights
-    and constants saved with pickle (`weights_only=False`), falls back to a full unpickle when the
-    sample inputs are not plain tensors, loads AOTInductor / ExecuTorch binaries, resolves node
-    targets as Python attribute paths and parses symbolic sizes with sympy. Nothing here unpickles
-    beyond `torch.load(weights_only=True)` of the sample inputs."""
-    import io
-
-    def refuse(why: str):
-        raise UntrustedCodeError(f"{path}: {why}; loading it could run code. If you trust the file, pass "
-                                 f"--trust-code")
-
-    if not zipfile.is_zipfile(path):
-        raise GraphFileError(f"{path}: cannot load as a .pt2 graph: not a zip archive (torch.export.save writes one)")
-    with zipfile.ZipFile(path) as z:
-        files = {}
-        for info in z.infolist():
-            parts = info.filename.split("/", 1)
-            if len(parts) == 2 and parts[1]:
-                files[parts[1]] = info.filename  # every member sits under the archive's own top folder
-        if files.get("archive_format") is None or z.read(files["archive_format"]).strip() != b"pt2":
-            refuse("not a current torch.export archive (older formats are pickles)")
-        for name in files:
-            if name.startswith(("data/aotinductor/", "data/executorch/")):
-                refuse(f"it holds compiled code ({name})")
-            if re.fullmatch(r"data/(weights|constants)/[^/]+\.pt", name):
-                refuse(f"it holds legacy pickled weights ({name})")
-        for name in files:
-            if re.fullmatch(r"data/(weights|constants)/[^/]+_config\.json", name):
-                cfg = json.loads(z.read(files[name]))
-                for fqn, meta in (cfg.get("config") or {}).items() if isinstance(cfg, dict) else ():
-                    if meta.get("use_pickle") or not str(meta.get("path_name", "")).startswith(("weight_", "tensor_")):
-                        refuse(f"{fqn!r} is stored with pickle ({name})")
-            elif re.fullmatch(r"data/sample_inputs/[^/]+\.pt", name):
-                try:
-                    torch.load(io.BytesIO(z.read(files[name])), weights_only=True)
-                except Exception:  # noqa: BLE001 - torch.export.load would retry with a full unpickle
-                    refuse(f"its sample inputs are not plain tensors ({name})")
-            elif re.fullmatch(r"models/[^/]+\.json", name):
-                _check_pt2_program(json.loads(z.read(files[name])), refuse)
-
-
-def _check_pt2_program(doc, refuse) -> None:
-    """Walk the serialized program: every node target an allow-listed op, every name an identifier,
-    every symbolic expression made of sympy's functions and size symbols, no carriage return (a line
-    break to Python inside the comments FX writes from stack traces)."""
-    stack = [doc]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str) and "\r" in x:
-            refuse(f"a string holds a carriage return ({_short(x)})")
-        if isinstance(x, list):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            if isinstance(x.get("target"), str) and "inputs" in x:   # a graph node
-                t = x["target"]
-                m = _PT2_TARGET.fullmatch(t)
-                ok = (t in _PY_FUNCS or (m is not None and (m.group("ns") in OP_NAMESPACES if m.group("ns")
-                                                            else t.rsplit(".", 1)[1] in HOPS)))
-                if not ok:
-                    refuse(f"a node calls {_short(t)}, which is not an op k3c loads")
-            if isinstance(x.get("name"), str) and not is_ident(x["name"]):
-                refuse(f"name {_short(x['name'])} is not a Python identifier")
-            if "expr_str" in x and not _safe_sym_expr(x["expr_str"]):
-                refuse(f"symbolic expression {_short(x['expr_str'])} is not a size expression")
-            for k, v in x.items():
-                if k == "range_constraints" and isinstance(v, dict):
-                    bad = [e for e in v if not _safe_sym_expr(e)]
-                    if bad:
-                        refuse(f"symbolic expression {_short(bad[0])} is not a size expression")
-                stack.append(v)
-
-
-def _load_pt2(path: pathlib.Path) -> LoadedGraph:
-    import k3compile.model  # noqa: F401  (k3model ops, in case the program calls them)
-    import k3compile.ops  # noqa: F401
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.export.graph_signature import InputKind, OutputKind
-
-    if not zipfile.is_zipfile(path):   # a .pt2 is a zip archive; torch >= 2.14 logs a traceback for others
-        raise ValueError("not a zip archive (torch.export.save writes one)")
-    export_log = logging.getLogger("torch.export")
-    level = export_log.level
-    export_log.setLevel(logging.ERROR)  # torch.export.load logs (WARNING, with a traceback) what it raises
-    try:
-        with warnings.catch_warnings():  # torch-internal deprecation noise while unpickling
-            warnings.simplefilter("ignore", FutureWarning)
-            ep = torch.export.load(str(path))
-    finally:
-        export_log.setLevel(level)
-    ep = ep.run_decompositions(select_decomp_table())
-    sig = ep.graph_signature
-    notes = []
-    inputs: list | None = []
-    user_args = None
-    if getattr(ep, "example_inputs", None) is not None:
-        args, kwargs = ep.example_inputs
-        user_args = torch.utils._pytree.tree_leaves((args, kwargs))
-    else:
-        notes.append("the program has no saved example inputs: numerics not checked")
-    ui = 0
-    for spec in sig.input_specs:
-        if spec.kind == InputKind.USER_INPUT:
-            if user_args is None or ui >= len(user_args):
-                inputs = None
-                break
-            inputs.append(user_args[ui])
-            ui += 1
-        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            src = ep.state_dict if spec.target in ep.state_dict else ep.constants
-            inputs.append(src[spec.target])
-        elif spec.kind == InputKind.CONSTANT_TENSOR:
-            inputs.append(ep.constants[spec.target])
-        else:
-            notes.append(f"input kind {spec.kind.name} is not supported: numerics not checked")
-            inputs = None
-            break
-    g = Graph()
-    out = g.graph_copy(ep.graph_module.graph, {})
-    g.output(out)
-    # as Inductor's post-grad `remove_assert_ops` does before the custom pass runs: export's
-    # dtype/device asserts (from .to()) are no-ops that would look like extra users of values
-    for n in g.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default):
-        g.erase_node(n)
-    gm = GraphModule(ep.graph_module, g)
-    user_outputs = [i for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
-    return LoadedGraph(gm, "torch.export", inputs, user_outputs, {}, {}, notes)
 
 
 _ANNOT = re.compile(r"^(?P<dt>[a-z0-9]+)\[(?P<shape>[^\]]*)\](?:\[(?P<stride>[^\]]*)\])?(?P<dev>[a-z]+(?::\d+)?)?$")

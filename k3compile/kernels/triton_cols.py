@@ -13,9 +13,11 @@ RMSNorm the mean square of the mixed row sum_i p_i x_i, which is sum_ij p_i p_j 
 exchange of the sources' Gram matrix and query dots covers all three. Differences from the row
 kernels (and the reference), all in fp32: a logit is rsqrt(mean(x^2) + eps) * (x . q) (the reference
 rounds the normed row to the model dtype before the dot), and the output norm's mean square is that
-of the mixed row before its rounding. The tests bound both against the reference.
+of the mixed row before its rounding. The tests bound both against the reference. RND (constexpr,
+triton_comm's): RND & 1 rounds the normed row to the model dtype before the weight multiply; the logits
+are the fp32 form whatever RND & 2 says (exactly the model's where it keeps its keys in fp32).
 
-The grid barrier needs every program resident at once: launch.cols_plan keeps the programs well
+The grid barrier needs every program resident at once: comm.cols_plan keeps the programs well
 under the SM count. Under TRITON_INTERPRET=1 the programs run one after another, so the launch
 splits the kernel at the barrier into two launches (PHASE 1: everything up to the partials; PHASE 2:
 the rest, re-reading the updated row it stored); on the GPU it is one launch (PHASE 0).
@@ -71,7 +73,7 @@ def ar_norm_cols_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr,
     ROWS: tl.constexpr, W: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr,
     DTYPE: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr, PHASE: tl.constexpr,
-    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True,
+    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True, RND: tl.constexpr = 0,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g) when
     NB == 0): triton_comm.ar_residual_norm_kernel's outputs with HAS_NORM, columns split over the
@@ -152,7 +154,10 @@ def ar_norm_cols_kernel(
         else:
             mixed = y
             msq = tl.sum(tl.sum(Gt, axis=2), axis=1) / N
-        out = mixed * (1.0 / tl.sqrt(msq + eps))[:, None] * gw[None, :]
+        out = mixed * (1.0 / tl.sqrt(msq + eps))[:, None]
+        if RND & 1:
+            out = out.to(DTYPE).to(tl.float32)
+        out = out * gw[None, :]
         tl.store(nrm + off2, out.to(DTYPE), mask=mask2)
 
 
@@ -163,7 +168,7 @@ def latent_tail_cols_kernel(
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     ROWS: tl.constexpr, W: tl.constexpr, WSP: tl.constexpr, P_PAD: tl.constexpr,
     DTYPE: tl.constexpr, SEQ: tl.constexpr, VEC: tl.constexpr, PHASE: tl.constexpr,
-    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True,
+    GEN: tl.constexpr = 32, SYNC: tl.constexpr = True, RND: tl.constexpr = 0,
 ):
     """triton_comm.latent_tail_kernel's outputs (ln = RMSNorm(all_reduce(sum_k w_k y_k), g); out = sp)
     with the columns split over the programs: W latent columns and WSP shared-partial columns each."""
@@ -206,4 +211,7 @@ def latent_tail_cols_kernel(
         pp = tl.arange(0, P_PAD)[:, None]
         ss = tl.sum(tl.load(slots + pp * ROWS + rows[None, :], mask=pp < npid, other=0.0, cache_modifier=".cg"),
                     axis=0)
-        tl.store(ln + off2, (r * (1.0 / tl.sqrt(ss / N + eps))[:, None] * gw[None, :]).to(DTYPE), mask=mask2)
+        y = r * (1.0 / tl.sqrt(ss / N + eps))[:, None]
+        if RND & 1:
+            y = y.to(DTYPE).to(tl.float32)
+        tl.store(ln + off2, (y * gw[None, :]).to(DTYPE), mask=mask2)

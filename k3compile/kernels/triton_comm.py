@@ -20,7 +20,11 @@ With WORLD == 1 there is no barrier and no buffer: `local` is read directly.
 
 The same kernels run on CPU under TRITON_INTERPRET=1 with simulated peers (tests/test_kernels.py).
 Rounding follows the references: the all-reduce result is rounded to the model dtype, the
-residual add is done in fp32 and rounded, the norms in fp32.
+residual add is done in fp32 and rounded, the norms in fp32. RND (constexpr) is the model's rounding
+order where it differs from the reference model's (kernels/comm.py's rnd_bits from the ops' rounding arguments):
+RND & 1, the post-norm's normalised row is rounded to the model dtype before its weight multiply
+(transformers' `weight * h.to(dtype)`); RND & 2, the AttnRes keys (RMS-normed sources) stay fp32 in
+the logits instead of being rounded to the model dtype.
 """
 from __future__ import annotations
 
@@ -154,9 +158,27 @@ def _rms(xf, mask, N, eps):
 
 
 @triton.jit
-def _mix_source(src, mask, wmix, N, eps, m, s, acc, DTYPE: tl.constexpr):
+def _key(y, DTYPE: tl.constexpr, RND: tl.constexpr):
+    """An RMS-normed AttnRes source as its logit reads it: rounded to the model dtype, or (RND & 2) fp32."""
+    if RND & 2:
+        return y
+    return y.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _post_norm(x, mask, N, eps, gw, DTYPE: tl.constexpr, RND: tl.constexpr):
+    """RMSNorm(x) * gw in fp32, for one rounding to the model dtype at the store; with RND & 1 the
+    normalised row is rounded first (the product of two model-dtype values is exact in fp32)."""
+    y = _rms(x, mask, N, eps)
+    if RND & 1:
+        y = y.to(DTYPE).to(tl.float32)
+    return y * gw
+
+
+@triton.jit
+def _mix_source(src, mask, wmix, N, eps, m, s, acc, DTYPE: tl.constexpr, RND: tl.constexpr = 0):
     """One AttnRes source into the running (max, sum, weighted acc) of an online softmax."""
-    logit = tl.sum(tl.where(mask, _rms(src, mask, N, eps).to(DTYPE).to(tl.float32) * wmix, 0.0), axis=0)
+    logit = tl.sum(tl.where(mask, _key(_rms(src, mask, N, eps), DTYPE, RND) * wmix, 0.0), axis=0)
     m_new = tl.maximum(m, logit)
     scale = tl.exp(m - m_new)
     e = tl.exp(logit - m_new)
@@ -170,7 +192,7 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 
 @triton.jit
 def _mix4(x0, x1, x2, x3, V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr, wmix, N, eps,
-          m, s, acc, DTYPE: tl.constexpr):
+          m, s, acc, DTYPE: tl.constexpr, RND: tl.constexpr = 0):
     """Up to four AttnRes sources (those with V* set) into the softmax state (max, sum, weighted acc)
     at once: their sums of squares in one reduction, their logits in a second (one pass of the
     block's shared-memory exchange each, where _mix_source one after another takes two per source).
@@ -178,10 +200,10 @@ def _mix4(x0, x1, x2, x3, V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, 
     the query); the softmax sums in another order (the reference's torch.softmax is no online one
     either). Masked lanes must be zero in every x."""
     q0, q1, q2, q3 = tl.reduce((x0 * x0, x1 * x1, x2 * x2, x3 * x3), 0, _add4)
-    l0, l1, l2, l3 = tl.reduce(((x0 * (1.0 / tl.sqrt(q0 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
-                                (x1 * (1.0 / tl.sqrt(q1 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
-                                (x2 * (1.0 / tl.sqrt(q2 / N + eps))).to(DTYPE).to(tl.float32) * wmix,
-                                (x3 * (1.0 / tl.sqrt(q3 / N + eps))).to(DTYPE).to(tl.float32) * wmix), 0, _add4)
+    l0, l1, l2, l3 = tl.reduce((_key(x0 * (1.0 / tl.sqrt(q0 / N + eps)), DTYPE, RND) * wmix,
+                                _key(x1 * (1.0 / tl.sqrt(q1 / N + eps)), DTYPE, RND) * wmix,
+                                _key(x2 * (1.0 / tl.sqrt(q2 / N + eps)), DTYPE, RND) * wmix,
+                                _key(x3 * (1.0 / tl.sqrt(q3 / N + eps)), DTYPE, RND) * wmix), 0, _add4)
     ninf = float("-inf")
     if not V0:
         l0 = ninf
@@ -234,7 +256,8 @@ def _half(epoch, HALF, WORLD: tl.constexpr):
 @triton.jit
 def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB: tl.constexpr,
             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-            PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = False):
+            PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = False,
+            RND: tl.constexpr = 0):
     """What a row needs that no peer provides: its residual and the AttnRes blocks' online-softmax
     state (running max, sum, weighted sum). Done before the barrier wait for a program's first row.
     PRELOAD: the first four block rows are loaded before the first of them is reduced (one memory
@@ -259,13 +282,13 @@ def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, 
     if HAS_NORM and JOINT and NB > 0:
         m, s, acc = _mix4(_src_row(b0, 0, NB, row, offs, mask, N, BLOCK_N), _src_row(b1, 1, NB, row, offs, mask, N, BLOCK_N),
                           _src_row(b2, 2, NB, row, offs, mask, N, BLOCK_N), _src_row(b3, 3, NB, row, offs, mask, N, BLOCK_N),
-                          NB > 0, NB > 1, NB > 2, NB > 3, wmix, N, eps, m, s, acc, DTYPE)
+                          NB > 0, NB > 1, NB > 2, NB > 3, wmix, N, eps, m, s, acc, DTYPE, RND)
         if NB > 4:
             m, s, acc = _mix4(_src_row(b4, 4, NB, row, offs, mask, N, BLOCK_N),
                               _src_row(b5, 5, NB, row, offs, mask, N, BLOCK_N),
                               _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N),
                               _src_row(b7, 7, NB, row, offs, mask, N, BLOCK_N),
-                              NB > 4, NB > 5, NB > 6, NB > 7, wmix, N, eps, m, s, acc, DTYPE)
+                              NB > 4, NB > 5, NB > 6, NB > 7, wmix, N, eps, m, s, acc, DTYPE, RND)
     elif HAS_NORM:
         x0 = tl.zeros([BLOCK_N], tl.float32)
         x1 = tl.zeros([BLOCK_N], tl.float32)
@@ -283,33 +306,38 @@ def _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, 
         if NB > 0:
             if not PRELOAD:
                 x0 = _block_row(b0, row, offs, mask, N)
-            m, s, acc = _mix_source(x0, mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(x0, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
         if NB > 1:
             if not PRELOAD:
                 x1 = _block_row(b1, row, offs, mask, N)
-            m, s, acc = _mix_source(x1, mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(x1, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
         if NB > 2:
             if not PRELOAD:
                 x2 = _block_row(b2, row, offs, mask, N)
-            m, s, acc = _mix_source(x2, mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(x2, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
         if NB > 3:
             if not PRELOAD:
                 x3 = _block_row(b3, row, offs, mask, N)
-            m, s, acc = _mix_source(x3, mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(x3, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
         if NB > 4:
-            m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(_block_row(b4, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE,
+                                    RND)
         if NB > 5:
-            m, s, acc = _mix_source(_block_row(b5, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(_block_row(b5, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE,
+                                    RND)
         if NB > 6:
-            m, s, acc = _mix_source(_block_row(b6, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(_block_row(b6, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE,
+                                    RND)
         if NB > 7:
-            m, s, acc = _mix_source(_block_row(b7, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(_block_row(b7, row, offs, mask, N), mask, wmix, N, eps, m, s, acc, DTYPE,
+                                    RND)
     return r, m, s, acc
 
 
 @triton.jit
 def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_qk, N, eps, NB: tl.constexpr,
-             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, LEAN: tl.constexpr = True):
+             HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, LEAN: tl.constexpr = True,
+             RND: tl.constexpr = 0):
     """The row's outputs from the all-reduced y and _ar_pre's state: upd = r + y, nrm = the post-norm
     (the updated row is the last AttnRes source). LEAN: g and the AttnRes query are loaded here."""
     if HAS_RES:
@@ -322,9 +350,9 @@ def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_
     if HAS_NORM:
         mixed = y
         if NB > 0:
-            m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
+            m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
             mixed = (acc / s).to(DTYPE).to(tl.float32)
-        out = _rms(mixed, mask, N, eps) * gw
+        out = _post_norm(mixed, mask, N, eps, gw, DTYPE, RND)
         tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
 
 
@@ -375,7 +403,7 @@ def _w1_sources(g, w_norm, w_qk, b0, b1, b2, b3, row, offs, mask, N, NB: tl.cons
 @triton.jit
 def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
                NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-               DTYPE: tl.constexpr, FIRST: tl.constexpr):
+               DTYPE: tl.constexpr, FIRST: tl.constexpr, RND: tl.constexpr = 0):
     """One row at WORLD == 1 with JOINT: the same outputs as _ar_pre + _ar_row_sum + _ar_post, but the
     updated row (no peers to wait for) joins the blocks' _mix4 groups: with up to 3 blocks, 3
     reductions in all (sums of squares, logits, the post-norm) instead of 2 * (NB + 1) + 1."""
@@ -400,22 +428,22 @@ def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, 
             s = tl.zeros((), tl.float32)
             acc = tl.zeros([BLOCK_N], tl.float32)
             if NB < 4:
-                m, s, acc = _mix4(x0, x1, x2, y, NB > 0, NB > 1, NB > 2, True, wmix, N, eps, m, s, acc, DTYPE)
+                m, s, acc = _mix4(x0, x1, x2, y, NB > 0, NB > 1, NB > 2, True, wmix, N, eps, m, s, acc, DTYPE, RND)
             else:
-                m, s, acc = _mix4(x0, x1, x2, x3, True, True, True, True, wmix, N, eps, m, s, acc, DTYPE)
+                m, s, acc = _mix4(x0, x1, x2, x3, True, True, True, True, wmix, N, eps, m, s, acc, DTYPE, RND)
                 if NB == 4 or NB == 8:
                     if NB == 8:
                         m, s, acc = _mix4(_block_row(b4, row, offs, mask, N), _block_row(b5, row, offs, mask, N),
                                           _block_row(b6, row, offs, mask, N), _block_row(b7, row, offs, mask, N),
-                                          True, True, True, True, wmix, N, eps, m, s, acc, DTYPE)
-                    m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE)
+                                          True, True, True, True, wmix, N, eps, m, s, acc, DTYPE, RND)
+                    m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
                 else:
                     m, s, acc = _mix4(_src_row(b4, 4, NB, row, offs, mask, N, BLOCK_N),
                                       _src_row(b5, 5, NB, row, offs, mask, N, BLOCK_N),
                                       _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N), y,
-                                      NB > 4, NB > 5, NB > 6, True, wmix, N, eps, m, s, acc, DTYPE)
+                                      NB > 4, NB > 5, NB > 6, True, wmix, N, eps, m, s, acc, DTYPE, RND)
             mixed = (acc / s).to(DTYPE).to(tl.float32)
-        out = _rms(mixed, mask, N, eps) * gw
+        out = _post_norm(mixed, mask, N, eps, gw, DTYPE, RND)
         tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
 
 
@@ -428,7 +456,7 @@ def ar_residual_norm_kernel(
     HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
     PUSHED: tl.constexpr = False, EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
     PRELOAD: tl.constexpr = True, LEAN: tl.constexpr = True, JOINT: tl.constexpr = True,
-    W1_FIRST: tl.constexpr = True, TRIGGER: tl.constexpr = False,
+    W1_FIRST: tl.constexpr = True, TRIGGER: tl.constexpr = False, RND: tl.constexpr = 0,
 ):
     """upd = res + sum_ranks(local); nrm = AttnRes post-norm of upd over NB blocks (RMSNorm(g)
     when NB == 0). Without a residual (HAS_RES=0) it is a plain all-reduce into `upd`.
@@ -446,7 +474,7 @@ def ar_residual_norm_kernel(
     joins them (_ar_row_w1), which with W1_FIRST issues every load before its store of `upd`.
     TRIGGER (CUDA): the kernel after this one, if launched with PDL, may launch at once
     (gdc_launch_dependents first: it waits for this kernel's completion before it reads the outputs,
-    and streams its weights meanwhile; launch.gemv_pdl)."""
+    and streams its weights meanwhile; launch.gemv_pdl). RND: the rounding order (module docstring)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -456,11 +484,11 @@ def ar_residual_norm_kernel(
     if WORLD == 1 and JOINT:
         for row in range(pid, M, npid):
             _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, w_qk, row, offs, mask, N, eps,
-                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE, W1_FIRST)
+                       NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE, W1_FIRST, RND)
     else:
         _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0, b1, b2, b3, b4, b5, b6, b7,
                  M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK, WORLD, NB, HAS_NORM, HAS_RES, BLOCK_N, DTYPE,
-                 SEQ, PUSHED, EARLY, VEC, PRELOAD, LEAN, JOINT)
+                 SEQ, PUSHED, EARLY, VEC, PRELOAD, LEAN, JOINT, RND)
 
 
 @triton.jit
@@ -468,7 +496,7 @@ def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0,
              M, N, eps, FLAG_OFF, NT, pid, npid, offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
              NB: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
              DTYPE: tl.constexpr, SEQ: tl.constexpr, PUSHED: tl.constexpr, EARLY: tl.constexpr, VEC: tl.constexpr,
-             PRELOAD: tl.constexpr, LEAN: tl.constexpr, JOINT: tl.constexpr):
+             PRELOAD: tl.constexpr, LEAN: tl.constexpr, JOINT: tl.constexpr, RND: tl.constexpr = 0):
     """ar_residual_norm_kernel's program: copy + barrier (WORLD > 1), then its rows."""
     gw = tl.zeros([BLOCK_N], tl.float32)
     wmix = tl.zeros([BLOCK_N], tl.float32)
@@ -488,18 +516,18 @@ def _ar_rows(ptrs, pads, epoch, HALF, local, res, upd, nrm, g, w_norm, w_qk, b0,
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     m0 = offs < tl.where(pid < M, N, 0)   # a program beyond M (M == 0) touches nothing
     r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, pid, offs, m0, wmix, w_norm, w_qk, N, eps, NB,
-                           HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT)
+                           HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT, RND)
     if WORLD > 1 and EARLY:
         _ar_wait(ptrs, pads, epoch, FLAG_OFF, NT, pid, RANK, WORLD, SEQ, PUSHED, VEC)
     y = _ar_row_sum(ptrs, base, local, mine, pid, M, N, offs, m0, WORLD, DTYPE, PUSHED)
     _ar_post(y, r, m, s, acc, upd, nrm, pid, offs, m0, gw, wmix, g, w_norm, w_qk, N, eps, NB, HAS_NORM, HAS_RES,
-             DTYPE, LEAN)
+             DTYPE, LEAN, RND)
     for row in range(pid + npid, M, npid):
         r, m, s, acc = _ar_pre(res, b0, b1, b2, b3, b4, b5, b6, b7, row, offs, mask, wmix, w_norm, w_qk, N, eps, NB,
-                               HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT)
+                               HAS_NORM, HAS_RES, BLOCK_N, DTYPE, PRELOAD, LEAN, JOINT, RND)
         y = _ar_row_sum(ptrs, base, local, mine, row, M, N, offs, mask, WORLD, DTYPE, PUSHED)
         _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_qk, N, eps, NB, HAS_NORM, HAS_RES,
-                 DTYPE, LEAN)
+                 DTYPE, LEAN, RND)
     if WORLD > 1:
         _epoch_end(epoch)
 
@@ -510,14 +538,15 @@ def latent_tail_kernel(
     M, N, SP, eps,
     TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr,
-    EARLY: tl.constexpr = True, VEC: tl.constexpr = True,
+    EARLY: tl.constexpr = True, VEC: tl.constexpr = True, RND: tl.constexpr = 0,
 ):
     """Finalize + all-reduce + RMSNorm of the latent, and a copy of the shared partial:
     mine[row] = sum_k w[row, k] * y[row, k] (fp32, rounded); ln = RMSNorm(sum_ranks mine, g);
     out = sp (the up-projection GEMM then adds into this rank's columns of out).
     EARLY: the shared partial is copied between the barrier's signal and its wait (else before the
     signal). VEC: _signal / _wait. WORLD == 1: each row is normed from registers (no peers: nothing
-    goes through memory between the finalize and the norm), and ptrs / pads / epoch are unread."""
+    goes through memory between the finalize and the norm), and ptrs / pads / epoch are unread.
+    RND & 1: the norm's rounding order (module docstring)."""
     pid = tl.program_id(0)
     npid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_N)
@@ -534,17 +563,17 @@ def latent_tail_kernel(
                 m2 = o2 < SP
                 tl.store(out + row * SP + o2, tl.load(sp + row * SP + o2, mask=m2, other=0.0), mask=m2)
             r1 = acc1.to(DTYPE).to(tl.float32)
-            tl.store(ln + row * N + offs, (_rms(r1, mask, N, eps) * gw1).to(DTYPE), mask=mask)
+            tl.store(ln + row * N + offs, _post_norm(r1, mask, N, eps, gw1, DTYPE, RND).to(DTYPE), mask=mask)
     else:
         _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask, TOPK, RANK,
-                   WORLD, BLOCK_N, BLOCK_SP, DTYPE, SEQ, EARLY, VEC)
+                   WORLD, BLOCK_N, BLOCK_SP, DTYPE, SEQ, EARLY, VEC, RND)
 
 
 @triton.jit
 def _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid, npid, offs, mask,
                TOPK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_SP: tl.constexpr, DTYPE: tl.constexpr, SEQ: tl.constexpr, EARLY: tl.constexpr,
-               VEC: tl.constexpr):
+               VEC: tl.constexpr, RND: tl.constexpr = 0):
     """latent_tail_kernel's program at WORLD > 1."""
     base = _half(epoch, HALF, WORLD)
     mine = tl.load(ptrs + RANK).to(tl.pointer_type(DTYPE)) + base
@@ -567,7 +596,7 @@ def _tail_rows(y, w, ptrs, pads, epoch, HALF, g, ln, sp, out, M, N, SP, eps, pid
     gw = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, npid):
         r = _sum_peers(ptrs, base, ptrs, row * N + offs, mask, WORLD, DTYPE).to(DTYPE).to(tl.float32)
-        tl.store(ln + row * N + offs, (_rms(r, mask, N, eps) * gw).to(DTYPE), mask=mask)
+        tl.store(ln + row * N + offs, _post_norm(r, mask, N, eps, gw, DTYPE, RND).to(DTYPE), mask=mask)
     _epoch_end(epoch)
 
 

@@ -7,7 +7,7 @@ and walks K in BLOCK_K steps (the loop is software-pipelined, `num_stages` loads
 M rows of x broadcast against the [BLOCK_N, BLOCK_K] weight tile on CUDA cores (no tensor cores:
 at M <= 8 they would idle), fp32 accumulation, one store per output. No split-K: the grid is
 N / BLOCK_N programs, so BLOCK_N is chosen per shape to fill the SMs (the tuned table in
-launch.GEMV_TUNED, from bench/gemv_bench.py).
+tuning.GEMV_TABLE, from bench/gemv_bench.py).
 
 PDL=True (Programmatic Dependent Launch, Hopper; launched with `launch_pdl=True`): the weights never
 depend on the previous kernel, so each program loads its first weight tile, then waits for the
@@ -18,7 +18,7 @@ draining each time, which a cuBLAS call cannot do. Across a chain of GEMVs that 
 fills the GPU, so the next one's programs find no room early): a KDA step's six GEMMs took 81.6 us with
 it, 77.6 without (`bench/gemv_bench.py --chain`, 2 x H200). After a one-program kernel that
 triggers its dependents at its start (the TP=1 all-reduce / norm), with PF bytes of each program's rows
-requested into L2 before the wait, it hides most of that kernel (launch.gemv_pdl: 4.5-5 us per pair on
+requested into L2 before the wait, it hides most of that kernel (gemm.gemv_pdl: 4.5-5 us per pair on
 an H100, bench/pdl_probe.py).
 
 `mma_gemm_kernel`: the same product on the tensor cores, for M <= 16 (one MMA tile of tokens,
@@ -55,7 +55,7 @@ def gemv_kernel(x, w, out, M, N, K, sxm, swn, som, w2, out2, N1, swn2, som2, MP:
     (two_rows: each program's rows lie in one weight). LAZY: the products accumulate element-wise in
     an [MP, BLOCK_N, BLOCK_K] fp32 tile, summed along K once after the loop, instead of a cross-thread
     reduction every step (the loop body is then loads and FMAs only; the sum order differs, fp32 all
-    the same); launch.gemv takes it only where the tile fits 64 registers a thread.
+    the same); gemm.gemv takes it only where the tile fits 64 registers a thread.
     PF (with GDC): before the wait, the first PF bytes of the program's weight rows (contiguous: the
     caller checks swn == K and 16-byte alignment) are requested into L2, LANES threads issuing one bulk
     prefetch each (l2_prefetch_slice), so the weights stream while the kernel before this one (a

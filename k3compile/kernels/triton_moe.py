@@ -1,6 +1,6 @@
 """Triton kernels for the routed MXFP4 experts at decode batch sizes.
 
-Four variants of the same two kernels (selected by `launch.mxfp4_experts(variant=...)` or env
+Four variants of the same two kernels (selected by `moe.mxfp4_experts(variant=...)` or env
 K3_KNOBS mxfp4; all share the contract below and are checked against the model's reference op):
 
 v1  (`mxfp4_gate_up_kernel`, `mxfp4_down_kernel`): Hopper has no FP4 tensor cores, so the weights

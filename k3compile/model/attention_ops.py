@@ -318,7 +318,7 @@ def fla_decode_in_place(args: tuple, kwargs: dict, state: torch.Tensor, out_dtyp
     with the kernel keywords `kwargs`: the contiguous K-major fp32 `state` is read and written in
     place (each (token, head, V block) by one program), the output goes into an empty buffer the
     kernel fills. Returns o [M, H, V] in out_dtype. Used by kda_decode and by k3's
-    kda_decode_gated (kernels/launch.py), which puts the norms and the gate in the kernel."""
+    kda_decode_gated (kernels/attention.py), which puts the norms and the gate in the kernel."""
     fwd = fla_fused_recurrent_kda_fwd()
     kwargs = dict(kwargs, initial_state=state, output_final_state=True)
     if "state_v_first" in _fla_params(fwd):

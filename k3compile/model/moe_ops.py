@@ -24,7 +24,7 @@ from torch import Tensor
 from k3compile.model.functional import situ
 from k3compile.model.mxfp4 import BLOCK, _dequantize, _is_real_tensor, dequantize
 
-__all__ = ["mxfp4_experts", "dequantize_experts", "mxfp4_experts_reference"]
+__all__ = ["mxfp4_experts", "dequantize_experts", "mxfp4_experts_reference", "mxfp4_experts_gathered"]
 
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ID_DTYPES = (torch.int32, torch.int64)

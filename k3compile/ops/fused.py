@@ -1,7 +1,7 @@
 """The `k3::` custom ops that the passes emit.
 
 Each op has: a PyTorch reference (`reference.py`, any device), a fake implementation for
-tracing, and a dispatch point (`k3compile.kernels.registry.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
+tracing, and a dispatch point (`k3compile.kernels.dispatch.pick`) where the GPU kernels plug in. The ops are functional (no input is mutated, no output aliases an input), so
 Inductor treats them as ordinary extern kernels; the exceptions are `k3::kda_decode_gated`, `k3::kda_decode_fb`,
 `k3::mla_decode_normed` and `k3::mla_decode_uv`, which take the place of the model's mutating
 `k3model::kda_decode` / `k3model::mla_decode` inside their auto_functionalized nodes, and
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels import registry as dispatch
+from ..kernels import dispatch
 from ..runtime import streams
 from . import reference as ref
 
@@ -30,16 +30,20 @@ def _run(op: str, reference_fn, *args):
 @torch.library.custom_op("k3::oproj_allreduce_residual", mutates_args=())
 def oproj_allreduce_residual(x: Tensor, w: Tensor, residual: Tensor, blocks: list[Tensor],
                              w_norm: Optional[Tensor], w_qk: Optional[Tensor], g: Optional[Tensor],
-                             eps: float, group: Optional[str], prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+                             eps: float, group: Optional[str], prefetch: list[Tensor], rounding: int = 0,
+                             mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(x @ w.T); normed = AttnRes post-norm of
     updated over `blocks` (plain RMSNorm(g) when there are none), or an empty tensor when g is None.
-    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
-    return _run("oproj_allreduce_residual", lambda *a: ref.oproj_allreduce_residual(*a[:9]),
-                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
+    `rounding`: the post-norm's rounding order, `mix_rounding`: the mixer's (reference.NORM_* / MIX_*
+    bits, as the model's graph rounds; 0: the reference model's)."""
+    return _run("oproj_allreduce_residual",
+                lambda *a: ref.oproj_allreduce_residual(*a[:9], *a[10:]),
+                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
 
 
 @oproj_allreduce_residual.register_fake
-def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return torch.empty_like(residual), (torch.empty_like(residual) if g is not None else residual.new_empty(0))
 
 
@@ -47,34 +51,37 @@ def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
 @torch.library.custom_op("k3::residual_norm", mutates_args=())
 def residual_norm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
                   w_qk: Optional[Tensor], g: Tensor, eps: float, group: Optional[str],
-                  prefetch: list[Tensor]) -> tuple[Tensor, Tensor]:
+                  prefetch: list[Tensor], rounding: int = 0, mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(delta) (delta as it is when group is None);
     normed = the AttnRes mixer of updated over `blocks` (RMSNorm(g) when there are none).
-    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only)."""
-    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8]),
-                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch)
+    `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
+    `rounding` / `mix_rounding`: the rounding orders, as k3::oproj_allreduce_residual's."""
+    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8], *a[9:]),
+                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
 
 
 @residual_norm.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch):
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
     return torch.empty_like(residual), torch.empty_like(residual)
 
 
 # ----------------------------------------------------------------- 2. MoE finalize folded into the latent tail
 @torch.library.custom_op("k3::moe_latent_tail", mutates_args=())
 def moe_latent_tail(y: Tensor, topk_w: Tensor, shared_partial: Tensor, g_latent: Tensor, w_up: Tensor,
-                    eps: float, rank: int, group: Optional[str], prefetch: list[Tensor]) -> Tensor:
+                    eps: float, rank: int, group: Optional[str], prefetch: list[Tensor],
+                    rounding: int = 0) -> Tensor:
     """final_partial = shared_partial (+ at this rank's columns) up_proj(RMSNorm(all_reduce(sum_k w_k y_k))).
     shared_partial may come straight from k3::shared_expert_async: the current stream waits for the
-    side stream that computes it before anything reads it."""
+    side stream that computes it before anything reads it. `rounding`: the latent norm's rounding
+    order (reference.NORM_* bits)."""
     if shared_partial.is_cuda:
         streams.join(shared_partial)
-    return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8]),
-                y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch)
+    return _run("moe_latent_tail", lambda *a: ref.moe_latent_tail(*a[:8], *a[9:]),
+                y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding)
 
 
 @moe_latent_tail.register_fake
-def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch):
+def _(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
     return torch.empty_like(shared_partial)
 
 
@@ -90,6 +97,19 @@ def mxfp4_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w13_scale: Tensor, w
 @mxfp4_experts.register_fake
 def _(x, topk_ids, w13, w13_scale, w2, w2_scale, beta, linear_beta):
     return x.new_empty(topk_ids.shape[0], topk_ids.shape[1], x.shape[1])
+
+
+def model_experts_on_kernels() -> None:
+    """For baselines (bench): the model's own `k3model::mxfp4_experts` runs on CUDA through the MXFP4
+    expert kernels that `k3::mxfp4_experts` dispatches to, instead of its capture-safe PyTorch path
+    (every pair's expert dequantised to fp32: 9-10x slower and GiBs of temporaries at M >= 16), so an
+    eager or Inductor step stands for a hand-written eager path and k3's lead is the passes'."""
+    from ..model.moe_ops import mxfp4_experts_gathered
+
+    def cuda_impl(*args):
+        k = dispatch.pick("mxfp4_experts", "cuda", *args)
+        return (k.fn if k is not None else mxfp4_experts_gathered)(*args)
+    torch.library.register_kernel("k3model::mxfp4_experts", "cuda", cuda_impl)
 
 
 # ----------------------------------------------------------------- 3. sharded router + latent projection
@@ -292,7 +312,7 @@ def _(xq, xk, xv, state, w):
 @torch.library.custom_op("k3::decode_gemm", mutates_args=())
 def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T for a weight w [N, K] (F.linear without bias); on CUDA the tensor-core split-K
-    decode GEMM where the tuned table has this weight shape and M (kernels/choose.GEMV_TABLE),
+    decode GEMM where the tuned table has this weight shape and M (kernels/tuning.GEMV_TABLE),
     else cuBLAS."""
     return _run("decode_gemm", lambda a, b: torch.mm(a, b.t()), x, w)
 
@@ -307,7 +327,7 @@ def decode_bmm(x: Tensor, w: Tensor, w_nk: bool, gate: Optional[Tensor] = None) 
     """torch.bmm(x, w) for a per-head weight w [H, K, N] (w_nk: w stored [H, N, K], the product with its
     transpose), x [H, M, K] of few tokens; with gate [M, H, N], times sigmoid(gate) transposed to
     [H, M, N]. The [H, M, N] result is stored token-major (a permuted view of a contiguous [M, H, N]).
-    On CUDA one Triton kernel (launch.head_bmm) instead of cuBLAS's batched GEMM (and the gate's kernel)."""
+    On CUDA one Triton kernel (kernels/gemm.head_bmm) instead of cuBLAS's batched GEMM (and the gate's kernel)."""
     return _run("decode_bmm", ref.decode_bmm, x, w, w_nk, gate)
 
 

@@ -10,6 +10,76 @@ import torch.nn.functional as F
 
 from k3compile.model.functional import attnres_mix, rms_norm, situ, situ_mlp as shared_expert  # noqa: F401
 
+from ..rounding import (MIX_BITS, MIX_DIV, MIX_KEY_FP32, MIX_KEY_WEIGHTED, NORM_BITS, NORM_CAST_FIRST,  # noqa: F401
+                        NORM_DIV, NORM_IN_DTYPE, NORM_RECIP)
+
+
+def _normalise(xf: torch.Tensor, eps: float, rounding: int) -> torch.Tensor:
+    ms = xf.pow(2).mean(-1, keepdim=True) + eps
+    if rounding & NORM_DIV:
+        return xf / torch.sqrt(ms)
+    if rounding & NORM_RECIP:
+        return xf * torch.reciprocal(torch.sqrt(ms))
+    return xf * torch.rsqrt(ms)
+
+
+def rms_norm_as(x: torch.Tensor, w: torch.Tensor | None, eps: float, rounding: int = 0,
+                round_out: bool = True) -> torch.Tensor:
+    """RMSNorm of x (fp32 statistics) with the rounding order `rounding` (NORM_* bits), in x.dtype;
+    round_out=False: the product with w left in fp32 (an AttnRes key kept in fp32)."""
+    dt = x.dtype
+    if rounding & NORM_IN_DTYPE:
+        y = _normalise(x, eps, rounding)
+        return y if w is None else y * w
+    y = _normalise(x.float(), eps, rounding)
+    if w is None:
+        return y.to(dt) if round_out else y
+    if rounding & NORM_CAST_FIRST:
+        y = y.to(dt).float() * w.float()   # the product of two dt values: exact in fp32, rounded once below
+    else:
+        y = y * w.float()
+    return y.to(dt) if round_out else y
+
+
+def mix_logits(srcs: torch.Tensor, w_norm, w_qk, eps: float, mix_rounding: int = 0) -> torch.Tensor:
+    """The AttnRes logits [S, M] of the stacked sources [S, M, H] (fp32), formed as `mix_rounding` says."""
+    kr = mix_rounding & NORM_BITS
+    fp32 = bool(mix_rounding & MIX_KEY_FP32)
+    if mix_rounding & MIX_KEY_WEIGHTED:
+        key = rms_norm_as(srcs, w_norm, eps, kr, round_out=not fp32).float()
+        return (key * w_qk.float()).sum(-1)
+    key = rms_norm_as(srcs, None, eps, kr, round_out=not fp32).float()
+    return (key * (w_norm.float() * w_qk.float())).sum(-1)
+
+
+def mix_sources(sources: list, logits: torch.Tensor, mix_rounding: int = 0) -> torch.Tensor:
+    """The mixed row, sum_s softmax_s(logits) * src_s in fp32, rounded to the sources' dtype."""
+    dt = sources[0].dtype
+    if mix_rounding & MIX_DIV:
+        mx = logits.amax(0)
+        num = den = None
+        for lg, s in zip(logits.unbind(0), sources):
+            e = torch.exp(lg - mx)
+            t = e.unsqueeze(-1) * s.float()
+            num = t if num is None else num + t
+            den = e if den is None else den + e
+        return (num / den.unsqueeze(-1)).to(dt)
+    p = torch.softmax(logits, dim=0)
+    return (p.unsqueeze(-1) * torch.stack(sources, dim=0).float()).sum(0).to(dt)
+
+
+def attnres_mix_as(prefix, delta, blocks, w_norm, w_qk, g, eps, rounding: int = 0, mix_rounding: int = 0):
+    """(normed, updated): model.functional.attnres_mix with the output norm's rounding order
+    `rounding` and the mixer's `mix_rounding` (module comment above); (0, 0) is attnres_mix itself."""
+    updated = prefix if delta is None else prefix + delta
+    if blocks:
+        sources = [*blocks, updated]
+        mixed = mix_sources(sources, mix_logits(torch.stack(sources, dim=0), w_norm, w_qk, eps, mix_rounding),
+                            mix_rounding)
+    else:
+        mixed = updated
+    return rms_norm_as(mixed, g, eps, rounding), updated
+
 
 def all_reduce(x: torch.Tensor, group: str | None) -> torch.Tensor:
     if not group:
@@ -26,26 +96,29 @@ def all_gather(x: torch.Tensor, group: str | None, tp: int) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(out).view(tp, *x.shape)
 
 
-def oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group):
-    """updated = residual + all_reduce(x @ w.T); normed = AttnRes/RMSNorm(updated) (or empty)."""
+def oproj_allreduce_residual(x, w, residual, blocks, w_norm, w_qk, g, eps, group, rounding=0, mix_rounding=0):
+    """updated = residual + all_reduce(x @ w.T); normed = AttnRes/RMSNorm(updated) (or empty), rounded
+    as `rounding` / `mix_rounding` say."""
     if g is None:
         updated = residual + all_reduce(F.linear(x, w), group)
         return updated, updated.new_empty(0)
-    return residual_norm(F.linear(x, w), residual, blocks, w_norm, w_qk, g, eps, group)
+    return residual_norm(F.linear(x, w), residual, blocks, w_norm, w_qk, g, eps, group, rounding, mix_rounding)
 
 
-def residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, group):
-    """updated = residual + all_reduce(delta); normed = AttnRes/RMSNorm(updated)."""
-    normed, updated = attnres_mix(residual, all_reduce(delta, group), list(blocks), w_norm, w_qk, g, eps)
+def residual_norm(delta, residual, blocks, w_norm, w_qk, g, eps, group, rounding=0, mix_rounding=0):
+    """updated = residual + all_reduce(delta); normed = AttnRes/RMSNorm(updated), rounded as
+    `rounding` (the output norm) and `mix_rounding` (the mixer) say."""
+    normed, updated = attnres_mix_as(residual, all_reduce(delta, group), list(blocks), w_norm, w_qk, g, eps,
+                                     rounding, mix_rounding)
     return updated, normed
 
 
-def moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group):
-    """Finalize (weighted top-k sum) + latent all-reduce + RMSNorm + up-projection shard + add
-    into this rank's column slice of the shared-expert partial."""
+def moe_latent_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, rounding=0):
+    """Finalize (weighted top-k sum) + latent all-reduce + RMSNorm (rounded as `rounding` says) +
+    up-projection shard + add into this rank's column slice of the shared-expert partial."""
     routed = (y.float() * topk_w.unsqueeze(-1)).sum(1).to(y.dtype)
     routed = all_reduce(routed, group)
-    tail = F.linear(rms_norm(routed, g_latent, eps), w_up)
+    tail = F.linear(rms_norm_as(routed, g_latent, eps, rounding), w_up)
     n = tail.shape[-1]
     if n == shared_partial.shape[-1]:
         return shared_partial + tail

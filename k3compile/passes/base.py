@@ -18,7 +18,7 @@ def gated_off(name: str, info: GraphInfo, opts: K3Options) -> str | None:
     """Why the profitability gate keeps `name` (a pass, or a feature such as "prefetch") out of this
     graph, or None: on CUDA with Inductor and gate="measured", only the M in its pipeline row's cuda_m. A
     dynamic-M graph (vLLM's general graph) gets every pass with a non-empty range: its ops switch to
-    their unfused paths at run time outside the tuned ranges (kernels/cuda.py ONESHOT_M)."""
+    their unfused paths at run time outside the tuned ranges (kernels/tuning.py ONESHOT_M)."""
     if opts.gate != "measured" or opts.mode != "inductor" or info.device != "cuda" or name in opts.ungated:
         return None
     m = info.m_static

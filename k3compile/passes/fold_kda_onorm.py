@@ -29,7 +29,7 @@ import operator
 
 import torch
 
-from ..patterns.graph import Fail, aten, dtype, is_call, match_rms_norm, shape
+from ..patterns.graph import Fail, aten, dtype, is_call, match_rms_norm, norm_rounding_text, shape
 from ..patterns.structure import op_name
 from .base import K3Pass
 from .pipeline import register
@@ -116,6 +116,9 @@ class FoldKdaOnorm(K3Pass):
         if found is None:
             return Fail(o, "o is not read by rms_norm(o, w) * sigmoid(...)")
         mul, normed, sig, site = found
+        if site.rounding:
+            return Fail(normed, f"the output norm rounds in another order ({norm_rounding_text(site.rounding)}) than "
+                                "k3::kda_step_decode_'s (x * rsqrt in fp32, the weight applied in fp32)")
         # o's new value is the product: nothing but the norm may read o or a node between o and the norm's
         # output (in bf16 / fp16 o's one reader is the cast to fp32; in fp32 there is no cast, and x^2 and
         # x * rsqrt(...) read o itself)

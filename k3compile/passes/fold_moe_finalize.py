@@ -11,7 +11,8 @@ computes them: patterns.moe.finalize):
     (any other spelling of "add the tail at this rank's columns", `F.pad`, `narrow(...).add_`,
     is checked by evaluation: patterns.moe.tail_add)
 Emits:
-    final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[])
+    final_partial = k3::moe_latent_tail(y, w, shared_partial, g_latent, W_up[r], eps, r, group, prefetch=[], rounding)
+(rounding: the latent norm's rounding order as the graph computes it, patterns.graph.match_rms_norm)
 In vLLM's Kimi K3 (the MoE in its opaque op, found by role: patterns.roles) the finalize is inside
 `vllm::moe_forward_shared`, which returns (shared_partial, routed_partial [M, L], finalized), and its
 LatentMoERunner writes the tail after it in one of two forms at TP > 1 (the TP=1 one is the first above):
@@ -85,7 +86,7 @@ class FoldMoeFinalize(K3Pass):
             if dtype(y) != dtype(s["shared"]):
                 y = emit(graph, y, torch.ops.prims.convert_element_type.default, (y, dtype(s["shared"])))
             args = (y, w, s["shared"], s["norm"].weight, w_up, s["norm"].eps, info.rank if s["group"] else 0,
-                    s["group"], [])
+                    s["group"], [], s["norm"].rounding)
             fused = emit(graph, last_of(graph, [s["final"], w_up, w, s["shared"]]), OPS["moe_latent_tail"], args)
             if s.get("reduce") is not None:   # the partial with this rank's tail columns, then one all-reduce
                 ar = emit(graph, fused, c10d.all_reduce.default, (fused, "sum", s["reduce"]))

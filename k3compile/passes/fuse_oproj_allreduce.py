@@ -7,7 +7,10 @@ where a graph has no role-found layers, the first GEMM after each known attentio
     updated = prefix + y                 # or Inductor's addmm(prefix, o, W_o.T) at TP=1
     normed = RMSNorm(updated) * g        # or the AttnRes mixer over [blocks..., updated] (optional)
 Emits:
-    updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
+    updated, normed = k3::oproj_allreduce_residual(o, W_o, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[],
+                                                   rounding, mix_rounding)
+with the rounding orders the post-norm and the mixer are written with (patterns.graph.match_rms_norm,
+patterns.attnres: ops/reference.py's NORM_* / MIX_* bits), so that the op rounds as the graph did.
 Skipped: model dtype not in options.dtypes, TP size not in options.tp_sizes, static M outside the
 pass's batch range. On CUDA with Inductor, M outside its pipeline row's CUDA range (passes/pipeline.py) (the
 profitability gate, base.gated_off; the reason is in the report). A site whose GEMM is not followed
@@ -116,9 +119,9 @@ class FuseOprojAllreduce(K3Pass):
         w = weight_out_in(graph, lin, updated)
         if mix is not None:
             args = (lin.x, w, s["residual"], list(mix.blocks), mix.w_norm, mix.w_qk, mix.norm.weight,
-                    mix.norm.eps, s["group"], [])
+                    mix.norm.eps, s["group"], [], mix.norm.rounding, mix.mix_rounding)
         else:
-            args = (lin.x, w, s["residual"], [], None, None, None, 1e-6, s["group"], [])
+            args = (lin.x, w, s["residual"], [], None, None, None, 1e-6, s["group"], [], 0, 0)
         anchor = last_of(graph, [updated, w] + list(mix.blocks if mix else []))
         fused = emit(graph, anchor, OPS["oproj_allreduce_residual"], args)
         normed = getitem(graph, fused, 1) if mix is not None else None

@@ -8,7 +8,10 @@ Matches every AttnRes mixer or RMSNorm fed by a residual add that fuse_oproj_all
     updated = prefix + delta             # or Inductor's addmm(prefix, h, W.T) at TP=1 (delta = h @ W.T)
     normed = RMSNorm(updated) * g        # or the AttnRes mixer over [blocks..., updated]
 Emits:
-    updated, normed = k3::residual_norm(partial, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[])
+    updated, normed = k3::residual_norm(partial, prefix, blocks, w_norm, w_qk, g, eps, group, prefetch=[],
+                                        rounding, mix_rounding)
+with the rounding orders the norm and the mixer are written with (patterns.graph.match_rms_norm,
+patterns.attnres: ops/reference.py's NORM_* / MIX_* bits), so that the op rounds as the graph did.
 On CUDA one Triton kernel (the o-proj op's all-reduce + residual + norm kernel without its GEMM)
 replaces the NCCL all-reduce and Inductor's mixer kernels (4-6 reductions for three blocks).
 Expected: one site per MLP / MoE residual add found by role (patterns.roles: each layer's but the
@@ -128,7 +131,7 @@ class FuseResidualNorm(K3Pass):
         if s["gemm"] is not None:   # the addmm form: its GEMM without the residual, then the op
             partial = anchor = emit(graph, anchor, aten.mm.default, tuple(s["gemm"]))
         args = (partial, s["prefix"], list(mix.blocks), mix.w_norm, mix.w_qk, mix.norm.weight, mix.norm.eps,
-                s["group"], [])
+                s["group"], [], mix.norm.rounding, mix.mix_rounding)
         fused = emit(graph, anchor, OPS["residual_norm"], args)
         replace(graph, mix.norm.out, getitem(graph, fused, 1))
         replace(graph, s["updated"], getitem(graph, fused, 0))

@@ -12,7 +12,7 @@ Expected: every mm / addmm with a weight operand still in the graph when the pas
 it cannot take are near-misses with the reason (a bias or residual folded into addmm, a weight
 stored [in, out], another dtype, a weight on the left).
 Emits: `k3::decode_gemm(x, W)`. On CUDA it runs the tensor-core split-K kernel with the tuned
-config where `kernels/choose.GEMV_TABLE` has this weight shape and M (measured faster than
+config where `kernels/tuning.GEMV_TABLE` has this weight shape and M (measured faster than
 cuBLAS), else torch.mm: so a shape the table lacks costs nothing but the custom-op call.
 Its reference is `x @ W.T`, exact on CPU.
 Also every `bmm(x [H, M, K], V)` whose right operand V is a per-head weight W (a 3-D graph input)
@@ -20,7 +20,7 @@ reached through views, permutes and copies only, with V equal to W ([H, K, N]) o
 W.transpose(1, 2) (W stored [H, N, K]): the MLA query absorption and value up-projection (einsums
 that Inductor hands to cuBLAS's batched GEMM). Which of the two V is, is found by replaying that
 chain of views on an index tensor of W's shape. Emits `k3::decode_bmm(x, W, w_nk)`: one Triton
-kernel on CUDA (launch.head_bmm), reference torch.bmm, exact on CPU. Where the bmm's result, moved
+kernel on CUDA (kernels/gemm.head_bmm), reference torch.bmm, exact on CPU. Where the bmm's result, moved
 back to [M, H, N] by views only (checked by the same replay), is multiplied by sigmoid(G) and by
 nothing else (the MLA output gate), G joins the op, `k3::decode_bmm(x, W, w_nk, G)`, and the
 multiply goes: one kernel where Inductor launched a separate gate kernel. The op's result is

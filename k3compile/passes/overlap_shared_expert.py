@@ -248,7 +248,7 @@ class OverlapSharedExpert(K3Pass):
         count = 0
         for i, n in enumerate(nodes):
             comm = None
-            if is_call(n, *_FUSED_COMM) and n.args[-2]:
+            if is_call(n, *_FUSED_COMM) and _comm_arg(n, "group"):
                 comm = n
             elif is_call(n, c10d.wait_tensor.default) and match_all_reduce(n):
                 comm = n
@@ -274,7 +274,8 @@ class OverlapSharedExpert(K3Pass):
             if not weights:
                 continue
             if comm.target in _FUSED_COMM:
-                comm.args = (*comm.args[:-1], weights)
+                i = _arg_index(comm.target, "prefetch")
+                comm.args = (*comm.args[:i], weights, *comm.args[i + 1:])
             else:
                 ar = match_all_reduce(comm)
                 comm.replace_all_uses_with(emit(graph, comm, OPS["all_reduce_prefetch"], (ar.inp, ar.group, weights)))
@@ -282,8 +283,18 @@ class OverlapSharedExpert(K3Pass):
         return count
 
 
-# the fused ops that communicate; each takes (..., group, prefetch) as its last two arguments
+# the fused ops that communicate; each takes a `group` and a `prefetch` argument
 _FUSED_COMM = (OPS["oproj_allreduce_residual"], OPS["residual_norm"], OPS["moe_latent_tail"])
+
+
+def _arg_index(op, name: str) -> int:
+    return next(i for i, a in enumerate(op._schema.arguments) if a.name == name)
+
+
+def _comm_arg(n, name: str):
+    """A fused communication op's argument by its schema name (positional in the passes' nodes)."""
+    i = _arg_index(n.target, name)
+    return n.args[i] if i < len(n.args) else n.kwargs.get(name)
 
 
 def _flat(args):

@@ -110,7 +110,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # communication. On 2 x H200 with the first kernels it made every layer slower (+0.9 / +10.1 us at M=1,
     # +56.9 / +40.4 at M=16: bench/results/layer_{kda,mla}_tp8_h200x2_b906be6.json), so the gate keeps it off
     Feature("prefetch", "overlap_shared_expert", NEVER, f"{TP_ONLY} (on the current kernels)"),
-    # the CuTe push-epilogue o-proj GEMM (kernels/choose.push_gemm; its range: choose.CUTE_M["oproj_push"])
+    # the CuTe push-epilogue o-proj GEMM (kernels/comm.push_gemm; its range: tuning.CUTE_M["oproj_push"])
     Feature("oproj_push", "fuse_oproj_allreduce", NEVER, TP_ONLY),
 )}
 

@@ -16,11 +16,11 @@ Emits:
     in fp32, the gather in fp32)
 At TP > 1 rank r multiplies by rows [r*s, (r+1)*s) of [W_r; W_down], s = (E + L) / tp, in one GEMM,
 then one all-gather; the one rank whose rows straddle both weights runs the GEMM over its rows of
-each weight in one launch (launch.mma_gemm2) where the tuned config's tile divides its router rows
+each weight in one launch (kernels/gemm.mma_gemm2) where the tuned config's tile divides its router rows
 (TP=2: 896 of 2240), else keeps a copy of them, s x hidden, made on its first call: 8 MB per MoE
-layer at TP=8 (kernels/launch.rank_rows).
+layer at TP=8 (kernels/comm.rank_rows).
 At TP = 1 nothing is sharded or gathered: the op is the two GEMMs in ONE launch of the decode GEMM
-over the stacked rows of both weights (launch.mma_gemm2; no copy of either weight), where the tuned
+over the stacked rows of both weights (gemm.mma_gemm2; no copy of either weight), where the tuned
 table has the stacked shape and M, else each GEMM as lower_decode_gemm would run it. (Two GEMMs of
 one input, the router's 896 rows alone filling a part of the SMs: 7.0 us for 2.9 us of bytes.)
 The router's selection on those logits is the next pass's (fuse_router_topk).

@@ -11,6 +11,12 @@ other spelling (weights applied inside the key RMSNorm, an einsum, sources in a 
 an unrolled loop with a running max, ...) is found by role and verified by evaluation
 (`_match_general`): the region of the graph between the final norm's input and the [M, H] sources
 it normalises is run on random CPU tensors and compared with the spec's formula.
+
+A site also records how the mixer rounds (`mix_rounding`, ops/reference.py's MIX_* bits: keys rounded to
+the model dtype or kept in fp32, a key RMSNorm with its own weight, softmax or an unrolled sum), and its
+final norm how that norm rounds (`norm.rounding`): the fused ops follow both, so a rewritten graph
+equals the model's own in bf16 (the orders differ by up to a bf16 rounding of every element, which
+the next layers amplify).
 """
 from __future__ import annotations
 
@@ -24,8 +30,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.fx.node import map_aggregate
 
+from ..ops import reference as ref
 from .graph import (CONVERT_OPS, VIEW_OPS, Fail, RmsNormSite, aten, concrete, describe, is_call, match_rms_norm,
-                    scalar, shape, strip, strip_converts, val, _name)
+                    rounded_between, scalar, shape, strip, strip_converts, val, _name)
+from .attnres_eval import _LOW_PRECISION, _evaluate, _mix_rounding, _order_weights, _replay, _sig  # noqa: F401
 
 
 @dataclass
@@ -40,6 +48,10 @@ class AttnResSite:
     # (an unrolled mixer normalises each source, the residual add among them, on its own): it is
     # not a residual norm site, and `updated` is None.
     role: str = "post_norm"
+    # how the mixer rounds its logits and weighted sum (ops.reference.MIX_* bits; 0 without blocks):
+    # read from the graph's structure on the reference spelling, else found by evaluating the region
+    # (the spelling whose reference reproduces it bit for bit). The output norm's order: norm.rounding.
+    mix_rounding: int = 0
 
 
 def _sources(t: Node) -> list | Fail:
@@ -118,7 +130,9 @@ def _match_stacked(norm: RmsNormSite) -> AttnResSite | Fail | None:
         return Fail(inner, f"the mixer's key RMSNorm eps {src_norm.eps:g} differs from its output norm's "
                            f"{norm.eps:g}: the fused ops take one eps")
     srcs = _sources(srcs_node)
-    return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk)
+    # the keys: rounded to the model dtype before the dot product with w_norm * w_qk, or kept in fp32
+    mr = src_norm.rounding | (0 if rounded_between(inner, strip_converts(inner)) else ref.MIX_KEY_FP32)
+    return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk, mix_rounding=mr)
 
 
 # ------------------------------------------------------------------------------------------ any spelling
@@ -163,7 +177,8 @@ def _inner_out(norm: RmsNormSite, updated: Node) -> RmsNormSite:
         n = n.args[0]
     if pick is None or pick is norm.out:
         return norm
-    return RmsNormSite(pick, norm.x, norm.weight, norm.eps, [pick] + [x for x in norm.nodes if x is not norm.out])
+    return RmsNormSite(pick, norm.x, norm.weight, norm.eps, [pick] + [x for x in norm.nodes if x is not norm.out],
+                       norm.rounding)
 
 
 # How far the walks go (nodes): a mixer over 9 sources written as an unrolled loop is about 250
@@ -187,7 +202,6 @@ _REGION_OPS = {
     aten.zeros.default, aten.ones.default, aten.full_like.default, aten.zeros_like.default,
     aten.ones_like.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
 }
-_LOW_PRECISION = {torch.bfloat16, torch.float16}
 
 
 def _exp_ops() -> set:
@@ -196,12 +210,6 @@ def _exp_ops() -> set:
     if online is not None:
         ops.add(online.default)
     return ops
-
-
-def _sig(n: Any) -> tuple | None:
-    """A node's shape as strings (symbolic sizes by name): compared without guarding on SymInts."""
-    s = shape(n)
-    return None if s is None else tuple(str(d) for d in s)
 
 
 def _is_weight_matrix(a: Any) -> bool:
@@ -518,94 +526,6 @@ def _verify(norm: RmsNormSite, f: _Found) -> AttnResSite | Fail:
             return Fail(f.mixed, f"evaluated AttnRes mixer (at {describe(f.mixed)}, {len(f.sources)} sources) differs "
                                  f"from the spec formula by {err:.3g} (relative, {what}; tolerance {tol:g})")
     w_norm, w_qk = _order_weights(f)
-    return AttnResSite(norm, f.updated, [s for s in f.sources if s is not f.updated], w_norm, w_qk)
-
-
-def _order_weights(f: _Found) -> tuple:
-    """(w_norm, w_qk): the weight a key RMSNorm multiplies by is w_norm (their product is what the
-    math uses; the order only names them)."""
-    a, b = f.weights
-    inside = set(f.region)
-    for w in (a, b):
-        users = [u for u in w.users if u in inside]
-        while users:
-            u = users.pop()
-            if is_call(u) and u.target in CONVERT_OPS:
-                users.extend(x for x in u.users if x in inside)
-                continue
-            site = match_rms_norm(u)
-            if not isinstance(site, Fail) and site.weight is not None and strip_converts(site.weight) is w:
-                return (w, b if w is a else a)
-    return a, b
-
-
-def _evaluate(f: _Found, fp32: bool, eps_candidates) -> tuple | Fail:
-    """(relative error against the spec formula, tolerance, label): f's region run on random CPU
-    tensors, all floats as fp32 (casts to bf16 / fp16 become fp32: the math alone) or as the graph's
-    dtypes (meta['val'])."""
-    dims = [concrete(d) for d in shape(f.mixed)]
-    if None in dims:
-        return Fail(f.mixed, f"the AttnRes mixer's shape {shape(f.mixed)} has a size without an example value")
-
-    def dt(n):
-        d = val(n).dtype if isinstance(val(n), torch.Tensor) else torch.float32
-        return torch.float32 if fp32 and d in _LOW_PRECISION else d
-
-    def fix(a):
-        if isinstance(a, Node):
-            return env[a]
-        if isinstance(a, torch.device):
-            return torch.device("cpu")
-        if fp32 and isinstance(a, torch.dtype) and a in _LOW_PRECISION:
-            return torch.float32
-        return a
-
-    lowest = torch.float32
-    with unset_fake_temporarily(), torch.no_grad():
-        g = torch.Generator().manual_seed(1234)
-        h = dims[-1]
-        base = {s: (torch.randn(dims, generator=g, dtype=torch.float64) * (0.5 + 0.35 * i) + 0.1 * i).to(dt(s))
-                for i, s in enumerate(f.sources)}
-        w = [(1 + 0.25 * torch.randn(h, generator=g, dtype=torch.float64)),
-             torch.randn(h, generator=g, dtype=torch.float64) * (2.0 / h ** 0.5)]
-        w = [x.to(dt(n)) for x, n in zip(w, f.weights)]
-        env: dict = {}
-        for n, (kind, v) in f.leaves.items():
-            if kind == "src" or kind == "alias":
-                env[n] = base[v].to(dt(n))
-            elif kind == "stack":
-                env[n] = torch.stack([base[x] for x in v]).to(dt(n))
-            elif kind == "weight":
-                env[n] = w[f.weights.index(n)]
-            elif kind == "const":
-                env[n] = v.detach().to("cpu", torch.float32 if fp32 and v.dtype in _LOW_PRECISION else v.dtype)
-            else:
-                env[n] = v
-        for d in (dt(s) for s in [*f.sources, *f.weights]):
-            lowest = d if d in _LOW_PRECISION else lowest
-        try:
-            for n in f.region:
-                args = map_aggregate(n.args, fix)
-                kwargs = map_aggregate(n.kwargs, fix)
-                env[n] = n.target(*args, **kwargs)
-                if isinstance(env[n], torch.Tensor) and env[n].dtype in _LOW_PRECISION:
-                    lowest = env[n].dtype
-        except Exception as e:  # noqa: BLE001 - a region this replay cannot run is reported, not raised
-            return Fail(n, f"evaluating the AttnRes mixer's region failed at {describe(n)}: {type(e).__name__}: {e}"[:300])
-        out = env[f.mixed]
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(dims):
-            return Fail(f.mixed, f"the AttnRes mixer's region gives {getattr(out, 'shape', out)}, not {dims}")
-        out = out.double()
-        srcs = torch.stack([base[s].double() for s in f.sources])          # [S, M, H]
-        wq = w[0].double() * w[1].double()
-        best = float("inf")
-        for eps in eps_candidates:
-            nrm = srcs * torch.rsqrt(srcs.pow(2).mean(-1, keepdim=True) + eps)
-            p = torch.softmax((nrm * wq).sum(-1), dim=0)
-            ref = (p.unsqueeze(-1) * srcs).sum(0)
-            err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-            best = min(best, err if err == err else float("inf"))
-    if fp32:
-        return best, 1e-4, "fp32"
-    tol = {torch.bfloat16: 4e-2, torch.float16: 1e-2}.get(lowest, 1e-4)
-    return best, tol, f"as traced, {str(lowest).replace('torch.', '')}"
+    blocks = [s for s in f.sources if s is not f.updated]
+    return AttnResSite(norm, f.updated, blocks, w_norm, w_qk,
+                       mix_rounding=_mix_rounding(f, [*blocks, f.updated], w_norm, w_qk, norm.eps))

@@ -181,6 +181,41 @@ class RmsNormSite:
     weight: Node | None
     eps: float
     nodes: list
+    # the rounding order the graph computes (ops.reference.NORM_* bits): NORM_CAST_FIRST where the
+    # normalised x is rounded to a 16-bit dtype before the weight multiply; NORM_DIV / NORM_RECIP for
+    # x / sqrt(...) and x * reciprocal(sqrt(...)); NORM_IN_DTYPE where the normalisation itself is in a
+    # 16-bit dtype (0: x * rsqrt(...) in fp32, the weight applied in fp32, one rounding)
+    rounding: int = 0
+
+
+_LOW = (torch.bfloat16, torch.float16)
+# ops.reference's NORM_* bits (importing them would import the ops here: the values are fixed)
+_NORM_CAST_FIRST, _NORM_DIV, _NORM_RECIP, _NORM_IN_DTYPE = 1, 2, 4, 8
+
+
+def norm_rounding_text(rounding: int) -> str:
+    """A norm's rounding bits in words (for near-miss reasons and notes)."""
+    words = []
+    if rounding & _NORM_IN_DTYPE:
+        words.append("normalised in the 16-bit input dtype")
+    elif rounding & _NORM_CAST_FIRST:
+        words.append("rounded to the input dtype before the weight multiply")
+    if rounding & _NORM_DIV:
+        words.append("x / sqrt(...)")
+    elif rounding & _NORM_RECIP:
+        words.append("x * reciprocal(sqrt(...))")
+    return ", ".join(words) or "x * rsqrt(...) in fp32, the weight applied in fp32"
+
+
+def rounded_between(top: Any, bottom: Any) -> bool:
+    """Whether the chain of dtype casts from `top` down to `bottom` (top = converts of bottom) passes
+    through a 16-bit float dtype: the value is rounded on the way."""
+    n = top
+    while is_call(n) and n.target in CONVERT_OPS and n is not bottom:
+        if dtype(n) in _LOW:
+            return True
+        n = n.args[0]
+    return False
 
 
 def _match_mean_sq_eps(a: Any, xf: Node) -> float | Fail:
@@ -207,12 +242,19 @@ def _match_mean_sq_eps(a: Any, xf: Node) -> float | Fail:
     return scalar(a.args[1])
 
 
-def _match_inv_rms(r: Any, xf: Node) -> float | Fail:
-    """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps."""
+def _match_inv_rms(r: Any, xf: Node, form: list | None = None) -> float | Fail:
+    """r == rsqrt(mean(xf^2, -1, keepdim) + eps) in one of its spellings; returns eps (and appends
+    the spelling's NORM_* bit to `form`: 0 for rsqrt, NORM_RECIP for reciprocal(sqrt))."""
     r = strip(r, views=False)
+    if is_call(r, aten.mul.Tensor) and 1.0 in [scalar(a) for a in r.args]:   # `1.0 / sqrt(...)`, decomposed
+        r = strip(next(a for a in r.args if isinstance(a, Node)), views=False)
     if is_call(r, aten.rsqrt.default):
+        if form is not None:
+            form.append(0)
         return _match_mean_sq_eps(r.args[0], xf)
     if is_call(r, aten.reciprocal.default) and is_call(r.args[0], aten.sqrt.default):
+        if form is not None:
+            form.append(_NORM_RECIP)
         return _match_mean_sq_eps(r.args[0].args[0], xf)
     return Fail(r, f"expected rsqrt(mean(x^2) + eps), found {_name(r)}")
 
@@ -223,6 +265,7 @@ def match_rms_norm(n: Any) -> RmsNormSite | Fail:
     m = strip_converts(n)
     nodes = [n]
     weight = None
+    cast_first = 0
     if not is_call(m, aten.mul.Tensor, aten.div.Tensor):
         return Fail(m, f"not an RMSNorm (found {_name(m)})")
     # y * weight: one operand is a 1-D weight-like tensor
@@ -235,23 +278,28 @@ def match_rms_norm(n: Any) -> RmsNormSite | Fail:
                 if is_call(strip_converts(other), aten.mul.Tensor, aten.div.Tensor):
                     weight, m = strip_converts(o), strip_converts(other)
                     nodes.append(m)
+                    # `weight * h.to(dtype)`: the normalised x rounded before the weight multiply
+                    cast_first = _NORM_CAST_FIRST if rounded_between(other, m) else 0
                 break
     # x * rsqrt(...) or x / sqrt(...)
     if is_call(m, aten.mul.Tensor):
         a, b = m.args
         for xf, r in ((a, b), (b, a)):
             if isinstance(r, Node) and (shape(r) or (None,))[-1] == 1:
-                eps = _match_inv_rms(r, xf)
+                form: list = []
+                eps = _match_inv_rms(r, xf, form)
                 if isinstance(eps, Fail):
                     return eps
-                return RmsNormSite(out, strip_converts(xf), weight, eps, nodes)
+                low = _NORM_IN_DTYPE if dtype(m) in _LOW else cast_first
+                return RmsNormSite(out, strip_converts(xf), weight, eps, nodes, low | form[0])
         return Fail(m, "mul is not x * rsqrt(mean(x^2) + eps)")
     if is_call(m, aten.div.Tensor) and is_call(m.args[1], aten.sqrt.default):
         xf, sq = m.args
         eps = _match_mean_sq_eps(sq.args[0], xf)
         if isinstance(eps, Fail):
             return eps
-        return RmsNormSite(out, strip_converts(xf), weight, eps, nodes)
+        low = _NORM_IN_DTYPE if dtype(m) in _LOW else cast_first
+        return RmsNormSite(out, strip_converts(xf), weight, eps, nodes, low | _NORM_DIV)
     return Fail(m, f"not an RMSNorm (found {_name(m)})")
 
 

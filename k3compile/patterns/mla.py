@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from .graph import Fail, aten, describe, dtype, is_call, match_rms_norm, shape, val
+from .graph import Fail, aten, describe, dtype, is_call, match_rms_norm, norm_rounding_text, shape, val
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 
@@ -99,6 +99,9 @@ def match_mla_prologue(node: Node) -> MlaPrologueSite | Fail:
         return Fail(site.node, f"kv_new's latent part is not an RMSNorm: {site.reason}")
     if site.weight is None or shape(site.weight) != (L,):
         return Fail(normed, f"kv_new's latent RMSNorm has no [{L}] weight")
+    if site.rounding:
+        return Fail(normed, f"kv_new's latent RMSNorm rounds in another order ({norm_rounding_text(site.rounding)}) "
+                            "than k3::mla_decode_normed's (x * rsqrt in fp32, the weight applied in fp32)")
     if dtype(normed) != dtype(site.x):
         return Fail(normed, f"the normed latent is {dtype(normed)}, not its input's {dtype(site.x)}")
     lat, rk = _columns(site.x), _columns(rope)

@@ -87,7 +87,7 @@ def flashinfer_norm_only(n: Any, x: Node):
     `n` is that op in another form; None where it is not that op."""
     if op_name(n) != "vllm::flashinfer_trtllm_fused_allreduce_norm":
         return None
-    from ..passes.canonicalize import _OpCall   # noqa: PLC0415 - canonicalize imports this module
+    from .opcall import OpCall as _OpCall   # noqa: PLC0415
     c = _OpCall(n)
     views = [k for k in ("allreduce_in", "norm_out") if any(f"_{k}{v}" in n.kwargs for v in (
         "_size", "_stride", "_storage_offset", "_slice_dim", "_alias"))]
@@ -111,7 +111,7 @@ def flashinfer_norm_only(n: Any, x: Node):
 def flashinfer_release(n: Node) -> None:
     """After a rewrite took the norm-only FlashInfer op `n` (`flashinfer_norm_only`): the residual's new value
     (which that form leaves as it was) is read from the residual itself, so nothing keeps `n` alive."""
-    from ..passes.canonicalize import _OpCall   # noqa: PLC0415
+    from .opcall import OpCall as _OpCall   # noqa: PLC0415
     c = _OpCall(n)
     for g in c.new("residual"):
         g.replace_all_uses_with(c.arg("residual"))
@@ -303,7 +303,7 @@ def moe_op_args(n: Node) -> dict:
     """A vLLM MoE op's arguments by schema name (`hidden_states` (the routed input: the latent),
     `router_logits`, `shared_experts_input`, ...), through auto_functionalized (vllm::moe_forward
     mutates its input)."""
-    from ..passes.canonicalize import _OpCall   # noqa: PLC0415 - canonicalize imports this module
+    from .opcall import OpCall as _OpCall   # noqa: PLC0415
     return dict(_OpCall(n).args)
 
 

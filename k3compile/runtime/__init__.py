@@ -1,1 +1,2 @@
-"""Runtime pieces the GPU kernels use: side streams and events (symmetric memory comes with the GPU lowering)."""
+"""Runtime pieces the GPU kernels use: side streams and events, the PDL trigger note one op call leaves for the
+next (streams.py), symmetric-memory workspaces (symm.py). Their state changes only through these functions."""

@@ -12,9 +12,11 @@ Spelling keys and values:
              "matmul_op"  x @ W.t()
              "matmul_fn"  torch.matmul(x, W.T)
              "mm"         torch.mm(x.view(-1, K), W.t()).view(..., N)
-  norm       "rms_norm"   F.rms_norm(x, (H,), w, eps)
+  norm       "rms_norm"   F.rms_norm(x, (H,), w, eps) (in eager: the weight applied in fp32, one rounding)
              "rsqrt_after" fp32 x * rsqrt(mean(x^2) + eps), cast back, THEN * w   (functional.py)
              "sqrt_before" fp32 x / sqrt(var + eps), w multiplied in fp32 BEFORE the cast (fused.py)
+             "module_recip" an nn.Module (transformers style): fp32 x * (1 / sqrt(...)), cast back, w * that
+             "in_dtype"   every step in the model dtype (no fp32 upcast): x * rsqrt(mean(x^2) + eps) * w
   residual   "prefix_delta" prefix + delta | "delta_prefix" delta + prefix | "torch_add" torch.add(prefix, delta)
   allreduce  (world > 1 only)
              "funcol"     torch.distributed._functional_collectives.all_reduce(t, "sum", group)
@@ -38,6 +40,10 @@ Spelling keys and values:
              "narrow_add_" shared.narrow(1, lo, n).add_(tail)
   mixer      "stack_softmax" softmax over torch.stack(sources), weighted sum
              "unrolled"   running max / exp / sum over the sources (functional.py)
+  keys       the AttnRes logits (each source's key, normed as the layer's `norm` spells it):
+             "weighted"   RMSNorm(src, w_norm) (the layer's norm with w_norm as its weight) . w_qk  (functional.py)
+             "rounded"    RMSNorm(src) rounded to the model dtype, . (w_norm * w_qk) (the reference model's)
+             "fp32"       RMSNorm(src) kept in fp32, . (w_norm * w_qk)
 
 The KDA / MLA cores and the MXFP4 experts are functional.py's, with the layer's GEMM and RMSNorm
 spellings substituted.
@@ -56,21 +62,22 @@ RETURNS_CACHE = True
 
 SPELLINGS = {
     "gemm": ("linear", "matmul_op", "matmul_fn", "mm"),
-    "norm": ("rms_norm", "rsqrt_after", "sqrt_before"),
+    "norm": ("rms_norm", "rsqrt_after", "sqrt_before", "module_recip", "in_dtype"),
     "residual": ("prefix_delta", "delta_prefix", "torch_add"),
     "allreduce": ("funcol", "c10d", "inplace"),
     "renorm": ("plain", "eps", "scale"),
     "finalize": ("mul_sum", "bmm", "einsum"),
     "tail": ("pad", "slice_iadd", "narrow_add_"),
     "mixer": ("stack_softmax", "unrolled"),
+    "keys": ("weighted", "rounded", "fp32"),
     "router": ("bf16", "fp32"),
     "shared": ("fused", "split"),
     "dequant": ("table_input", "table_const", "bits"),
 }
 # functional.py's own spellings (its router is the fp32 one)
 FUNCTIONAL = dict(gemm="matmul_op", norm="rsqrt_after", residual="delta_prefix", allreduce="c10d",
-                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", router="fp32", shared="fused",
-                  dequant="table_input")
+                  renorm="eps", finalize="bmm", tail="pad", mixer="unrolled", keys="weighted", router="fp32",
+                  shared="fused", dequant="table_input")
 DEFAULT = dict(FUNCTIONAL, router="bf16")
 
 tiny_config = FN.tiny_config
@@ -113,15 +120,58 @@ def gemm(x, W, sp):
     return torch.mm(x.view(-1, K), W.t()).view(*x.shape[:-1], W.shape[0])
 
 
+class RecipRMSNorm(torch.nn.Module):
+    """A transformers-style RMSNorm module: fp32 statistics, x * (1 / sqrt(...)), the weight after the cast."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * (1.0 / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return h.to(x.dtype) if self.weight is None else self.weight * h.to(x.dtype)
+
+
+def normalised(x, eps, sp):
+    """x's RMS normalisation in fp32 (no weight, not rounded), as the layer's norm spelling computes it."""
+    f = sp["norm"]
+    xf = x.float()
+    ms = xf.pow(2).mean(-1, keepdim=True) + eps
+    if f == "sqrt_before":
+        return xf / torch.sqrt(ms)
+    if f == "module_recip":
+        return xf * (1.0 / torch.sqrt(ms))
+    return xf * torch.rsqrt(ms)
+
+
 def rms_norm(x, w, eps, sp):
+    """The layer's RMSNorm spelling of x with weight w (None: no weight), in x's dtype."""
     f = sp["norm"]
     if f == "rms_norm":
         return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if f == "module_recip":
+        return RecipRMSNorm(w, eps)(x)
+    if f == "in_dtype":
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y if w is None else y * w
     xf = x.float()
     if f == "rsqrt_after":
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return y if w is None else y * w
     var = xf.pow(2).mean(-1, keepdim=True)
-    return (w.float() * (xf / torch.sqrt(var + eps))).to(x.dtype)
+    y = xf / torch.sqrt(var + eps)
+    return (y if w is None else w.float() * y).to(x.dtype)
+
+
+def mixer_key_logit(src, w, p, eps, sp):
+    """One source's (or the stacked sources') AttnRes logits [..., M] (fp32), the key formed as sp["keys"] says."""
+    f = sp["keys"]
+    if f == "weighted":
+        return (rms_norm(src, w[f"{p}.w_norm"], eps, sp).float() * w[f"{p}.w_qk"].float()).sum(-1)
+    query = w[f"{p}.w_norm"].float() * w[f"{p}.w_qk"].float()
+    key = rms_norm(src, None, eps, sp).float() if f == "rounded" else normalised(src, eps, sp)
+    return (key * query).sum(-1)
 
 
 def residual(prefix, delta, sp):
@@ -153,13 +203,12 @@ def attn_res(prefix, delta, blocks, w, p, eps, sp):
         mixed = updated
     elif sp["mixer"] == "stack_softmax":
         src = torch.stack(list(blocks) + [updated])                                  # [S, M, H]
-        logits = (rms_norm(src, w[f"{p}.w_norm"], eps, sp).float() * w[f"{p}.w_qk"].float()).sum(-1)
+        logits = mixer_key_logit(src, w, p, eps, sp)
         probs = torch.softmax(logits, dim=0)                                           # [S, M]
         mixed = (probs.unsqueeze(-1) * src.float()).sum(0).to(updated.dtype)
     else:
         sources = list(blocks) + [updated]
-        query = w[f"{p}.w_qk"].float()
-        logits = [(rms_norm(s, w[f"{p}.w_norm"], eps, sp).float() * query).sum(-1) for s in sources]
+        logits = [mixer_key_logit(s, w, p, eps, sp) for s in sources]
         running_max = logits[0]
         for lg in logits[1:]:
             running_max = torch.maximum(running_max, lg)

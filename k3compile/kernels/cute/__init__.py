@@ -10,11 +10,11 @@
 - `build.py`: `python -m k3compile.kernels.cute.build [--out DIR]` compiles every kernel for
   sm_90a on a machine with no GPU (fake tensors) into a cubin + PTX + JSON manifest per variant,
   cached by (kernel source, shapes / tile config, DSL version). `build.ensure` builds one
-  variant the same way: the JIT path, which `choose._find` takes on first use when the DSL is
+  variant the same way: the JIT path, which `artifacts.find` takes on first use when the DSL is
   installed and no artifact fits (`K3_KNOBS=cute_jit=0` turns it off; never inside a CUDA graph
   capture). Run on the H200 with the DSL installed there (BENCHMARKS.md).
 - `loader.py`: loads a cubin with the CUDA driver and launches it (no DSL at run time).
-- `choose.py` (in `kernels/`): CuTe or the default path per op and M.
+- `artifacts.py`: CuTe or the default path per op and M: which artifact serves a call, and why none did.
 
 Nothing here imports the DSL at package import time.
 """

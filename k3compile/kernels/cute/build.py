@@ -28,7 +28,7 @@ Export route (issue 6 asked to evaluate three):
   torch. What the DSL's host code did (encode the TMA descriptors, pick grid and shared memory)
   the loader redoes from the manifest; the build checks the manifest against the PTX entry's
   parameter list, so a DSL change in the kernel ABI fails the build instead of the launch.
-JIT path: where the DSL is installed, dispatch (`kernels/choose.py`, `_find`) builds a missing
+JIT path: where the DSL is installed, dispatch (`artifacts.find`) builds a missing
 artifact on first use: when the loader finds no artifact for a wanted shape and `jit_variants`
 names the variants that cover it, `ensure` compiles each into the artifact directory with this
 same code (fake tensors, `--gpu-arch sm_90a` whatever GPU the process runs on, the same cache
@@ -90,9 +90,9 @@ MXFP4_SHAPES = dict(L=3584, K=16, tiles={384: dict(bi=8, bl=64, groups=8), 1536:
 # dtype of mid (gate-up's output, down's input): f16x2 keeps it in bf16 (down's activation bytes
 # halved: 4-15% faster at every measured batch), f32 math in fp32 (its point is accuracy)
 MXFP4_MATH = {"f32": ("", "f32"), "f16x2": ("_h2", "bf16")}
-# variants of the f16x2 kernels, by tag (choose.mxfp4_tag picks one by shape and batch; benchmarks
+# variants of the f16x2 kernels, by tag (moe.mxfp4_tag picks one by shape and batch; benchmarks
 # force one with env K3_KNOBS=cute_mxfp4_tag=tag; "alt" ones are built only with --alt). "xf" (built by
-# default: dispatch takes it at <= choose.CUTE_XF_MAX_N tokens where "ldgd" has no range) is a
+# default: dispatch takes it at <= tuning.CUTE_XF_MAX_N tokens where "ldgd" has no range) is a
 # gate-up that issues its activation loads before the first cp.async wait (1-10% faster at 1-2
 # tokens, slower at 8-16) and pairs with the default down; "m32" keeps mid in fp32, the
 # default before bf16 mid measured faster
@@ -100,7 +100,7 @@ MXFP4_TAGS = {"xf": dict(x_first=True, modes=("gate_up",), alt=False),
               # both kernels load their weight vectors into registers, one stage of 4 rows ahead of
               # the math (mxfp4_experts wload="ldg"), with xf's activation order; gate-up 16 gate + 16
               # up rows per CTA (32 rows per thread, stages of 4), down its default tile. Built by
-              # default: choose.CUTE_MXFP4_LDG's batches. Tried and dropped (measured):
+              # default: tuning.CUTE_MXFP4_LDG's batches. Tried and dropped (measured):
               # 8 + 8 gate-up rows (2-9% slower at TP=2, 1-3% at TP=8), 4 + 4 (slower), down tiles of
               # 32 x 8, 64 x 16 and 128 x 16 rows x groups (slower but 128 x 16 at TP=8 M=1), stages of
               # 8 gate-up rows (slower).
@@ -161,12 +161,13 @@ def dsl_version() -> str:
     return version("nvidia-cutlass-dsl")
 
 
-def cache_key(v: dict) -> str:
+def cache_key(v: dict, dsl: str | None = None) -> str:
+    """The variant's build key; `dsl`: the DSL version it was built with (default: the installed one)."""
     h = hashlib.sha256()
     for f in (HERE / f"{v['kernel']}.py", HERE / "ptx.py", HERE / "build.py"):
         h.update(f.read_bytes())
     h.update(json.dumps(v, sort_keys=True).encode())
-    h.update(dsl_version().encode())
+    h.update((dsl or dsl_version()).encode())
     h.update(ARCH.encode())
     return h.hexdigest()[:32]
 
@@ -330,7 +331,7 @@ def build(out: Path | None = None, force: bool = False, only: str | None = None,
 
 
 def jit_variants(kind: str, *key) -> list[dict]:
-    """The variants dispatch needs for one lookup (`choose._find`'s kind and key), [] where
+    """The variants dispatch needs for one lookup (`artifacts.find`'s kind and key), [] where
     `variants()` has none: "gemm" (op, n, k, m): the smallest token tile covering m;
     "mxfp4" (I, L, K, math[, tag]): the gate-up (top-k K compiled in) and the down GEMV."""
     if kind == "gemm":

@@ -274,7 +274,7 @@ class Artifact:
     def launch_push(self, x, w, peers, flag_off: int, driver: Driver | None = None) -> None:
         """The push o-proj GEMM (skinny_gemm.SkinnyGemmPushSm90): this rank's x @ w^T into every
         rank's symmetric buffer (slot `peers.rank` of the half epoch[0] selects) and its per-tile
-        flags at byte offset `flag_off`, on torch's current stream. `peers` is a launch.Peers."""
+        flags at byte offset `flag_off`, on torch's current stream. `peers` is a comm.Peers."""
         import torch
         M, N, K = self._check_gemm(x, w, push=True)
         drv = driver or _driver()
@@ -327,7 +327,7 @@ def mxfp4_experts(gate_up: "Artifact", down: "Artifact", x, topk_ids, w13, w13_s
                   beta: float, linear_beta: float, driver: Driver | None = None, pdl: bool = False):
     """The two MXFP4 expert GEMVs (gate-up with SiTU, then down): [N, K, L] in x.dtype (bf16),
     unweighted, on torch's current stream (CUDA-graph capturable: no host syncs). pdl: down starts
-    while gate-up drains (Programmatic Dependent Launch; choose.cute_pdl decides)."""
+    while gate-up drains (Programmatic Dependent Launch; moe.cute_pdl decides)."""
     import torch
     N, K = topk_ids.shape
     L, I = x.shape[1], w13.shape[1] // 2

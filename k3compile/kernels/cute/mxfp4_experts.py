@@ -16,7 +16,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
 - wload="cp": all RPG rows' 16-byte vectors and the CTA's scale bytes are issued before any math, as
   cp.async into shared memory (`stages` commit groups): RPG * 16 bytes in flight per thread (gate-up
   TP=8: 16 rows -> 28 KB per CTA). wload="ldg" (the "ldgd" kernels dispatch takes at up to 16
-  tokens, choose.mxfp4_tag): the vectors go into registers, one stage of rows ahead of the stage
+  tokens, moe.mxfp4_tag): the vectors go into registers, one stage of rows ahead of the stage
   being summed, so the sums overlap the loads instead of following most of them (Nsight Compute,
   TP=8 M=1, cp.async gate-up: DRAM 37%, 0.39 issued warps per scheduler cycle; probes:
   that gate-up takes 11.2 us, its loads alone 8.3, its math alone 7.8; the ldg one 8.9).
@@ -50,7 +50,7 @@ Design (CUDA cores, bound by the weight bytes; no tensor cores, no shared-memory
   `griddepcontrol.launch_dependents` once its weight bytes are in flight, and the down kernel
   issues its own weight and scale loads, then `griddepcontrol.wait`s before it reads mid. The
   loader launches down with programmatic stream serialisation (manifest "pdl": "wait") unless
-  K3_KNOBS=cute_pdl=0 (`choose.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
+  K3_KNOBS=cute_pdl=0 (`moe.cute_pdl`: measured faster or equal at every batch), so its CTAs start and
   fetch weights while gate-up drains instead of after it; without the attribute both instructions
   are no-ops.
 - Options: mid="bf16" (the f16x2 artifacts' default) stores gate-up's output as bf16, and down
