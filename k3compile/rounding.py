@@ -22,4 +22,6 @@ MIX_KEY_WEIGHTED = 16  # the key norm multiplies by w_norm itself (RMSNorm(src, 
 MIX_KEY_FP32 = 32      # the key is kept in fp32; else it is rounded to the model dtype before the dot product
 MIX_DIV = 64           # mixed = sum_s e_s src_s / sum_s e_s with e_s = exp(logit_s - max) summed source by source
                        # (an unrolled mixer); else softmax(logits) first, then the weighted sum over the stack
-MIX_BITS = NORM_BITS | MIX_KEY_WEIGHTED | MIX_KEY_FP32 | MIX_DIV
+MIX_SUM_FP32 = 128     # the mixed row goes into the output norm in fp32 (vLLM's AttnRes kernel); else it is rounded
+                       # to the sources' dtype first
+MIX_BITS = NORM_BITS | MIX_KEY_WEIGHTED | MIX_KEY_FP32 | MIX_DIV | MIX_SUM_FP32

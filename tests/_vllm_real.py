@@ -472,14 +472,13 @@ def tail_tier(name: str | None, model=None) -> None:
                     del obj.__dict__["_zero_residual"]
 
 
-def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (None,), subsets: dict | None = None) -> dict:
+def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (None,)) -> dict:
     """In a fresh process (the shims patch vLLM's modules): vLLM's groups over the gloo world, the tiny
     real model, one decode step uncompiled (the reference), then compiled on vLLM's route twice: with
     the K3 pass (every pass) and with the K3 pass running none (canonicalisation only: the unrewritten
     graph, its vLLM forms in ATen). Returns the reports, the graphs' remaining Triton kernels, the
     rewritten graph's K3 ops and the outputs' differences; with several latent-MoE tail `tiers`
-    (TAIL_TIERS, TP > 1), that for the first and, under "tiers", that for each. `subsets` ({label: pass
-    names}): the graph rewritten by those passes only, its difference to the unrewritten under "subsets"."""
+    (TAIL_TIERS, TP > 1), that for the first and, under "tiers", that for each."""
     os.environ.pop("TRITON_INTERPRET", None)   # tests/conftest.py sets it without a GPU: the kernel must stay a JITFunction
     cpu_triton_backend()
     from vllm.config import set_current_vllm_config
@@ -512,13 +511,6 @@ def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (Non
                          "triton": sum(1 for n in nodes if "triton_kernel" in str(n.target)),
                          "forms": sorted({str(n.target) for n in nodes if str(n.target).startswith(("vllm.", "_C."))}),
                          "ops": _ops(nodes)}
-        out["subsets"] = {}
-        for label, names in (subsets or {}).items():
-            f, _, _ = compile_vllm_route(model, vc, {"passes": tuple(names)})
-            with torch.no_grad():
-                got = step(f, vc, ids, new_state(model, batch))
-            out["subsets"][label] = ((got.float() - results["none"].float()).abs().max().item()
-                                     / results["none"].float().abs().max().item())
         tail_tier(None)
         scale = ref.float().abs().max().item()
         out["err_vs_eager"] = (results["k3"].float() - ref.float()).abs().max().item() / scale

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from k3compile.model.functional import attnres_mix, rms_norm, situ, situ_mlp as shared_expert  # noqa: F401
 
-from ..rounding import (MIX_BITS, MIX_DIV, MIX_KEY_FP32, MIX_KEY_WEIGHTED, NORM_BITS, NORM_CAST_FIRST,  # noqa: F401
-                        NORM_DIV, NORM_IN_DTYPE, NORM_RECIP)
+from ..rounding import (MIX_BITS, MIX_DIV, MIX_KEY_FP32, MIX_KEY_WEIGHTED, MIX_SUM_FP32, NORM_BITS,  # noqa: F401
+                        NORM_CAST_FIRST, NORM_DIV, NORM_IN_DTYPE, NORM_RECIP)
 
 
 def _normalise(xf: torch.Tensor, eps: float, rounding: int) -> torch.Tensor:
@@ -53,8 +53,9 @@ def mix_logits(srcs: torch.Tensor, w_norm, w_qk, eps: float, mix_rounding: int =
 
 
 def mix_sources(sources: list, logits: torch.Tensor, mix_rounding: int = 0) -> torch.Tensor:
-    """The mixed row, sum_s softmax_s(logits) * src_s in fp32, rounded to the sources' dtype."""
-    dt = sources[0].dtype
+    """The mixed row, sum_s softmax_s(logits) * src_s in fp32, rounded to the sources' dtype (kept in fp32
+    with MIX_SUM_FP32)."""
+    dt = torch.float32 if mix_rounding & MIX_SUM_FP32 else sources[0].dtype
     if mix_rounding & MIX_DIV:
         mx = logits.amax(0)
         num = den = None
@@ -78,6 +79,8 @@ def attnres_mix_as(prefix, delta, blocks, w_norm, w_qk, g, eps, rounding: int = 
                             mix_rounding)
     else:
         mixed = updated
+    if mixed.dtype != updated.dtype:   # MIX_SUM_FP32: normalised in fp32, rounded once to the model dtype
+        return rms_norm_as(mixed, g, eps, rounding, round_out=False).to(updated.dtype), updated
     return rms_norm_as(mixed, g, eps, rounding), updated
 
 

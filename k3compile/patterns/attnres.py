@@ -31,7 +31,7 @@ from torch.fx import Node
 from torch.fx.node import map_aggregate
 
 from ..ops import reference as ref
-from .graph import (CONVERT_OPS, VIEW_OPS, Fail, RmsNormSite, aten, concrete, describe, is_call, match_rms_norm,
+from .graph import (CONVERT_OPS, VIEW_OPS, Fail, RmsNormSite, aten, concrete, describe, dtype, is_call, match_rms_norm,
                     rounded_between, scalar, shape, strip, strip_converts, val, _name)
 from .attnres_eval import _LOW_PRECISION, _evaluate, _mix_rounding, _order_weights, _replay, _sig  # noqa: F401
 
@@ -132,6 +132,11 @@ def _match_stacked(norm: RmsNormSite) -> AttnResSite | Fail | None:
     srcs = _sources(srcs_node)
     # the keys: rounded to the model dtype before the dot product with w_norm * w_qk, or kept in fp32
     mr = src_norm.rounding | (0 if rounded_between(inner, strip_converts(inner)) else ref.MIX_KEY_FP32)
+    # the mixed row: rounded to the sources' dtype before the output norm, or normalised in fp32 (vLLM)
+    xf = next((a for a in norm.nodes[-1].args if isinstance(a, Node) and strip_converts(a) is mixed), None)
+    if (xf is not None and dtype(mixed) == torch.float32 and dtype(srcs[-1]) in _LOW_PRECISION
+            and not rounded_between(xf, mixed)):
+        mr |= ref.MIX_SUM_FP32
     return AttnResSite(norm, srcs[-1], srcs[:-1], w_norm, w_qk, mix_rounding=mr)
 
 
