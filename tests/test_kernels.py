@@ -1249,18 +1249,19 @@ def test_head_bmm_kernel_matches_bmm(dt, H, M, K, N, w_nk, gated):
 
 @pytest.mark.parametrize("form", ["rows", "cols"])
 @pytest.mark.parametrize("world,rank,nb,M", [(1, 0, 0, 3), (1, 0, 3, 4), (2, 1, 2, 4)])
-@pytest.mark.parametrize("cast_first,key_fp32", [(1, 0), (0, 1), (1, 1)])
-def test_norm_kernels_round_in_the_models_order(form, world, rank, nb, M, cast_first, key_fp32, monkeypatch):
+@pytest.mark.parametrize("cast_first,key_fp32,sum_fp32", [(1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1)])
+def test_norm_kernels_round_in_the_models_order(form, world, rank, nb, M, cast_first, key_fp32, sum_fp32,
+                                                monkeypatch):
     """comm.ar_residual_norm with the rounding bits of a model written otherwise than the reference
     model (the post-norm rounded to the model dtype before its weight multiply; the AttnRes keys kept
-    in fp32): its outputs are those of the op's reference in that order (ops.reference.attnres_mix_as),
+    in fp32; the mixed row kept in fp32 for the output norm, as vLLM's AttnRes kernel): its outputs are those of the op's reference in that order (ops.reference.attnres_mix_as),
     within fp16's 1e-2, and closer to them than to the reference model's order wherever the two orders
     differ. The column-split kernel's keys are fp32 in either order (its docstring); its norm follows
     the bit. fp16: the interpreter rounds fp32 -> fp16 as the GPU does (bf16 it truncates)."""
     from k3compile.ops import reference as ref
     dt = torch.float16
     rounding = ref.NORM_CAST_FIRST if cast_first else 0
-    mix_rounding = ref.MIX_KEY_FP32 if key_fp32 else 0
+    mix_rounding = (ref.MIX_KEY_FP32 if key_fp32 else 0) | (ref.MIX_SUM_FP32 if sum_fp32 else 0)
     N = 200
     if form == "cols":
         monkeypatch.setattr(tuning, "COLS_W", 32)

@@ -23,6 +23,7 @@ import triton
 from ..config import knob, knob_flag
 from ..model import attention_ops as A
 from . import gemm, triton_conv, triton_kda, triton_mla, tuning
+from ..rounding import NORM_CAST_FIRST, NORM_IN_DTYPE
 from .common import TL
 from .registry import register
 
@@ -44,7 +45,9 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
     (inside the split kernel), then attention of the M x H queries over positions 0..seq_lens[m] of
     their row; o [M, H, L] in q_lat's dtype. The caller validated the shapes
     (attention_ops.validate_mla) and mla_decode_fits. kv_norm=(w [L], eps): kv_new is the raw kv_a
-    row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed). uv=(W, w_nk,
+    row, its first L columns RMS-normalised in the split kernel (k3::mla_decode_normed; NORM_CAST_FIRST
+    followed, the rsqrt / div / reciprocal spellings alike in its fp32 math, NORM_IN_DTYPE declined by
+    the registration). uv=(W, w_nk,
     gate): the result is k3::decode_bmm(o.permute(1, 0, 2), W, w_nk, gate) instead of o ([H, M, V],
     stored token-major), the combine and the value up-projection in one kernel (k3::mla_decode_uv)."""
     M, H, L = q_lat.shape
@@ -74,7 +77,7 @@ def mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale, kv_norm=None, u
         kv_new.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         kv_norm[0] if kv_norm else kv_new, float(kv_norm[1]) if kv_norm else 0.0,
         L=L, R=R, BH=tuning.MLA_BH, BS=tuning.MLA_BS, IEEE=kv_cache.dtype == torch.float32,
-        NORM=kv_norm is not None,
+        NORM=kv_norm is not None, NORM_CF=bool(kv_norm and len(kv_norm) > 2 and kv_norm[2] & NORM_CAST_FIRST),
         num_warps=tuning.MLA_WARPS)
     if uv is not None:
         swl, swv = (w.stride(2), w.stride(1)) if w_nk else (w.stride(1), w.stride(2))
@@ -277,21 +280,21 @@ def _kda_step(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, l
                            qk_dtype, o_norm, gate, o_eps)
 
 
-def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+def _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding=0):
     L = q_lat.shape[-1] if q_lat.dim() == 3 else -1
-    return (_mla_triton() and mla_decode_fits(q_lat, q_rope, kv_a, kv_cache)
+    return (_mla_triton() and not rounding & NORM_IN_DTYPE and mla_decode_fits(q_lat, q_rope, kv_a, kv_cache)
             and kv_norm_w.shape == (L,) and kv_norm_w.is_floating_point() and kv_norm_w.device == kv_a.device)
 
 
 @register("mla_decode_normed", "cuda", "triton_mla", _ok_mla_normed)
-def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+def _mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding=0):
     A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
     A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
-    return mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps))
+    return mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps, rounding))
 
 
-def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
-    if not _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale) or w_uv.dim() != 3:
+def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None, rounding=0):
+    if not _ok_mla_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding) or w_uv.dim() != 3:
         return False
     M, H, L = q_lat.shape
     V = w_uv.shape[1] if w_nk else w_uv.shape[2]
@@ -300,10 +303,10 @@ def _ok_mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w
 
 
 @register("mla_decode_uv", "cuda", "triton_mla_uv", _ok_mla_uv)
-def _mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+def _mla_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None, rounding=0):
     A.validate_mla(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, prefill=False)
     A.mla_check_lengths(seq_lens, 1, kv_cache.shape[1])   # data checks (skipped in a graph capture)
-    return mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps),
+    return mla_decode(q_lat, q_rope, kv_a, kv_cache, seq_lens, scale, kv_norm=(kv_norm_w, eps, rounding),
                       uv=(w_uv, w_nk, gate))
 
 

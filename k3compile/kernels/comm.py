@@ -38,7 +38,7 @@ import torch
 import triton
 
 from ..config import knob, knob_flag
-from ..rounding import MIX_KEY_FP32, MIX_KEY_WEIGHTED, NORM_CAST_FIRST, NORM_IN_DTYPE
+from ..rounding import MIX_KEY_FP32, MIX_KEY_WEIGHTED, MIX_SUM_FP32, NORM_CAST_FIRST, NORM_IN_DTYPE
 from ..runtime import streams, symm
 from ..runtime.symm import MAX_PROGRAMS
 from . import gemm, triton_cols, triton_comm, tuning
@@ -173,10 +173,11 @@ def _phases(device: torch.device) -> tuple[int, ...]:
 def rnd_bits(rounding: int = 0, mix_rounding: int = 0) -> int:
     """The communication kernels' RND constexpr (triton_comm's docstring) from the ops' rounding
     arguments (k3compile/rounding.py's bits): bit 0 the post-norm's NORM_CAST_FIRST, bit 1
-    MIX_KEY_FP32. The other bits are fp32-rounding-level spellings (rsqrt / div / reciprocal, softmax
+    MIX_KEY_FP32, bit 2 MIX_SUM_FP32. The other bits are fp32-rounding-level spellings (rsqrt / div / reciprocal, softmax
     or unrolled), which the kernels' fp32 math does not tell apart; the registrations below decline
     what the kernels cannot follow (rounds_as_kernels)."""
-    return (1 if rounding & NORM_CAST_FIRST else 0) | (2 if mix_rounding & MIX_KEY_FP32 else 0)
+    return ((1 if rounding & NORM_CAST_FIRST else 0) | (2 if mix_rounding & MIX_KEY_FP32 else 0)
+            | (4 if mix_rounding & MIX_SUM_FP32 else 0))
 
 
 def rounds_as_kernels(rounding: int, mix_rounding: int = 0) -> bool:

@@ -15,7 +15,8 @@ kernels (and the reference), all in fp32: a logit is rsqrt(mean(x^2) + eps) * (x
 rounds the normed row to the model dtype before the dot), and the output norm's mean square is that
 of the mixed row before its rounding. The tests bound both against the reference. RND (constexpr,
 triton_comm's): RND & 1 rounds the normed row to the model dtype before the weight multiply; the logits
-are the fp32 form whatever RND & 2 says (exactly the model's where it keeps its keys in fp32).
+are the fp32 form whatever RND & 2 says (exactly the model's where it keeps its keys in fp32); RND & 4
+keeps the mixed row in fp32 for the output norm.
 
 The grid barrier needs every program resident at once: comm.cols_plan keeps the programs well
 under the SM count. Under TRITON_INTERPRET=1 the programs run one after another, so the launch
@@ -149,7 +150,9 @@ def ar_norm_cols_kernel(
             logit = tl.where(tl.arange(0, S_PAD)[None, :] <= NB, logit, float("-inf"))
             e = tl.exp(logit - tl.max(logit, axis=1)[:, None])
             p = e / tl.sum(e, axis=1)[:, None]                                   # [ROWS, S_PAD]
-            mixed = tl.sum(p[:, :, None] * X, axis=1).to(DTYPE).to(tl.float32)
+            mixed = tl.sum(p[:, :, None] * X, axis=1)
+            if not RND & 4:
+                mixed = mixed.to(DTYPE).to(tl.float32)
             msq = tl.sum(tl.sum(p[:, :, None] * p[:, None, :] * Gt, axis=2), axis=1) / N
         else:
             mixed = y

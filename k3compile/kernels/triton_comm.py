@@ -24,7 +24,8 @@ residual add is done in fp32 and rounded, the norms in fp32. RND (constexpr) is 
 order where it differs from the reference model's (kernels/comm.py's rnd_bits from the ops' rounding arguments):
 RND & 1, the post-norm's normalised row is rounded to the model dtype before its weight multiply
 (transformers' `weight * h.to(dtype)`); RND & 2, the AttnRes keys (RMS-normed sources) stay fp32 in
-the logits instead of being rounded to the model dtype.
+the logits instead of being rounded to the model dtype; RND & 4, the mixed AttnRes row goes into the
+output norm in fp32 (vLLM's AttnRes kernel) instead of being rounded to the model dtype first.
 """
 from __future__ import annotations
 
@@ -173,6 +174,14 @@ def _post_norm(x, mask, N, eps, gw, DTYPE: tl.constexpr, RND: tl.constexpr):
     if RND & 1:
         y = y.to(DTYPE).to(tl.float32)
     return y * gw
+
+
+@triton.jit
+def _mixed_row(x, DTYPE: tl.constexpr, RND: tl.constexpr = 0):
+    """The mixed AttnRes row as the output norm reads it: rounded to the model dtype, or (RND & 4) fp32."""
+    if RND & 4:
+        return x
+    return x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -351,7 +360,7 @@ def _ar_post(y, r, m, s, acc, upd, nrm, row, offs, mask, gw, wmix, g, w_norm, w_
         mixed = y
         if NB > 0:
             m, s, acc = _mix_source(y, mask, wmix, N, eps, m, s, acc, DTYPE, RND)
-            mixed = (acc / s).to(DTYPE).to(tl.float32)
+            mixed = _mixed_row(acc / s, DTYPE, RND)
         out = _post_norm(mixed, mask, N, eps, gw, DTYPE, RND)
         tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
 
@@ -442,7 +451,7 @@ def _ar_row_w1(local, res, b0, b1, b2, b3, b4, b5, b6, b7, upd, nrm, g, w_norm, 
                                       _src_row(b5, 5, NB, row, offs, mask, N, BLOCK_N),
                                       _src_row(b6, 6, NB, row, offs, mask, N, BLOCK_N), y,
                                       NB > 4, NB > 5, NB > 6, True, wmix, N, eps, m, s, acc, DTYPE, RND)
-            mixed = (acc / s).to(DTYPE).to(tl.float32)
+            mixed = _mixed_row(acc / s, DTYPE, RND)
         out = _post_norm(mixed, mask, N, eps, gw, DTYPE, RND)
         tl.store(nrm + row * N + offs, out.to(DTYPE), mask=mask)
 

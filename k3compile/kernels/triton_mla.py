@@ -28,14 +28,15 @@ import triton.language as tl
 def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, CH, NS, scale,
                      sqm, sqh, srm, srh, snm, scm, scs, kv_w, eps,
                      L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BS: tl.constexpr,
-                     IEEE: tl.constexpr, NORM: tl.constexpr = False):
+                     IEEE: tl.constexpr, NORM: tl.constexpr = False, NORM_CF: tl.constexpr = False):
     """Program (m, hb, sp): heads [hb*BH, +BH) of row m over cache positions [sp*CH, +CH) that are
     <= seq_lens[m]. part_o [M, H, NS, L] fp32, part_ml [M, H, NS, 2] fp32 (max, sum).
     The new token's row kv_new[m] (at position seq_lens[m]) is taken from kv_new, not from the cache,
     and the program of head block 0 whose split holds that position writes it into the cache (no
     separate scatter kernel; no program reads that cache row). NORM: kv_new holds the raw kv_a row
     and its latent part is RMS-normalised here (fp32, x * rsqrt(mean(x^2) + eps) * kv_w, rounded to
-    the cache dtype: the model's rms_norm), its rope part taken as it is."""
+    the cache dtype: the model's rms_norm; NORM_CF: x * rsqrt(...) rounded to the cache dtype before
+    the weight, the product rounded again), its rope part taken as it is."""
     m = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -54,6 +55,8 @@ def mla_split_kernel(q_lat, q_rope, kv_new, cache, lens, part_o, part_ml, H, S, 
     if NORM:
         xf = tl.load(kv_new + m * snm + ol).to(tl.float32)
         xr = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / L + eps)
+        if NORM_CF:
+            xr = xr.to(dt).to(tl.float32)
         cn = (xr * tl.load(kv_w + ol).to(tl.float32)).to(dt)
     else:
         cn = tl.load(kv_new + m * snm + ol).to(dt)

@@ -245,34 +245,35 @@ def _(xq, xk, xv, w, fa, f_b, beta, a_log, dt_bias, conv_state, state, lower, sc
 # ----------------------------------------------------------------- MLA decode with its prologue (fold_mla_prologue)
 @torch.library.custom_op("k3::mla_decode_normed", mutates_args=("kv_cache",))
 def mla_decode_normed(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
-                      seq_lens: Tensor, scale: float) -> Tensor:
+                      seq_lens: Tensor, scale: float, rounding: int = 0) -> Tensor:
     """`k3model::mla_decode` with the kv_a RMSNorm folded in: kv_a [M, L + R] is the raw latent + rope
-    key of the new token (its first L columns RMS-normalised by kv_norm_w here, the rest taken as
-    they are); q_rope may be a strided view (unit stride along R). Mutates `kv_cache` like
+    key of the new token (its first L columns RMS-normalised by kv_norm_w here, in the rounding order
+    `rounding` (k3compile/rounding.py), the rest taken as they are); q_rope may be a strided view (unit stride along R). Mutates `kv_cache` like
     mla_decode (it replaces that mutating op in place). On CUDA: the Triton MLA decode with the norm
     in its split kernel."""
     return _run("mla_decode_normed", ref.mla_decode_normed, q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens,
-                scale)
+                scale, rounding)
 
 
 @mla_decode_normed.register_fake
-def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding=0):
     return q_lat.new_empty(q_lat.shape)
 
 
 @torch.library.custom_op("k3::mla_decode_uv", mutates_args=("kv_cache",))
 def mla_decode_uv(q_lat: Tensor, q_rope: Tensor, kv_a: Tensor, kv_norm_w: Tensor, eps: float, kv_cache: Tensor,
-                  seq_lens: Tensor, scale: float, w_uv: Tensor, w_nk: bool, gate: Optional[Tensor] = None) -> Tensor:
+                  seq_lens: Tensor, scale: float, w_uv: Tensor, w_nk: bool, gate: Optional[Tensor] = None,
+                  rounding: int = 0) -> Tensor:
     """k3::mla_decode_normed followed by k3::decode_bmm(o.permute(1, 0, 2), w_uv, w_nk, gate) (the MLA
     value up-projection with its sigmoid output gate): [H, M, V], stored token-major like decode_bmm's
     result. Mutates `kv_cache`. On CUDA: the Triton split kernel, then one kernel that combines the
     splits and multiplies by W_uv (no o_lat in memory, one launch fewer)."""
     return _run("mla_decode_uv", ref.mla_decode_uv, q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale,
-                w_uv, w_nk, gate)
+                w_uv, w_nk, gate, rounding)
 
 
 @mla_decode_uv.register_fake
-def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+def _(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None, rounding=0):
     M, H = q_lat.shape[0], q_lat.shape[1]
     return q_lat.new_empty(M, H, w_uv.shape[1] if w_nk else w_uv.shape[2]).permute(1, 0, 2)
 

@@ -231,18 +231,19 @@ def shared_expert_split(x, w_gate, w_down, beta, linear_beta, w_up=None):
     return F.linear(situ(gu, beta, linear_beta), w_down)
 
 
-def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale):
+def mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding=0):
     """k3::mla_decode_normed: kv_new = cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]]) (the
-    model's MLA prologue), then the model's k3model::mla_decode (mutates kv_cache)."""
+    model's MLA prologue; the norm in the rounding order `rounding`), then the model's
+    k3model::mla_decode (mutates kv_cache)."""
     L = q_lat.shape[-1]
-    kv_new = torch.cat([rms_norm(kv_a[:, :L], kv_norm_w, eps), kv_a[:, L:]], -1)
+    kv_new = torch.cat([rms_norm_as(kv_a[:, :L], kv_norm_w, eps, rounding), kv_a[:, L:]], -1)
     return torch.ops.k3model.mla_decode(q_lat, q_rope, kv_new, kv_cache, seq_lens, scale)
 
 
-def mla_decode_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None):
+def mla_decode_uv(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, w_uv, w_nk, gate=None, rounding=0):
     """k3::mla_decode_uv: mla_decode_normed's o [M, H, L], then decode_bmm(o as [H, M, L], w_uv, w_nk,
     gate): the value up-projection (times the sigmoid output gate), [H, M, V] stored token-major."""
-    o = mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale)
+    o = mla_decode_normed(q_lat, q_rope, kv_a, kv_norm_w, eps, kv_cache, seq_lens, scale, rounding)
     return decode_bmm(o.permute(1, 0, 2), w_uv, w_nk, gate)
 
 

@@ -50,7 +50,8 @@ class FoldMlaPrologue(K3Pass):
             kw = {k: v for k, v in node.kwargs.items() if k not in ("q_lat", "q_rope", "kv_new", "seq_lens", "scale")}
             retarget_functionalized(node, OPS["mla_decode_normed"], dict(
                 q_lat=node.kwargs["q_lat"], q_rope=s.q_rope, kv_a=s.kv_a, kv_norm_w=s.kv_norm_w, eps=s.eps,
-                seq_lens=node.kwargs["seq_lens"], scale=node.kwargs["scale"], **kw))
+                seq_lens=node.kwargs["seq_lens"], scale=node.kwargs["scale"], **kw,
+                **({"rounding": s.rounding} if s.rounding else {})))
             copies += s.copy_dropped
             report.matched += 1
         if copies:

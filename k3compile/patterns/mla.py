@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from .graph import Fail, aten, describe, dtype, is_call, match_rms_norm, norm_rounding_text, shape, val
+from .graph import Fail, aten, describe, dtype, is_call, match_rms_norm, shape, val
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 
@@ -31,6 +31,7 @@ class MlaPrologueSite:
     eps: float
     q_rope: Node     # what the fused op takes (the copy's source where there was a copy)
     copy_dropped: bool
+    rounding: int = 0  # the latent RMSNorm's rounding order (k3compile/rounding.py)
 
 
 def _whole(n: Any) -> Any:
@@ -99,9 +100,6 @@ def match_mla_prologue(node: Node) -> MlaPrologueSite | Fail:
         return Fail(site.node, f"kv_new's latent part is not an RMSNorm: {site.reason}")
     if site.weight is None or shape(site.weight) != (L,):
         return Fail(normed, f"kv_new's latent RMSNorm has no [{L}] weight")
-    if site.rounding:
-        return Fail(normed, f"kv_new's latent RMSNorm rounds in another order ({norm_rounding_text(site.rounding)}) "
-                            "than k3::mla_decode_normed's (x * rsqrt in fp32, the weight applied in fp32)")
     if dtype(normed) != dtype(site.x):
         return Fail(normed, f"the normed latent is {dtype(normed)}, not its input's {dtype(site.x)}")
     lat, rk = _columns(site.x), _columns(rope)
@@ -116,4 +114,5 @@ def match_mla_prologue(node: Node) -> MlaPrologueSite | Fail:
         return Fail(src, "kv_a has no unit stride along its columns")
     q_rope = kw["q_rope"]
     base = _contiguous_copy_source(q_rope)
-    return MlaPrologueSite(src, site.weight, site.eps, base if base is not None else q_rope, base is not None)
+    return MlaPrologueSite(src, site.weight, site.eps, base if base is not None else q_rope, base is not None,
+                          site.rounding)
