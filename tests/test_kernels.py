@@ -27,7 +27,6 @@ from k3compile.config import knobs_text  # noqa: E402
 from k3compile.kernels import attention, comm, gemm, moe, tuning  # noqa: E402
 from k3compile.kernels.cute import artifacts  # noqa: E402
 from k3compile.model.functional import attnres_mix, rms_norm  # noqa: E402
-from k3compile.runtime import streams  # noqa: E402
 from simpeers import SimGroup  # noqa: E402
 from _mxfp4_data import random_experts  # noqa: E402
 
@@ -489,7 +488,7 @@ def test_router_latent_one_takes_the_stacked_config_or_the_single_gemms(monkeypa
     torch.testing.assert_close(r.float(), x.float() @ wr.float().t(), **tol)
     torch.testing.assert_close(lat.float(), x.float() @ wd.float().t(), **tol)
     monkeypatch.setattr(gemm, "gemv_plan", lambda x, w, out=None, rows=None: None)
-    monkeypatch.setattr(gemm, "gemm", lambda op, x, w: calls.append(op) or x @ w.t())
+    monkeypatch.setattr(gemm, "gemm", lambda op, x, w, after_trigger=False: calls.append(op) or x @ w.t())
     r, lat = comm.router_latent_one(x, wr, wd)
     assert calls[1:] == ["router", "latent"]
     torch.testing.assert_close(lat, x @ wd.t())
@@ -509,7 +508,7 @@ def test_router_latent_one_stacks_a_gemv_config_up_to_its_m(monkeypatch):
     assert seen == [(16, 32, 4, 1)]
     torch.testing.assert_close(r, x @ wr.t(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lat, x @ wd.t(), atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(gemm, "gemm", lambda op, x, w: x @ w.t())
+    monkeypatch.setattr(gemm, "gemm", lambda op, x, w, after_trigger=False: x @ w.t())
     comm.router_latent_one(torch.randn(gemm.GEMV_MAX_M + 1, 64, generator=g), wr, wd)
     assert len(seen) == 1
 
@@ -608,26 +607,80 @@ def test_gemv_pdl_env_is_cuda_only_and_checks_the_rows(monkeypatch):
                                atol=2e-2, rtol=1e-2)
 
 
-def test_gemv_pdl_only_for_the_gemm_right_after_the_triggering_norm(monkeypatch):
-    """The norm kernel's mark (streams.note_trigger) goes to the first decode GEMM launched after it on the same
-    stream, and makes it a PDL secondary only if that GEMM reads the norm's output: a GEMV after a kernel that
-    does not trigger measured slower with PDL (the MLA q_b after Inductor's norm, 5.44 against 4.77 us)."""
-    class S:
-        def __init__(self, n):
-            self.cuda_stream = n
-    cur = {"s": S(1)}
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: cur["s"])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(streams, "_TRIGGERED", {})
-    nrm, other = torch.zeros(4), torch.zeros(4)
-    streams.note_trigger(nrm)
-    assert not streams.take_trigger(other)   # another input: no PDL, and the mark is taken
-    assert not streams.take_trigger(nrm)
-    streams.note_trigger(nrm)
-    cur["s"] = S(2)
-    assert not streams.take_trigger(nrm)     # another stream
-    cur["s"] = S(1)
-    assert streams.take_trigger(nrm) and not streams.take_trigger(nrm)
+class _Launches:
+    """Stands in for a Triton kernel: records each launch's keyword arguments (constexprs, launch options) and
+    runs nothing."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+def test_pdl_pair_is_the_two_calls_arguments(monkeypatch):
+    """The PDL pair is what the ops' arguments say (pass pair_pdl sets them in the graph; no state passes between
+    two calls): the norm kernel triggers its dependents only with trigger=True, without peers (TP=1), with a norm,
+    where PDL is on (gemm.gemv_pdl); a CUDA-core GEMV is the PDL secondary only with after_trigger=True, where
+    gemv_pdl gives its shape bytes (then its L2 prefetch) and K >= BLOCK_K; of two weights in two launches only
+    the first. The registrations pass both arguments through. In the interpreter the PDL form runs without the
+    grid-dependency wait and gives the plain sums."""
+    g0 = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, 256, generator=g0), torch.randn(64, 256, generator=g0)
+    monkeypatch.setattr(gemm, "gemv_pdl", lambda device, shape=None: 0)
+    torch.testing.assert_close(gemm.gemv(x, w, cfg=(8, 64, 4, 2), after_trigger=True), x @ w.t(), atol=1e-4, rtol=1e-4)
+
+    monkeypatch.setenv("K3_KNOBS", knobs_text(cols="0"))   # the row kernel with peers too (not the column split)
+    norm_k, gemv_k = _Launches(), _Launches()
+    monkeypatch.setattr(comm.triton_comm, "ar_residual_norm_kernel", norm_k)
+    monkeypatch.setattr(gemm.triton_gemv, "gemv_kernel", gemv_k)
+    pdl = {"bytes": 4096}
+    monkeypatch.setattr(gemm, "gemv_pdl", lambda device, shape=None: pdl["bytes"])
+    res, gw = torch.randn(1, 256, generator=g0), torch.rand(256, generator=g0) + 0.5
+    peers = comm.Peers(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                       torch.zeros(3, dtype=torch.int32), 0, 2, 1 << 20, 8)
+    for kw, want in ((dict(trigger=True), True), ({}, False), (dict(trigger=True, peers=peers), False),
+                     (dict(trigger=True, g=None), False)):
+        a = dict(peers=None, g=gw) | kw
+        comm.ar_residual_norm(x, a["peers"], res, a["g"], None, None, [], 1e-6, trigger=a.get("trigger", False))
+        assert norm_k.calls[-1]["TRIGGER"] is want, kw
+    pdl["bytes"] = None   # K3_KNOBS gemv_pdl=off (or not CUDA sm_90+): no trigger
+    comm.ar_residual_norm(x, None, res, gw, None, None, [], 1e-6, trigger=True)
+    assert norm_k.calls[-1]["TRIGGER"] is False
+    pdl["bytes"] = 4096
+    comm._resnorm(x, res, [], None, None, gw, 1e-6, None, [], 0, 0, True)   # the op's registration, TP=1
+    assert norm_k.calls[-1]["TRIGGER"] is True
+    comm._oproj(x, w, res[:, :64], [], None, None, gw[:64], 1e-6, None, [], 0, 0, True)
+    assert norm_k.calls[-1]["TRIGGER"] is True
+
+    def last():
+        c = gemv_k.calls[-1]
+        return c["PDL"], c["PF"], c["GDC"], "launch_pdl" in c
+    gemm.gemv(x, w, cfg=(8, 64, 4, 2), after_trigger=True)
+    assert last() == (True, 4096, False, False)   # GDC and launch_pdl on CUDA only
+    gemm.gemv(x, w, cfg=(8, 64, 4, 2))
+    assert last() == (False, 0, False, False)
+    gemm.gemv(x, w, cfg=(8, 512, 4, 2), after_trigger=True)   # K < BLOCK_K: the PDL form reads one whole tile
+    assert last()[0] is False
+    gemm.gemv(x[:, :200], w[:, :200], cfg=(8, 64, 4, 2), after_trigger=True)   # rows not one slice: no prefetch
+    assert last()[:2] == (True, 0)
+    pdl["bytes"] = None
+    gemm.gemv(x, w, cfg=(8, 64, 4, 2), after_trigger=True)
+    assert last()[0] is False
+    pdl["bytes"] = 4096
+    w2 = torch.randn(32, 256, generator=g0)
+    gemm.mma_gemm2(x, w, w2, (8, 64, 4, 2), after_trigger=True)          # one launch over both (TWO)
+    assert last()[0] is True and gemv_k.calls[-1]["TWO"]
+    gemm.mma_gemm2(x, w[:60], w2, (8, 64, 4, 2), after_trigger=True)     # 60 rows: two launches
+    assert [c["PDL"] for c in gemv_k.calls[-2:]] == [True, False]
+    monkeypatch.setattr(gemm, "gemv_plan", lambda *a, **k: (8, 64, 4, 2))
+    gemm._decode_gemm(x, w, True)
+    assert last()[0] is True
+    gemm._decode_gemm(x, w)
+    assert last()[0] is False
+    monkeypatch.setattr(gemm, "two_weight_cfg", lambda *a, **k: (8, 64, 4, 2))
+    comm._router1(x, w, w2, 0, 1, None, False, True)
+    assert last()[0] is True and gemv_k.calls[-1]["TWO"]
 
 
 def test_gemv_is_chosen_only_where_measured_faster(monkeypatch, tmp_path):

@@ -189,11 +189,13 @@ def rounds_as_kernels(rounding: int, mix_rounding: int = 0) -> bool:
 
 def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: torch.Tensor | None,
                      g: torch.Tensor | None, w_norm, w_qk, blocks: list[torch.Tensor], eps: float,
-                     pushed: tuple[int, int, torch.dtype] | None = None, rnd: int = 0):
+                     pushed: tuple[int, int, torch.dtype] | None = None, rnd: int = 0, trigger: bool = False):
     """(updated, normed): updated = residual + sum_ranks(local); normed as the o-proj op (empty
     when g is None). `local` is this rank's [M, N] partial; peers None means TP=1.
     pushed = (M, N, dtype): the partials are already in the buffers (the CuTe push GEMM ran);
-    `local` is None. rnd: the rounding order (rnd_bits)."""
+    `local` is None. rnd: the rounding order (rnd_bits). trigger: the GEMM launched next reads `normed`
+    as this kernel's PDL secondary (the ops' `trigger`, pair_pdl): the row kernel without peers, with a
+    norm, lets it launch at its start (TRIGGER) where PDL is on (gemm.gemv_pdl)."""
     if pushed is not None:
         M, N, dt = pushed
         local = residual if residual is not None else peers.ptrs   # a placeholder pointer, unread
@@ -219,7 +221,8 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
     BLOCK = triton.next_power_of_2(N)
     lean, warps, joint = _ar_form(peers.world if peers else 1, M, BLOCK)
     # at TP=1 with a norm: one program per row, so the GEMV after it may stream its weights meanwhile
-    trigger = peers is None and g is not None and pushed is None and gemm.gemv_pdl(local.device) is not None
+    trigger = (trigger and peers is None and g is not None and pushed is None
+               and gemm.gemv_pdl(local.device) is not None)
     triton_comm.ar_residual_norm_kernel[(_programs(M, peers),)](
         peers.ptrs if peers else local, peers.pads if peers else local, peers.epoch if peers else local,
         peers.half(dt) if peers else 0, local,
@@ -230,8 +233,6 @@ def ar_residual_norm(local: torch.Tensor | None, peers: Peers | None, residual: 
         HAS_NORM=g is not None, HAS_RES=residual is not None, BLOCK_N=BLOCK, DTYPE=TL[dt], SEQ=SEQ_BARRIER,
         PUSHED=pushed is not None, PRELOAD=AR_PRELOAD, LEAN=lean, JOINT=joint, W1_FIRST=AR_W1_FIRST,
         TRIGGER=trigger, RND=rnd, num_warps=warps, **_comm())
-    if trigger:
-        streams.note_trigger(nrm)
     return upd, nrm
 
 
@@ -301,12 +302,12 @@ def _no_prefetch():
 
 
 def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
-          push=None, rnd: int = 0):
+          push=None, rnd: int = 0, trigger: bool = False):
     """The o-proj op: GEMM, then the all-reduce + residual + norm kernel. `start_prefetch()`
     runs between the two and returns the function that joins the prefetch. push: the CuTe
     push-epilogue GEMM artifact (push_gemm): the GEMM stores this rank's partial into every
     rank's buffer and flags it, and the kernel after it reads only this rank's buffer. rnd: the
-    rounding order (rnd_bits)."""
+    rounding order (rnd_bits); trigger: ar_residual_norm's."""
     if push is not None:
         push.launch_push(x.contiguous(), w.contiguous(), peers, peers.flag_off)
         pushed = (x.shape[0], w.shape[0], x.dtype)
@@ -315,7 +316,7 @@ def oproj(x, w, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, sta
         part = gemm.gemm("oproj", x, w)  # CuTe where cute.artifacts.wanted says so, else the tuned GEMM or torch.mm
         pushed = None
     join = start_prefetch()
-    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed, rnd)
+    upd, nrm = ar_residual_norm(part, peers, residual, g, w_norm, w_qk, list(blocks), eps, pushed, rnd, trigger)
     join()
     return upd, nrm
 
@@ -385,15 +386,15 @@ def router_latent_shard(x, w_router, w_down, tp: int, rank: int) -> torch.Tensor
     return torch.cat([torch.mm(x, w_router[a:].t()), torch.mm(x, w_down[:S - S1].t())], 1).view(-1)
 
 
-def router_latent_one(x, w_router, w_down):
+def router_latent_one(x, w_router, w_down, after_trigger: bool = False):
     """TP=1: (x @ W_r.T, x @ W_down.T) in one launch of the MMA decode GEMM over the stacked rows
     (mma_gemm2; the MMA or the CUDA-core GEMV kernel) where the tuned table has the stacked shape
-    [E + L, K] at this M; else each GEMM
-    through gemm.gemm (its own tuned config, or cuBLAS)."""
+    [E + L, K] at this M; else each GEMM through gemm.gemm (its own tuned config, or cuBLAS).
+    after_trigger: the first launch is the PDL secondary of the norm kernel before it (gemm.gemv's)."""
     cfg = gemm.two_weight_cfg(x, w_router, w_down, w_router.shape[0] + w_down.shape[0])
     if cfg is not None:
-        return gemm.mma_gemm2(x, w_router, w_down, cfg)
-    return gemm.gemm("router", x, w_router), gemm.gemm("latent", x, w_down)
+        return gemm.mma_gemm2(x, w_router, w_down, cfg, after_trigger=after_trigger)
+    return gemm.gemm("router", x, w_router, after_trigger=after_trigger), gemm.gemm("latent", x, w_down)
 
 
 def router_latent(x, w_router, w_down, peers: Peers):
@@ -403,11 +404,12 @@ def router_latent(x, w_router, w_down, peers: Peers):
 
 
 def residual_norm(delta, peers: Peers | None, residual, blocks, w_norm, w_qk, g, eps, start_prefetch=_no_prefetch,
-                  rnd: int = 0):
+                  rnd: int = 0, trigger: bool = False):
     """The layer-input op: one kernel, the all-reduce of delta (peers None: delta as it is) +
-    residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM)."""
+    residual add + AttnRes / RMSNorm (ar_residual_norm_kernel, the o-proj op's kernel without its GEMM).
+    trigger: ar_residual_norm's."""
     join = start_prefetch()
-    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
+    out = ar_residual_norm(delta, peers, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd, trigger)
     join()
     return out
 
@@ -538,7 +540,8 @@ def _prefetcher(weights: list[torch.Tensor]):
     return start
 
 
-def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0,
+              trigger=False):
     return (x.dim() == 2 and residual.dim() == 2 and x.dtype in FLOAT and w.dtype == x.dtype
             and residual.dtype == x.dtype and len(blocks) <= 8 and residual.is_contiguous()
             and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
@@ -546,18 +549,20 @@ def _ok_oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rou
 
 
 @register("oproj_allreduce_residual", "cuda", "symm_oneshot_triton", _ok_oproj)
-def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _oproj(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0,
+           trigger=False):
     M, N = residual.shape
     rnd = rnd_bits(rounding, mix_rounding)
     ok, peers = _peers(group, x.device, M * N * x.element_size(), "oproj_allreduce_residual", M)
     if not ok:  # NCCL path: GEMM, NCCL all-reduce, our residual + norm kernel
         y = _nccl_all_reduce_(torch.mm(x, w.t()), group)
-        return ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd)
+        return ar_residual_norm(y, None, residual, g, w_norm, w_qk, list(blocks), eps, None, rnd, trigger)
     return oproj(x, w, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
-                 push_gemm(x, w, peers, group), rnd)
+                 push_gemm(x, w, peers, group), rnd, trigger)
 
 
-def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0,
+                trigger=False):
     return (delta.dim() == 2 and delta.dtype in FLOAT and delta.is_contiguous() and residual.dtype == delta.dtype
             and residual.shape == delta.shape and residual.is_contiguous() and len(blocks) <= 8
             and all(b.is_contiguous() and b.shape == residual.shape for b in blocks)
@@ -565,13 +570,14 @@ def _ok_resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, 
 
 
 @register("residual_norm", "cuda", "symm_oneshot_triton", _ok_resnorm)
-def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _resnorm(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0,
+             trigger=False):
     M, N = residual.shape
     ok, peers = _peers(group, delta.device, M * N * delta.element_size(), "residual_norm", M)
     if not ok:  # NCCL path: NCCL all-reduce, then our residual + norm kernel
         delta, peers = _nccl_all_reduce_(delta.clone(), group), None
     return residual_norm(delta, peers, residual, blocks, w_norm, w_qk, g, eps, _prefetcher(prefetch),
-                         rnd_bits(rounding, mix_rounding))
+                         rnd_bits(rounding, mix_rounding), trigger)
 
 
 def _ok_tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch, rounding=0):
@@ -592,23 +598,23 @@ def _tail(y, topk_w, shared_partial, g_latent, w_up, eps, rank, group, prefetch,
     return moe_tail(y, topk_w, peers, shared_partial, g_latent, w_up, eps, rank, _prefetcher(prefetch), rnd)
 
 
-def _ok_router(x, w_router, w_down, rank, tp, group, router_fp32=False):
+def _ok_router(x, w_router, w_down, rank, tp, group, router_fp32=False, after_trigger=False):
     return (not router_fp32 and x.dim() == 2 and x.dtype in FLOAT and w_router.dtype == x.dtype and w_down.dtype == x.dtype
             and bool(group) and (w_router.shape[0] + w_down.shape[0]) % tp == 0)
 
 
-def _ok_router1(x, w_router, w_down, rank, tp, group, router_fp32=False):
+def _ok_router1(x, w_router, w_down, rank, tp, group, router_fp32=False, after_trigger=False):
     return (not router_fp32 and tp == 1 and not group and x.dim() == 2 and x.dtype in FLOAT and w_router.dtype == x.dtype
             and w_down.dtype == x.dtype and w_router.shape[1] == w_down.shape[1] == x.shape[1])
 
 
 @register("router_latent_sharded", "cuda", "one_gemm_triton", _ok_router1)
-def _router1(x, w_router, w_down, rank, tp, group, router_fp32=False):
-    return router_latent_one(x, w_router, w_down)
+def _router1(x, w_router, w_down, rank, tp, group, router_fp32=False, after_trigger=False):
+    return router_latent_one(x, w_router, w_down, after_trigger)
 
 
 @register("router_latent_sharded", "cuda", "symm_allgather_triton", _ok_router)
-def _router(x, w_router, w_down, rank, tp, group, router_fp32=False):
+def _router(x, w_router, w_down, rank, tp, group, router_fp32=False, after_trigger=False):
     S = (w_router.shape[0] + w_down.shape[0]) // tp
     ok, peers = _peers(group, x.device, x.shape[0] * S * x.element_size(), "router_latent_sharded", x.shape[0])
     if not ok or peers.world != tp or peers.rank != rank:

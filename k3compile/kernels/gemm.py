@@ -7,11 +7,14 @@ them over cuBLAS, and their `k3::` registrations.
 - `mma_gemm` / `gemv`: one launch of the tensor-core split-K kernel (M <= 16; the program of a tile
   that arrives last sums the fp32 partials in split order: deterministic, no memset) or of the
   CUDA-core GEMV (M <= 8, plain or LAZY); `mma_gemm2`: two weights in one launch.
-- The GEMV after the TP=1 norm as its PDL secondary: the norm kernel triggers its dependents at its
-  start and notes its output (`runtime.streams.note_trigger`); the first decode GEMM launched after
-  it on that stream takes the note (`streams.take_trigger`), and a CUDA-core GEMV reading the norm's
-  output is launched with PDL, its weight rows' first bytes requested into L2 before the wait
-  (`gemv_pdl`, `tuning.GEMV_PDL_PF`). Same sums in the same order.
+- The GEMV after the TP=1 norm as its PDL secondary: the pass pair_pdl finds, in the graph, the norm op
+  whose normed output the next decode GEMM op reads, and sets the norm's `trigger` and the GEMM's
+  `after_trigger`. The norm kernel then triggers its dependents at its start (comm.ar_residual_norm,
+  TRIGGER) and a CUDA-core GEMV called with after_trigger is launched with PDL, its weight rows' first
+  bytes requested into L2 before the wait (`gemv_pdl`, `tuning.GEMV_PDL_PF`, read at launch). Same
+  sums in the same order. Correct whatever runs between the two: the GEMV reads x (and `out`) only
+  after griddepcontrol.wait, which returns once the kernel before it in the stream has completed and
+  its writes are visible (triton_gemv.gemv_kernel, PDL); a kernel between costs only the early start.
 - `head_bmm`: `k3::decode_bmm`, heads x N blocks, `tl.dot` per K step, M <= 16.
 """
 from __future__ import annotations
@@ -23,7 +26,6 @@ import torch
 import triton
 
 from ..config import knob
-from ..runtime import streams
 from .common import FLOAT, off_thread
 from . import triton_gemv, tuning
 from .cute import artifacts
@@ -132,13 +134,14 @@ def mma_gemm(x: torch.Tensor, w: torch.Tensor, cfg: MmaCfg, out: torch.Tensor | 
 
 
 def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg | tuple[int, int, int, int]",
-              out1: torch.Tensor | None = None, out2: torch.Tensor | None = None):
+              out1: torch.Tensor | None = None, out2: torch.Tensor | None = None, after_trigger: bool = False):
     """(x @ w1.t(), x @ w2.t()) in ONE launch of the MMA GEMM over the stacked rows [w1; w2] (no copy
     of either weight; `cfg` is the stacked shape's); both weights [*, K] of x's dtype with unit stride
     along K, the outputs [M, N1] / [M, N2] (given: unit stride along N; e.g. two column ranges of one
     buffer). Returns (out1, out2). Where w1's rows are not a multiple of the config's BN (a program's
     rows must lie in one weight), two launches of the same config instead. A CUDA-core GEMV config
-    (a tuple, M <= GEMV_MAX_M) runs the same way on gemv_kernel (TWO)."""
+    (a tuple, M <= GEMV_MAX_M) runs the same way on gemv_kernel (TWO); after_trigger: gemv's, for its
+    first launch (the MMA GEMM has no PDL form)."""
     M = x.shape[0]
     if w1.shape[1] != w2.shape[1] or w1.dtype != w2.dtype:
         raise ValueError(f"mma_gemm2: weights {tuple(w1.shape)} {w1.dtype} and {tuple(w2.shape)} {w2.dtype} "
@@ -146,7 +149,7 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg 
     out1 = torch.empty(M, w1.shape[0], dtype=x.dtype, device=x.device) if out1 is None else out1
     out2 = torch.empty(M, w2.shape[0], dtype=x.dtype, device=x.device) if out2 is None else out2
     if not isinstance(cfg, MmaCfg):
-        _gemv2(x, w1, w2, out1, out2, cfg)
+        _gemv2(x, w1, w2, out1, out2, cfg, after_trigger)
         return out1, out2
     if w1.shape[0] % cfg.bn:
         _mma(x, w1, out1, None, None, cfg, False)
@@ -156,17 +159,17 @@ def mma_gemm2(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, cfg: "MmaCfg 
     return out1, out2
 
 
-def _gemv2(x, w1, w2, out1, out2, cfg: tuple) -> None:
+def _gemv2(x, w1, w2, out1, out2, cfg: tuple, after_trigger: bool = False) -> None:
     """mma_gemm2's CUDA-core form: one gemv_kernel launch over the stacked rows (TWO), or two launches
-    where w1's rows are not a multiple of BLOCK_N."""
+    where w1's rows are not a multiple of BLOCK_N (the first one the PDL secondary with after_trigger)."""
     M = x.shape[0]
     if M > GEMV_MAX_M:
         raise ValueError(f"the CUDA-core GEMV takes M <= {GEMV_MAX_M} tokens, got {M}")
     if w1.shape[0] % cfg[0]:
-        gemv(x, w1, out1, cfg=cfg)
+        gemv(x, w1, out1, cfg=cfg, after_trigger=after_trigger)
         gemv(x, w2, out2, cfg=cfg)
     else:
-        _gemv_launch(x, w1, out1, cfg, two=(w2, out2))
+        _gemv_launch(x, w1, out1, cfg, two=(w2, out2), after_trigger=after_trigger)
 
 
 def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int | None:
@@ -174,7 +177,7 @@ def gemv_pdl(device: torch.device, shape: tuple[int, int] | None = None) -> int 
     each launch, so a benchmark variant can set it while it compiles and captures): "off" = never; "on" =
     GEMV_PDL_PF's bytes for this weight shape (none for a shape not in it); a number = that many bytes for every
     shape; unset = "on" if GEMV_PDL_DEFAULT else "off". CUDA on Hopper or later only. With shape=None: whether
-    PDL is on at all (the norm kernel's TRIGGER)."""
+    PDL is on at all (the norm kernel's TRIGGER, where its op has `trigger`)."""
     return _pdl_choice("gemv_pdl", tuning.GEMV_PDL_DEFAULT, _pdl_table(knob("gemv_pdl_pf")), device, shape)
 
 
@@ -209,14 +212,17 @@ def _pdl_rows_ok(w: torch.Tensor, K: int | None = None) -> bool:
             and (K is None or w.stride(0) == K))
 
 
-def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, two=None) -> None:
-    """One gemv_kernel launch (gemv's and, with two=(w2, out2): the rows of w then w2, _gemv2's)."""
+def _gemv_launch(x, w, out, cfg: tuple, accumulate: bool = False, pdl: bool = False, two=None,
+                 after_trigger: bool = False) -> None:
+    """One gemv_kernel launch (gemv's and, with two=(w2, out2): the rows of w then w2, _gemv2's). after_trigger:
+    the PDL secondary of the triggering norm kernel launched before it, where gemv_pdl says so for this
+    weight shape (and its L2 prefetch where the rows allow it)."""
     M, K = x.shape
     if not M:
         return
     bn, bk, nw, ns, lazy = gemv_parts(cfg, triton.next_power_of_2(M))
     pf = 0
-    if streams.take_trigger(x) and not pdl and K >= bk:
+    if after_trigger and not pdl and K >= bk:
         auto = gemv_pdl(x.device, (w.shape[0] + (two[0].shape[0] if two else 0), K))
         if auto is not None:
             pdl = True
@@ -256,7 +262,6 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
     if not M:
         return
     two = w2 is not None
-    streams.take_trigger(x)   # the first decode GEMM after the TP=1 norm takes its mark (the GEMV's PDL pair)
     tiles, split, cnt, part = _split_plan(out, N, K, cfg, MMA_MAX_M * cfg.bn)
     triton_gemv.mma_gemm_kernel[(tiles, split)](
         x, w, out, part, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
@@ -268,12 +273,16 @@ def _mma(x, w, out, w2, out2, cfg: MmaCfg, accumulate: bool) -> None:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False,
-         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False) -> torch.Tensor:
+         cfg: "tuple[int, int, int, int] | MmaCfg | None" = None, pdl: bool = False,
+         after_trigger: bool = False) -> torch.Tensor:
     """x @ w.t() (into `out`, or added to it with accumulate=True) by the Triton GEMV, M <= 8, or,
     for an MmaCfg, by the tensor-core split-K kernel (mma_gemm, M <= 16);
     x [M, K] and w [N, K] with unit stride along K, out [M, N] with unit stride along N. pdl: launched
     with Programmatic Dependent Launch, the first weight tile read before waiting for the previous
-    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K)."""
+    kernel (triton_gemv's docstring; an experiment, CUDA sm_90+ only, K >= the config's BLOCK_K).
+    after_trigger: the kernel launched right before this one is the norm kernel with TRIGGER (its op's
+    `trigger`): the CUDA-core GEMV is then its PDL secondary where gemv_pdl says so, with that table's L2
+    prefetch (on CUDA, K >= BLOCK_K; ignored by the MMA GEMM, which has no PDL form)."""
     if isinstance(cfg, MmaCfg):
         if pdl:
             raise ValueError("the MMA GEMM has no PDL form")
@@ -284,7 +293,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, accu
     cfg = cfg or tuning.GEMV_DEFAULT
     if pdl and K < cfg[1]:
         raise ValueError(f"gemv(pdl=True) needs K >= BLOCK_K (K={K}, BLOCK_K={cfg[1]})")
-    _gemv_launch(x, w, out, cfg, accumulate, pdl)
+    _gemv_launch(x, w, out, cfg, accumulate, pdl, after_trigger=after_trigger)
     return out
 
 
@@ -383,9 +392,9 @@ def gemv_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     return tuning.GEMV_DEFAULT if flag not in ("", "0") and m <= GEMV_MAX_M else None
 
 
-def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemm(op: str, x: torch.Tensor, w: torch.Tensor, after_trigger: bool = False) -> torch.Tensor:
     """x @ w.t(): the CuTe skinny GEMM where wanted and possible, else the Triton GEMV where it
-    measured faster for this weight shape and M (GEMV_TABLE), else torch.mm."""
+    measured faster for this weight shape and M (GEMV_TABLE), else torch.mm. after_trigger: gemv's."""
     m = x.shape[0]
     if op in CUTE_GEMM_OPS and x.is_cuda and x.dim() == 2 and artifacts.wanted(op, m):
         key = f"{op} N={w.shape[0]} K={x.shape[1]} M={m}"
@@ -401,7 +410,7 @@ def gemm(op: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 artifacts.note(key, f"loader error: {type(e).__name__}: {e}")
     cfg = gemv_plan(x, w)
     if cfg is not None:
-        return gemv(x, w, cfg=cfg)
+        return gemv(x, w, cfg=cfg, after_trigger=after_trigger)
     return torch.mm(x, w.t())
 
 
@@ -430,13 +439,13 @@ def cfg_bn(cfg) -> int:
 
 
 # ------------------------------------------------------------------ registrations
-def _ok_gemm(x, w):
+def _ok_gemm(x, w, after_trigger=False):
     return x.dim() == 2 and w.dim() == 2 and x.dtype in FLOAT and w.dtype == x.dtype
 
 
 @register("decode_gemm", "cuda", "triton_mma_gemm_or_cublas", _ok_gemm)
-def _decode_gemm(x, w):
-    return gemm("decode_gemm", x, w)   # the tuned table's kernel for (N, K, M), else torch.mm
+def _decode_gemm(x, w, after_trigger=False):
+    return gemm("decode_gemm", x, w, after_trigger)   # the tuned table's kernel for (N, K, M), else torch.mm
 
 
 def _ok_bmm(x, w, w_nk, gate=None):

@@ -483,7 +483,8 @@ def ar_residual_norm_kernel(
     joins them (_ar_row_w1), which with W1_FIRST issues every load before its store of `upd`.
     TRIGGER (CUDA): the kernel after this one, if launched with PDL, may launch at once
     (gdc_launch_dependents first: it waits for this kernel's completion before it reads the outputs,
-    and streams its weights meanwhile; launch.gemv_pdl). RND: the rounding order (module docstring)."""
+    and streams its weights meanwhile; gemm.gemv_pdl; set where the op's `trigger` is, pair_pdl). RND: the
+    rounding order (module docstring)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)

@@ -31,19 +31,22 @@ def _run(op: str, reference_fn, *args):
 def oproj_allreduce_residual(x: Tensor, w: Tensor, residual: Tensor, blocks: list[Tensor],
                              w_norm: Optional[Tensor], w_qk: Optional[Tensor], g: Optional[Tensor],
                              eps: float, group: Optional[str], prefetch: list[Tensor], rounding: int = 0,
-                             mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
+                             mix_rounding: int = 0, trigger: bool = False) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(x @ w.T); normed = AttnRes post-norm of
     updated over `blocks` (plain RMSNorm(g) when there are none), or an empty tensor when g is None.
     `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
     `rounding`: the post-norm's rounding order, `mix_rounding`: the mixer's (reference.NORM_* / MIX_*
-    bits, as the model's graph rounds; 0: the reference model's)."""
+    bits, as the model's graph rounds; 0: the reference model's).
+    `trigger`: the next decode GEMM reads `normed` and is launched as this op's PDL secondary
+    (`after_trigger`, set by the pass pair_pdl): at TP=1 the norm kernel lets it launch at its start
+    (CUDA only; the reference ignores it)."""
     return _run("oproj_allreduce_residual",
-                lambda *a: ref.oproj_allreduce_residual(*a[:9], *a[10:]),
-                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
+                lambda *a: ref.oproj_allreduce_residual(*a[:9], *a[10:12]),
+                x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding, trigger)
 
 
 @oproj_allreduce_residual.register_fake
-def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0, trigger=False):
     return torch.empty_like(residual), (torch.empty_like(residual) if g is not None else residual.new_empty(0))
 
 
@@ -51,17 +54,18 @@ def _(x, w, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0,
 @torch.library.custom_op("k3::residual_norm", mutates_args=())
 def residual_norm(delta: Tensor, residual: Tensor, blocks: list[Tensor], w_norm: Optional[Tensor],
                   w_qk: Optional[Tensor], g: Tensor, eps: float, group: Optional[str],
-                  prefetch: list[Tensor], rounding: int = 0, mix_rounding: int = 0) -> tuple[Tensor, Tensor]:
+                  prefetch: list[Tensor], rounding: int = 0, mix_rounding: int = 0,
+                  trigger: bool = False) -> tuple[Tensor, Tensor]:
     """(updated, normed): updated = residual + all_reduce(delta) (delta as it is when group is None);
     normed = the AttnRes mixer of updated over `blocks` (RMSNorm(g) when there are none).
     `prefetch`: weights to pull into L2 while the all-reduce is in flight (GPU only).
-    `rounding` / `mix_rounding`: the rounding orders, as k3::oproj_allreduce_residual's."""
-    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8], *a[9:]),
-                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding)
+    `rounding` / `mix_rounding` / `trigger`: as k3::oproj_allreduce_residual's."""
+    return _run("residual_norm", lambda *a: ref.residual_norm(*a[:8], *a[9:11]),
+                delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding, mix_rounding, trigger)
 
 
 @residual_norm.register_fake
-def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0):
+def _(delta, residual, blocks, w_norm, w_qk, g, eps, group, prefetch, rounding=0, mix_rounding=0, trigger=False):
     return torch.empty_like(residual), torch.empty_like(residual)
 
 
@@ -115,14 +119,18 @@ def model_experts_on_kernels() -> None:
 # ----------------------------------------------------------------- 3. sharded router + latent projection
 @torch.library.custom_op("k3::router_latent_sharded", mutates_args=())
 def router_latent_sharded(x: Tensor, w_router: Tensor, w_down: Tensor, rank: int, tp: int,
-                          group: Optional[str], router_fp32: bool = False) -> tuple[Tensor, Tensor]:
+                          group: Optional[str], router_fp32: bool = False,
+                          after_trigger: bool = False) -> tuple[Tensor, Tensor]:
     """(x @ W_r.T, x @ W_down.T), each rank computing 1/tp of the rows of [W_r; W_down], all-gathered.
-    router_fp32: the logits in fp32, as the model's x.float() @ W_r.float().T (gathered in fp32)."""
-    return _run("router_latent_sharded", ref.router_latent_sharded, x, w_router, w_down, rank, tp, group, router_fp32)
+    router_fp32: the logits in fp32, as the model's x.float() @ W_r.float().T (gathered in fp32).
+    after_trigger: x is the normed output of the norm op launched right before this one with `trigger`
+    (pair_pdl): at TP=1 the GEMM is launched as its PDL secondary (CUDA only; the reference ignores it)."""
+    return _run("router_latent_sharded", lambda *a: ref.router_latent_sharded(*a[:7]),
+                x, w_router, w_down, rank, tp, group, router_fp32, after_trigger)
 
 
 @router_latent_sharded.register_fake
-def _(x, w_router, w_down, rank, tp, group, router_fp32=False):
+def _(x, w_router, w_down, rank, tp, group, router_fp32=False, after_trigger=False):
     logits = x.new_empty(x.shape[0], w_router.shape[0], dtype=torch.float32 if router_fp32 else x.dtype)
     return logits, x.new_empty(x.shape[0], w_down.shape[0])
 
@@ -311,15 +319,17 @@ def _(xq, xk, xv, state, w):
 
 # ----------------------------------------------------------------- decode GEMMs (lower_decode_gemm)
 @torch.library.custom_op("k3::decode_gemm", mutates_args=())
-def decode_gemm(x: Tensor, w: Tensor) -> Tensor:
+def decode_gemm(x: Tensor, w: Tensor, after_trigger: bool = False) -> Tensor:
     """x @ w.T for a weight w [N, K] (F.linear without bias); on CUDA the tensor-core split-K
     decode GEMM where the tuned table has this weight shape and M (kernels/tuning.GEMV_TABLE),
-    else cuBLAS."""
-    return _run("decode_gemm", lambda a, b: torch.mm(a, b.t()), x, w)
+    else cuBLAS. after_trigger: x is the normed output of the norm op launched right before this one
+    with `trigger` (pair_pdl): a CUDA-core GEMV is then launched as its PDL secondary (CUDA only; the
+    reference ignores it)."""
+    return _run("decode_gemm", lambda a, b, _t: torch.mm(a, b.t()), x, w, after_trigger)
 
 
 @decode_gemm.register_fake
-def _(x, w):
+def _(x, w, after_trigger=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 

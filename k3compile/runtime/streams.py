@@ -1,14 +1,11 @@
-"""What one op call leaves on a stream for a later one: the side stream's work, and the norm kernel
-that lets the next GEMV launch early.
+"""What one op call leaves on a stream for a later one: the side stream's work.
 
 Fork: the side stream waits for the current stream, runs the work, records an event; the result
 is remembered by its data pointer. Join: the current stream waits for that event. Both are
 legal inside CUDA-graph capture (fork/join through events), so they survive `reduce-overhead`.
 
-Trigger: a kernel that triggers its dependents (the TP=1 all-reduce / norm kernel, which lets a
-kernel launched after it with Programmatic Dependent Launch start at its start) notes its output
-(`note_trigger`); the first decode GEMM launched after it on the same stream takes the note
-(`take_trigger`) and is its PDL secondary only if it reads that output.
+(The PDL pairing of the TP=1 norm kernel and the GEMV after it is not runtime state: the pass
+pair_pdl sets it as arguments of the two ops.)
 """
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import torch
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 _PENDING: dict[int, torch.cuda.Event] = {}
-_TRIGGERED: dict[int, int] = {}   # CUDA stream -> data_ptr of the last triggering norm kernel's normed output
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -50,18 +46,3 @@ def join(x: torch.Tensor) -> bool:
         return False
     torch.cuda.current_stream(x.device).wait_event(ev)
     return True
-
-
-def note_trigger(nrm: torch.Tensor) -> None:
-    """A kernel that triggers its dependents (the TP=1 norm) wrote `nrm`: the GEMV reading it next is its PDL
-    secondary."""
-    _TRIGGERED[torch.cuda.current_stream(nrm.device).cuda_stream] = nrm.data_ptr()
-
-
-def take_trigger(x: torch.Tensor) -> bool:
-    """Whether x is the normed output of the last triggering norm kernel launched on this stream. The first
-    decode GEMM launched after that kernel takes the mark either way, so a later GEMM whose input happens
-    to reuse the same memory is not taken for its secondary."""
-    if not _TRIGGERED or not x.is_cuda:
-        return False
-    return _TRIGGERED.pop(torch.cuda.current_stream(x.device).cuda_stream, None) == x.data_ptr()
