@@ -94,6 +94,12 @@ PIPELINE: tuple[Row, ...] = (
     # after lower_decode_gemm and fold_mla_prologue: it takes their ops
     Row("fold_mla_output", needs=("fold_mla_prologue", "lower_decode_gemm"), m_range=(1, 16), cuda_m=(1, 16),
         evidence="bench/results/layer_mla_tp8_w1_h200_ad84e26_fold.json: -1.3 / -1.6 / -8.0 us at M = 1 / 4 / 16"),
+    # last: it pairs the norm ops (fuse_residual_norm, fuse_oproj_allreduce) with the GEMM ops (lower_decode_gemm,
+    # shard_router_latent) the passes before it emitted; the GEMV's PDL form runs where the GEMV does (M=1 rows)
+    Row("pair_pdl", needs=("lower_decode_gemm",), m_range=(1, 16), cuda_m=(1, 1),
+        evidence="bench/results/layer_{kda,mla}_tp8_w1_h100_843c313_pdl1.json: no PDL / the pairs with "
+                 "tuning.GEMV_PDL_PF, KDA 139.0 / 132.4, MLA 139.4 / 132.5 us at M=1 (one H100, the GEMVs of its "
+                 "card rows); M = 4 / 16 within 0.4 us (MMA GEMMs there, which have no PDL form)"),
 )
 
 
