@@ -17,7 +17,7 @@ PASS_SETS = {
     "fold_mla_prologue": ("fold_mla_prologue",),
     "all": ("shard_router_latent", "fuse_router_topk", "fold_moe_finalize", "fuse_oproj_allreduce",
             "fuse_residual_norm", "fold_kda_conv", "fold_mla_prologue", "overlap_shared_expert", "lower_decode_gemm",
-            "fold_mla_output"),
+            "fold_mla_output", "pair_pdl"),
 }
 
 

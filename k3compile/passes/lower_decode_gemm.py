@@ -1,7 +1,7 @@
 """lower_decode_gemm: the decode GEMMs the other passes leave in the graph, onto k3's decode GEMM.
 
-Runs after the other rewrites (only fold_mla_output, which takes the ops it emits,
-come after it), over what they left: the attention input projections (KDA in_proj and
+Runs after the other rewrites (only fold_mla_output, which takes the ops it emits, and pair_pdl,
+which sets an argument of them, come after it), over what they left: the attention input projections (KDA in_proj and
 f_b, MLA qkv_a and q_b), the dense MLP, the LM head, and the MoE GEMMs of any MoE pass that did
 not apply. Inductor hands these to cuBLAS, whose kernels read a decode weight at 1.3-3.9 TB/s on
 an H200 (the KDA in_proj at TP=8 widths, 90 MB, at 2.4-2.9; bench/gemv_bench.py, BENCHMARKS.md).
