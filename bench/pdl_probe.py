@@ -3,10 +3,10 @@
 The question (issue 5, MLA at M=1 is 1.6x its floor on an H100): at TP=1 the AttnRes norm before the
 MLA qkv_a / KDA in_proj GEMV, and the one before the stacked router + latent GEMV, are one-program
 kernels of about 5 us that read almost nothing, and the GEMV after each cannot start streaming its
-52-90 MB weight until the norm ends. With K3_KNOBS gemv_pdl (gemm.gemv_pdl) the norm lets its dependent
-launch at its start and the GEMV, launched with Programmatic Dependent Launch, requests the first PF
-bytes of its programs' weight rows into L2 before it waits for the norm. How much of the norm's time
-does that win back?
+52-90 MB weight until the norm ends. With K3_KNOBS gemv_pdl (gemm.gemv_pdl) the norm (called with
+trigger=True, the argument pass pair_pdl sets) lets its dependent launch at its start and the GEMV
+(after_trigger=True), launched with Programmatic Dependent Launch, requests the first PF bytes of its
+programs' weight rows into L2 before it waits for the norm. How much of the norm's time does that win back?
 
 Each captured step runs on the next of NCOPY weight copies (together more than 2x the L2), so every
 GEMV starts cold. Per shape, us per step (median of rounds, graphed, launch hidden):
@@ -78,11 +78,11 @@ def main(argv=None):
             for r in range(a.reps):
                 gemm.gemv(x, ws[r % ncopy], cfg=cfg)
 
-        def chain(v):
+        def chain(v):   # the pair as pass pair_pdl sets it: the norm's trigger, the GEMV's after_trigger
             def run():
                 for r in range(a.reps):
-                    _, x = comm.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps)
-                    gemm.gemv(x, ws[r % ncopy], out=outs[v][r], cfg=cfg)
+                    _, x = comm.ar_residual_norm(local, None, res, g, w_norm, w_qk, blocks, eps, trigger=True)
+                    gemm.gemv(x, ws[r % ncopy], out=outs[v][r], cfg=cfg, after_trigger=True)
             return run
 
         plan = gemm.gemv_plan(local, ws[0])   # what the layer runs for this shape on this GPU

@@ -461,16 +461,15 @@ def test_gemv_two_weights_bf16_graphed():
 
 
 def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
-    """For each M: `chain(inputs, outs)` run eagerly and captured in a CUDA graph once as it is and once with the
-    knob `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
+    """For each M: `chain(inputs, outs)` run eagerly and captured in a CUDA graph once with the knob `var` = "off"
+    and once with `var` = `value` (read at launch: the PDL launches); the two give bit-equal outputs of the
     given widths eagerly, and after new inputs are copied in, replayed (three times, each output changed)."""
     for M in ms:
         t = inputs(M)
         outs = {k: [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for n in widths] for k in ("off", "on")}
         graphs = {}
         for k in ("off", "on"):
-            if k == "on":
-                monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: value}))
+            monkeypatch.setenv("K3_KNOBS", knobs_text(**{var: value if k == "on" else "off"}))
             chain(t, outs[k])   # eager (and compiled before the capture)
             torch.cuda.synchronize()
             graphs[k] = torch.cuda.CUDAGraph()
@@ -491,14 +490,17 @@ def _pdl_chain_bit_equal(monkeypatch, var, value, ms, inputs, chain, widths):
                 assert not torch.equal(b, old)
 
 
+@pytest.mark.parametrize("between", [False, True], ids=["pair", "between"])
 @pytest.mark.parametrize("pf", ["0", "16384", "65536"])
-def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
-    """K3_KNOBS gemv_pdl: the TP=1 all-reduce / norm kernel triggering its dependents at its start, then the
-    CUDA-core GEMV launched with PDL (its weight rows' first `pf` bytes requested into L2 before the
-    wait): plain, lazy and stacked (TWO) forms, M = 1 / 2, eagerly and replayed from a CUDA graph
-    with new inputs, bit-equal to the same chain launched without PDL (the same sums in the same
-    order; only the launch differs), and the GEMV reads the norm's fresh output (a stale read
-    would differ after the inputs change)."""
+def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf, between):
+    """K3_KNOBS gemv_pdl: the TP=1 all-reduce / norm kernel called with trigger=True triggering its dependents at
+    its start, then the CUDA-core GEMV called with after_trigger=True launched with PDL (its weight rows' first
+    `pf` bytes requested into L2 before the wait): plain, lazy and stacked (TWO) forms, M = 1 / 2, eagerly and
+    replayed from a CUDA graph with new inputs, bit-equal to the same chain launched without PDL (the same sums in
+    the same order; only the launch differs), and the GEMV reads the norm's fresh output (a stale read would
+    differ after the inputs change). `between`: another kernel sits between the two and rewrites the GEMV's input
+    in place (x * 2): the GEMV, whose grid-dependency wait comes before it reads x, still reads that kernel's
+    output, not the norm's."""
     from k3compile.kernels import comm, gemm
     g = torch.Generator("cuda").manual_seed(5)
     H, bf = 7168, torch.bfloat16
@@ -510,16 +512,42 @@ def test_gemv_pdl_after_norm_equals_plain_chain_graphed(monkeypatch, pf):
     def inputs(M):
         return [torch.randn(M, H, device="cuda", generator=g).to(bf) for _ in range(5)]
 
-    def chain(t, outs):   # each GEMV form right after its own norm (the secondary of a triggering kernel)
+    def norm(t):
         local, res, *blocks = t
-        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        gemm.gemv(x, w, out=outs[0], cfg=(4, 1024, 4, 3))
-        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        gemm.gemv(x, w, out=outs[1], cfg=(4, 1024, 4, 3, 1))
-        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6)
-        gemm.mma_gemm2(x, wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3])
+        _, x = comm.ar_residual_norm(local, None, res, gw, wn, wq, blocks, 1e-6, trigger=True)
+        if between:
+            x.mul_(2)
+        return x
+
+    def chain(t, outs):   # each GEMV form as the secondary of its own norm (pair_pdl's arguments)
+        gemm.gemv(norm(t), w, out=outs[0], cfg=(4, 1024, 4, 3), after_trigger=True)
+        gemm.gemv(norm(t), w, out=outs[1], cfg=(4, 1024, 4, 3, 1), after_trigger=True)
+        gemm.mma_gemm2(norm(t), wr, w, (2, 1024, 4, 4, 1), out1=outs[2], out2=outs[3], after_trigger=True)
 
     _pdl_chain_bit_equal(monkeypatch, "gemv_pdl", pf, (1, 2), inputs, chain, (3648, 3648, 896, 3648))
+
+
+@pytest.mark.parametrize("pf", ["0", "16384"])
+def test_compiled_model_with_pdl_pairs_equals_it_without(monkeypatch, pf):
+    """The tiny model at TP=1 (hidden 512: K >= the default GEMV's BLOCK_K), compiled by k3 with Inductor, every
+    decode GEMM on the CUDA-core GEMV (K3_KNOBS gemv=1): pair_pdl pairs every norm op with the GEMM after it, and
+    with gemv_pdl=<pf> those GEMVs launch as PDL secondaries of the triggering norm kernels; four decode steps give
+    the same logits bit for bit as the same compile with gemv_pdl=off."""
+    cfg = K3Config.tiny(dtype="bfloat16", num_layers=4, hidden=512)
+    m = K3Model(cfg, device="cuda")
+    ids = [torch.randint(0, cfg.vocab, (1, 1), device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+           for s in range(4)]
+    out = {}
+    for v in ("off", pf):
+        monkeypatch.setenv("K3_KNOBS", knobs_text(gemv="1", gemv_pdl=v))
+        torch._dynamo.reset()
+        f = torch.compile(m, backend="k3", fullgraph=True)
+        cache = m.new_cache(1)
+        out[v] = [f(i, cache).clone() for i in ids]
+        rep = k3compile.last_report().get("pair_pdl")
+        assert rep.matched == rep.expected == 2 * cfg.num_layers, rep
+    for a, b in zip(out["off"], out[pf]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("M", [1, 4, 16])
