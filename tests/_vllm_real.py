@@ -19,13 +19,24 @@ The shims, each the least that lets the real model run without a GPU (nothing in
   PyTorch and the oracle is patched to pick it. On CPU vLLM calls the MoE runner's Python directly (Dynamo
   would trace the experts); the runner is set to call `vllm::moe_forward(_shared)` as it does on CUDA,
   so the graph holds the opaque op with its two outputs.
+- the MLA layer (layer 2), on vLLM's own CPU attention backend (CPU_MLA, which vLLM picks on CPU):
+  - `_C::mla_decode_kvcache` (that backend's decode, a kernel of vLLM's CPU build, which this CUDA wheel
+    lacks) and `_C::fused_kimi_k3_mla_decode_q_concat_kv_cache_insert` (the layer's decode query concat +
+    latent cache insert, a CUDA kernel), each defined with vLLM 0.33's schema and a CPU implementation:
+    the absorbed-MLA decode over the paged latent cache (softmax(q . [c | k_pe] * scale) . c), and the
+    concat + insert (NoPE: no rotation). `decode_context` binds each MLA layer's cache and metadata.
+  - `cpu_q_kv_rmsnorm()`: the layer's front-end `fused_q_kv_rmsnorm` (a Triton kernel through vLLM's JIT
+    launcher) computes the kernel's math in PyTorch for CPU tensors (fp32, one cast at the store), so the
+    CPU graph holds two RMSNorms in ATen where CUDA's holds the kernel (which no K3 pass reads). Dynamo
+    does capture vLLM's launcher as `triton_kernel_wrapper_functional`, but Inductor on CPU (the plugin
+    route) cannot compile a user Triton kernel.
+  - Not a shim: the layer's core (`MultiHeadLatentAttention._attention`) is one op,
+    `k3vllm::kimi_k3_mla_attention`, made by K3's vLLM hook (`opaque_kimi_k3_mla`, which the plugin runs
+    and the op-by-op route calls): Dynamo cannot trace vLLM's Python for it (a transposed `out=`).
 - `VLLM_TARGET_DEVICE=cpu` (vLLM's CPU platform, gloo) and `VLLM_KIMI_K3_GEMM_AR=0` (no CuTe GEMM-AR).
 - `tail_tier(name)`: vLLM's CPU platform turns the shared-experts stream off, so at TP > 1 its latent-MoE
   runner always takes the column-parallel tail; the TP=2 tests pick each tail in turn, the one CUDA runs at
   decode sizes (the full replicated W_up, the shared partial all-reduced on its own) first.
-
-No MLA layer: its front-end (`fused_q_kv_rmsnorm`) is a Triton kernel that this CPU run cannot execute,
-and its core reads a paged latent cache through a CUDA attention backend.
 """
 from __future__ import annotations
 
@@ -216,13 +227,70 @@ def _fused_kda_decode_cpu(x, weight, bias, conv_state, raw_g, raw_beta, A_log, d
         out[0, i].copy_(o.to(out.dtype))
 
 
+# ------------------------------------------------------------------ the MLA layer's kernels on CPU
+MLA_INSERT_SCHEMA = (
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert(Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, "
+    "Tensor k_pe, Tensor! mqa_q, Tensor! k_cache, Tensor slot_mapping, int cache_block_size, "
+    "Tensor? position_ids=None, Tensor? cos_sin_cache=None) -> ()")
+MLA_DECODE_SCHEMA = ("mla_decode_kvcache(Tensor! out, Tensor query, Tensor kv_cache, float scale, "
+                     "Tensor block_tables, Tensor seq_lens) -> ()")
+
+
+def _mla_insert_cpu(ql_nope, q_pe, kv_c_normed, k_pe, mqa_q, k_cache, slot_mapping, cache_block_size,
+                    position_ids=None, cos_sin_cache=None):
+    """mqa_q = [ql_nope | q_pe]; each token's latent [kv_c_normed | k_pe] written at its slot (K3's MLA is
+    NoPE: no rotation)."""
+    assert position_ids is None and cos_sin_cache is None, "K3's MLA layers apply no RoPE"
+    mqa_q.copy_(torch.cat([ql_nope, q_pe], -1))
+    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // cache_block_size, slot % cache_block_size].copy_(torch.cat([kv_c_normed[i], k_pe[i]]))
+
+
+def _mla_decode_cpu(out, query, kv_cache, scale, block_tables, seq_lens):
+    """Absorbed MLA decode over the paged latent cache: per sequence and head, softmax(q . [c | k_pe] * scale)
+    over its seq_lens tokens, times their latents c (fp32 math)."""
+    bs, lat = kv_cache.shape[1], out.shape[-1]
+    for b in range(query.shape[0]):
+        n = int(seq_lens[b])
+        kv = kv_cache[block_tables[b, :(n + bs - 1) // bs].long()].reshape(-1, kv_cache.shape[-1])[:n].float()
+        p = torch.softmax(query[b].float() @ kv.t() * scale, -1)
+        out[b].copy_((p @ kv[:, :lat]).to(out.dtype))
+
+
+def _rms_fp32(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+def cpu_q_kv_rmsnorm() -> None:
+    """The MLA layer's `fused_q_kv_rmsnorm` on CPU tensors: its Triton kernel's math (fp32, one cast at the
+    store) in PyTorch; on another device vLLM's function."""
+    from vllm.models.kimi_k3.nvidia import mla
+    vllm_fn = mla.fused_q_kv_rmsnorm
+    if getattr(vllm_fn, "_k3_cpu", False):
+        return
+
+    def fused_q_kv_rmsnorm(qr, kv, q_weight, kv_weight, eps):
+        if qr.device.type != "cpu":
+            return vllm_fn(qr, kv, q_weight, kv_weight, eps)
+        return _rms_fp32(qr, q_weight, eps), _rms_fp32(kv, kv_weight, eps)
+
+    fused_q_kv_rmsnorm._k3_cpu = True
+    mla.fused_q_kv_rmsnorm = fused_q_kv_rmsnorm
+
+
 def define_c_ops() -> None:
     if hasattr(torch.ops._C, "fused_kda_decode"):
         return
     lib = torch.library.Library("_C", "FRAGMENT")
-    lib.define(FUSED_KDA_DECODE_SCHEMA)
-    lib.impl("fused_kda_decode", _fused_kda_decode_cpu, "CPU")
-    lib.impl("fused_kda_decode", lambda *a: None, "Meta")
+    for schema, impl in ((FUSED_KDA_DECODE_SCHEMA, _fused_kda_decode_cpu), (MLA_INSERT_SCHEMA, _mla_insert_cpu),
+                         (MLA_DECODE_SCHEMA, _mla_decode_cpu)):
+        name = schema.split("(")[0]
+        lib.define(schema)
+        lib.impl(name, impl, "CPU")
+        lib.impl(name, lambda *a: None, "Meta")
     _LIBS.append(lib)
 
 
@@ -265,9 +333,9 @@ def reference_experts_cls():
 
 # ------------------------------------------------------------------ the tiny model
 def tiny_config(tp: int = 1) -> dict:
-    """3 KDA layers, layer 0 dense, layers 1-2 LatentMoE (a shared expert, a latent norm; no intermediate
-    padding at TP=2); AttnRes block 12 (layer 0 writes the one block). KDA heads 12 per rank (the native
-    decode's smallest). The MLA fields are vLLM's config's, unused (no full-attention layer)."""
+    """Layers 0-1 KDA, layer 2 MLA (K3's q-LoRA, NoPE, sigmoid output gate; 4 heads per rank); layer 0
+    dense, layers 1-2 LatentMoE (a shared expert, a latent norm; no intermediate padding at TP=2); AttnRes
+    block 12 (layer 0 writes the one block). KDA heads 12 per rank (the native decode's smallest)."""
     return dict(
         model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], vocab_size=512, hidden_size=256,
         intermediate_size=512, num_hidden_layers=3, num_attention_heads=4 * tp, head_dim=64, hidden_act="situ",
@@ -277,7 +345,7 @@ def tiny_config(tp: int = 1) -> dict:
         moe_router_activation_func="sigmoid", routed_expert_hidden_size=128, latent_moe_use_norm=True,
         q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         mla_use_nope=True, mla_use_output_gate=True,
-        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [], "head_dim": 128, "num_heads": 12 * tp,
+        linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [3], "head_dim": 128, "num_heads": 12 * tp,
                             "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
         attn_res_block_size=12, torch_dtype="bfloat16", max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -301,6 +369,7 @@ def install_shims() -> None:
     register_c_stubs()   # the `_C` schemas vLLM's FixFunctionalizationPass names
     with cuda_stubs():
         from vllm.models.kimi_k3.nvidia import kda
+    cpu_q_kv_rmsnorm()
     kda.is_fused_kda_decode_supported = lambda *a, **k: hasattr(torch.ops._C, "fused_kda_decode")
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as ufm
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
@@ -347,30 +416,54 @@ def kda_layers(model):
     return [m for m in model.modules() if isinstance(m, KimiK3DeltaAttention)]
 
 
+def mla_layers(model):
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
+    return [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
+
+
+MLA_BLOCK, MLA_CONTEXT = 16, 7   # latent cache block size (vLLM's CPU MLA takes 16); tokens cached before the step
+
+
 def new_state(model, batch: int, seed: int = 1):
-    """Per KDA layer, (conv_state, recurrent_state) for `batch` sequences, random (a mid-sequence step)."""
+    """Per KDA layer, (conv_state, recurrent_state) for `batch` sequences, and per MLA layer a latent cache of
+    one block per sequence, random (a mid-sequence step): (KDA states, MLA caches)."""
     g = torch.Generator().manual_seed(seed)
-    out = []
+    kda = []
     for layer in kda_layers(model):
         dtypes = layer.get_state_dtype()
         shapes = layer.get_state_shape()
-        out.append(tuple((0.1 * torch.randn((batch, *s), generator=g)).to(dt) for s, dt in zip(shapes[:2], dtypes[:2])))
-    return out
+        kda.append(tuple((0.1 * torch.randn((batch, *s), generator=g)).to(dt) for s, dt in zip(shapes[:2], dtypes[:2])))
+    mla = [(0.5 * torch.randn((batch, MLA_BLOCK, m.head_size), generator=g)).to(torch.bfloat16)
+           for m in mla_layers(model)]
+    return kda, mla
 
 
 def decode_context(model, vc, batch: int, state):
-    """vLLM's forward context for one decode step of `batch` sequences: KDA metadata (decodes only, one
-    state slot per sequence) and the layers' state caches bound to `state` (mutated in place)."""
+    """vLLM's forward context for one decode step of `batch` sequences, decodes only: KDA metadata (one state
+    slot per sequence), MLA metadata (sequence i in cache block i, MLA_CONTEXT tokens cached, the new one
+    written after them) and the layers' caches bound to `state` (mutated in place)."""
     from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata, MLACommonMetadata
     from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
-    meta = {}
-    for layer, st in zip(kda_layers(model), state):
+    meta, slots = {}, {}
+    kda, mla = state
+    for layer, st in zip(kda_layers(model), kda):
         layer.kv_cache = list(st)
         meta[layer.prefix] = KimiK3KDAMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decodes=batch, num_decode_tokens=batch, num_spec_decodes=0,
             num_spec_decode_tokens=0, num_actual_tokens=batch,
             non_spec_state_indices_tensor=torch.arange(batch, dtype=torch.int32))
-    return set_forward_context(meta, vc, num_tokens=batch)
+    for layer, cache in zip(mla_layers(model), mla):
+        layer.kv_cache = cache
+        slots[layer.layer_name] = torch.arange(batch) * MLA_BLOCK + MLA_CONTEXT
+        meta[layer.layer_name] = MLACommonMetadata(
+            num_reqs=batch, max_query_len=1, max_seq_len=MLA_CONTEXT + 1, num_actual_tokens=batch,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32), slot_mapping=slots[layer.layer_name],
+            num_decodes=batch, num_decode_tokens=batch, num_prefills=0,
+            decode=MLACommonDecodeMetadata(block_table=torch.arange(batch, dtype=torch.int32)[:, None],
+                                           seq_lens=torch.full((batch,), MLA_CONTEXT + 1, dtype=torch.int32),
+                                           dcp_tot_seq_lens=None))
+    return set_forward_context(meta, vc, num_tokens=batch, slot_mapping=slots)
 
 
 def step(model, vc, ids, state):
@@ -485,6 +578,8 @@ def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (Non
     from vllm.distributed import parallel_state as ps
     vc = vllm_config(world)
     install_shims()
+    from k3compile.integrations.vllm import opaque_kimi_k3_mla
+    opaque_kimi_k3_mla()   # what the plugin does (vllm_backend_worker): the MLA core one op for Dynamo
     with set_current_vllm_config(vc):
         ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                         distributed_init_method="env://", backend="gloo")
@@ -521,8 +616,9 @@ def real_model_worker(rank: int, world: int, batch: int = 2, tiers: tuple = (Non
 
 
 def _ops(nodes) -> dict:
-    """What the graph runs, for the tests: every op's count by name, the shape of each k3::moe_latent_tail's
-    W_up (this rank's rows) and of each k3::router_latent_sharded's two weights."""
+    """What the graph runs, for the tests: every op's count by name, the attention layer of each fused residual
+    op, the shape of each k3::moe_latent_tail's W_up (this rank's rows) and of each
+    k3::router_latent_sharded's two weights."""
     from collections import Counter
     from k3compile.patterns.structure import op_name
     count = Counter(op_name(n) or str(n.target) for n in nodes)
@@ -534,7 +630,20 @@ def _ops(nodes) -> dict:
             x = x.args[0]
         return getattr(x, "target", None) is operator.getitem and op_name(x.args[0]) == "vllm::moe_forward_shared"
 
+    def core(n, forward: bool):   # the nearest of vLLM's attention cores after (layer input) / before (o-proj) n
+        from k3compile.patterns.roles import VLLM_ATTENTION_OPS
+        seen, frontier = {n}, [n]
+        while frontier:
+            frontier = [y for x in frontier for y in (x.users if forward else x.all_input_nodes) if y not in seen]
+            for y in frontier:
+                if op_name(y) in VLLM_ATTENTION_OPS:
+                    return op_name(y)
+                seen.add(y)
+        return None
+
     return {"count": dict(count),
+            # per fused residual op: the attention core of its layer (an o-proj's before it, a layer input's after)
+            "cores": [(op_name(n), core(n, op_name(n) == "k3::residual_norm")) for n in fused],
             # all-reduces of one of vLLM's MoE op's partials on its own (c10d's or k3::all_reduce_prefetch)
             "moe_partial_all_reduces": sum(1 for n in nodes if op_name(n) in (
                 "_c10d_functional::all_reduce", "k3::all_reduce_prefetch") and moe_output(n.args[0])),
@@ -549,7 +658,8 @@ def _ops(nodes) -> dict:
 
 def vllm_backend_worker(rank: int, world: int, batch: int = 2) -> dict:
     """The plugin route, as a vLLM server takes it: K3_VLLM=1, vLLM loads its general plugins (k3compile's
-    turns the hook on and gives vLLM's Kimi K3 decoder vLLM's `support_torch_compile`), the model is built
+    turns the hook on, gives vLLM's Kimi K3 decoder vLLM's `support_torch_compile` and makes its MLA
+    attention core one op for Dynamo), the model is built
     under `CompilationConfig(mode=VLLM_COMPILE)` and its first call compiles through vLLM's own VllmBackend
     (Inductor on CPU) with the K3 pass in vLLM's PostGradPassManager. Returns the pass's reports."""
     os.environ.pop("TRITON_INTERPRET", None)
@@ -574,7 +684,9 @@ def vllm_backend_worker(rank: int, world: int, batch: int = 2) -> dict:
     with torch.no_grad():
         h = step(model, vc, ids, new_state(model, batch))
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
     return {"pass": repr(k3), "wrapped": isinstance(model.model, TorchCompileWithNoGuardsWrapper),
+            "mla_opaque": getattr(MultiHeadLatentAttention._attention, "_k3_opaque", False),
             "compiled": bool(getattr(model.model, "compiled", False)), "calls": getattr(k3, "calls", 0),
             "report": k3.last.to_dict() if getattr(k3, "last", None) is not None else None,
             "text": k3.last.render() if getattr(k3, "last", None) is not None else None,

@@ -1,20 +1,22 @@
 """vLLM 0.33's own Kimi K3 model (`vllm.models.kimi_k3.nvidia.model.KimiLinearForCausalLM`) through vLLM's
 compile route with the K3 pass (marker `vllm`; CI's second step, .ci/vllm-tests.sh).
 
-The model is vLLM's, built from a tiny config (3 KDA layers, hidden 256; layer 0 dense, layers 1-2
-LatentMoE with a shared expert and the latent norm; AttnRes with one block), random weights, run on
-vLLM's CPU platform. The shims that let it run without a GPU are listed, each with its reason, in
+The model is vLLM's, built from a tiny config (hidden 256; layers 0-1 KDA, layer 2 MLA; layer 0 dense,
+layers 1-2 LatentMoE with a shared expert and the latent norm; AttnRes with one block), random weights, run
+on vLLM's CPU platform. The shims that let it run without a GPU are listed, each with its reason, in
 tests/_vllm_real.py's docstring: a placeholder Triton backend (so Dynamo captures vLLM's AttnRes Triton
-kernel as on CUDA), CUDA streams stubbed, `_C::fused_kda_decode` defined with its schema and a CPU
-implementation, reference experts for the MoE oracle, and the MoE runner calling its opaque op as on
-CUDA, and at TP=2 each of vLLM's two latent-MoE tails in turn. Not covered here: the MLA layer (its core
-needs a CUDA attention backend and its front-end is a Triton kernel this CPU run cannot execute).
+kernel as on CUDA), CUDA streams stubbed, `_C::fused_kda_decode` and the MLA layer's two `_C` ops (its
+decode cache insert, vLLM's CPU MLA decode) defined with their schemas and CPU implementations, the MLA
+front-end's q/kv RMSNorm in PyTorch on CPU, reference experts for the MoE oracle, and the MoE runner
+calling its opaque op as on CUDA, and at TP=2 each of vLLM's two latent-MoE tails in turn. The MLA
+attention core is one op, `k3vllm::kimi_k3_mla_attention`, as K3's vLLM hook makes it (Dynamo cannot
+trace vLLM's Python for it; integrations/vllm.py `opaque_kimi_k3_mla`).
 
 Per pass, the sites matched equal the sites expected from role discovery (patterns/roles.py): the o-proj
-+ AttnRes residual + mixer of layers 1-2, the layer inputs of layers 1-2, and per MoE layer (vLLM's
-vllm::moe_forward_shared) the router + latent GEMMs and the latent tail; what runs inside vLLM's MoE op
-(the router's selection, the routed and the shared experts) and the output mixer without a norm are
-named near-misses, not counted as expected.
++ AttnRes residual + mixer of layer 1 (KDA) and layer 2 (MLA), the layer inputs of layers 1-2, and per MoE
+layer (vLLM's vllm::moe_forward_shared) the router + latent GEMMs and the latent tail; what runs inside
+vLLM's MoE op (the router's selection, the routed and the shared experts) and the output mixer without a
+norm are named near-misses, not counted as expected.
 
 The compile route is the one tests/test_vllm.py takes for the look-alike model: vLLM's pre-grad
 functionalisation, AOTAutograd, vLLM's PostGradPassManager with the K3 pass, the graph run op by op.
@@ -77,10 +79,12 @@ def _tp1_entry(fn):
 def test_real_model_reaches_the_k3_pass_and_its_attn_res_is_canonicalised(tp1):
     """The K3 pass runs on the real model's graph; vLLM's AttnRes Triton kernel (7 launches: 2 per layer
     and the output mixer) is rewritten into ATen ops, so no Triton kernel is left and the graph runs on
-    CPU; the opaque forms (MoE op, KDA decode op) stay."""
+    CPU; the opaque forms (MoE op, KDA decode op, the MLA core) stay, one attention core per layer."""
     assert tp1["k3"]["report"] is not None
     for name in ("k3", "none"):
         assert tp1[name]["triton"] == 0, name
+        c = tp1[name]["ops"]["count"]
+        assert (c.get("_C::fused_kda_decode"), c.get("k3vllm::kimi_k3_mla_attention")) == (2, 1), name
     assert "vllm.moe_forward_shared.default" in tp1["k3"]["forms"]
 
 
@@ -105,10 +109,10 @@ def _passes(rep):
 
 
 def test_real_model_oproj_fuses_with_the_attn_res_residual_and_norm(tp1):
-    """Layers 1-2: the o-proj GEMM, the AttnRes residual add and the post-attention mixer / norm (inside
-    vLLM's AttnRes kernel, canonicalised) become k3::oproj_allreduce_residual, the mixer over the one block
-    included. Layer 0 writes the AttnRes block and restarts the prefix from its attention output: no
-    residual add, so no site (2 expected)."""
+    """Layers 1 (KDA) and 2 (MLA): the o-proj GEMM, the AttnRes residual add and the post-attention mixer /
+    norm (inside vLLM's AttnRes kernel, canonicalised) become k3::oproj_allreduce_residual, the mixer over
+    the one block included. Layer 0 writes the AttnRes block and restarts the prefix from its attention
+    output: no residual add, so no site (2 expected)."""
     rep = tp1["k3"]["report"]
     assert rep["structure"]["attention_layers"] == 2
     p = _passes(rep)["fuse_oproj_allreduce"]
@@ -123,8 +127,8 @@ def test_real_model_oproj_fuses_with_the_attn_res_residual_and_norm(tp1):
 
 
 # per pass: the sites the real model's layer structure gives (role discovery: 2 attention layers after the
-# first, 2 MoE layers in vllm::moe_forward_shared, 2 normalised layer inputs), and the named near-misses
-# (not counted as expected): the MoE parts inside vLLM's op, the output mixer with no norm
+# first, KDA and MLA, 2 MoE layers in vllm::moe_forward_shared, 2 normalised layer inputs), and the named
+# near-misses (not counted as expected): the MoE parts inside vLLM's op, the output mixer with no norm
 SITES = {"shard_router_latent": 2, "fold_moe_finalize": 2, "fuse_oproj_allreduce": 2, "fuse_residual_norm": 2,
          "fuse_router_topk": 0, "lower_mxfp4_experts": 0, "overlap_shared_expert": 0}
 NAMED = {"fuse_router_topk": ("the router's selection", 2), "lower_mxfp4_experts": ("the routed experts", 2),
@@ -148,11 +152,22 @@ def _check_sites(rep, tp):
     for name in ("fuse_router_topk", "lower_mxfp4_experts", "overlap_shared_expert"):
         assert all("inside vllm::moe_forward_shared" in m["reason"] for m in p[name]["near_misses"])
     assert "compute_logits" in p["fuse_residual_norm"]["near_misses"][0]["reason"]
+    for name in ("fold_kda_gate", "fold_mla_prologue"):   # the reference model's cores only: skipped, saying so
+        assert "vLLM's own cores here, _C::fused_kda_decode, k3vllm::kimi_k3_mla_attention" in p[name]["skipped"]
+
+
+# per fused residual op, the attention core of its layer (tests/_vllm_real.py `_ops`): layer 1's input and
+# o-proj (KDA), layer 2's (MLA)
+CORES = [("k3::residual_norm", "_C::fused_kda_decode"), ("k3::oproj_allreduce_residual", "_C::fused_kda_decode"),
+         ("k3::residual_norm", "k3vllm::kimi_k3_mla_attention"),
+         ("k3::oproj_allreduce_residual", "k3vllm::kimi_k3_mla_attention")]
 
 
 def _check_moe_ops(ops, tp):
     """Per MoE layer one k3::router_latent_sharded over the router (8 experts) and latent (128) weights, and one
-    k3::moe_latent_tail over this rank's rows of W_up [256 / tp, 128]."""
+    k3::moe_latent_tail over this rank's rows of W_up [256 / tp, 128]; the KDA and the MLA layer each with
+    their layer input and o-proj fused."""
+    assert ops["cores"] == CORES, ops["cores"]
     c = ops["count"]
     assert c.get("k3::router_latent_sharded") == c.get("k3::moe_latent_tail") == 2, c
     assert ops["router_latent"] == [((8, 256), (128, 256), tp)] * 2, ops["router_latent"]
@@ -162,25 +177,25 @@ def _check_moe_ops(ops, tp):
 
 
 def test_real_model_sites_match_per_pass_tp1(tp1):
-    """TP=1: every pass matches the sites the roles give; the MoE parts inside vLLM's op and the output
-    mixer are named near-misses."""
+    """TP=1: every pass matches the sites the roles give, the MLA layer's o-proj and layer input as the KDA
+    layer's; the MoE parts inside vLLM's op and the output mixer are named near-misses."""
     _check_sites(tp1["k3"]["report"], 1)
     _check_moe_ops(tp1["k3"]["ops"], 1)
 
 
 def test_plugin_makes_vllm_compile_kimi_k3_with_the_k3_pass():
     """The plugin route: K3_VLLM=1 and vLLM's own plugin loading give vLLM's Kimi K3 decoder vLLM's
-    `support_torch_compile` and opt out of breakable CUDA graphs (which turn compilation off for Kimi K3),
-    so `CompilationConfig(mode=VLLM_COMPILE)` compiles the model through VllmBackend (Inductor on CPU, the
-    batch dynamic), and vLLM's PostGradPassManager calls the K3 pass, which matches every site the roles
-    give, as on the op-by-op route. Without the plugin, vLLM 0.33 compiles nothing of this model (no
-    decorator; breakable CUDA graphs set mode NONE)."""
+    `support_torch_compile`, make its MLA attention core one op for Dynamo and opt out of breakable CUDA
+    graphs (which turn compilation off for Kimi K3), so `CompilationConfig(mode=VLLM_COMPILE)` compiles the
+    model through VllmBackend (Inductor on CPU, the batch dynamic), and vLLM's PostGradPassManager calls the
+    K3 pass, which matches every site the roles give, as on the op-by-op route. Without the plugin, vLLM
+    0.33 compiles nothing of this model (no decorator; breakable CUDA graphs set mode NONE)."""
     from _vllm_real import vllm_backend_worker
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_TARGET_DEVICE", "cpu")
         mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
         r = _one(vllm_backend_worker)
-    assert r["wrapped"] and r["compiled"] and r["finite"]
+    assert r["wrapped"] and r["compiled"] and r["finite"] and r["mla_opaque"]
     assert r["pass"].startswith("K3VllmPass(") and r["calls"] >= 1
     assert r["report"]["structure"]["m"] == "dynamic"
     _check_sites(r["report"], 1)

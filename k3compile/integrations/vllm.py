@@ -19,7 +19,8 @@ Align vLLM's `compile_ranges_endpoints` with the passes' range bounds to get bot
 
 `vllm.general_plugins` entry point `k3compile` (`vllm_plugin.register`): with `K3_VLLM=1` every
 `CompilationConfig` made in the process gets this pass (see `install_config_hook`), and vLLM's Kimi K3
-decoder gets vLLM's own `support_torch_compile` (`compile_kimi_k3`; vLLM 0.33 ships it without one).
+decoder gets vLLM's own `support_torch_compile` (`compile_kimi_k3`; vLLM 0.33 ships it without one) and
+its MLA attention core one op for Dynamo (`opaque_kimi_k3_mla`: Dynamo cannot trace vLLM's Python for it).
 The other route, `CompilationConfig(mode="STOCK_TORCH_COMPILE", backend="k3")`, needs nothing from
 here: vLLM then calls the `k3` torch.compile backend, which canonicalises the same op forms.
 """
@@ -33,8 +34,9 @@ import sys
 from .vllm_version import (EXTRA, SUPPORTED_SERIES, TESTED_VERSION, UnsupportedVllmVersion, check_version,
                            require_vllm)
 
-__all__ = ["K3VllmPass", "make_pass", "install_config_hook", "compile_kimi_k3", "uninstall_config_hook", "VLLM_VERSION",
-           "TESTED_VERSION", "SUPPORTED_SERIES", "EXTRA", "UnsupportedVllmVersion", "check_version"]
+__all__ = ["K3VllmPass", "make_pass", "install_config_hook", "compile_kimi_k3", "opaque_kimi_k3_mla", "MLA_OP",
+           "uninstall_config_hook", "VLLM_VERSION", "TESTED_VERSION", "SUPPORTED_SERIES", "EXTRA",
+           "UnsupportedVllmVersion", "check_version"]
 
 log = logging.getLogger("k3compile")
 
@@ -150,7 +152,8 @@ def compile_kimi_k3() -> bool:
     """Apply vLLM's own `support_torch_compile` to vLLM 0.33's Kimi K3 decoder (`KimiLinearModel`), which
     has no decorator: without it VLLM_COMPILE compiles nothing of Kimi K3 and the K3 pass is never called.
     Dynamic dims are inferred by vLLM from `forward`'s annotations (dim 0 of input_ids / positions /
-    inputs_embeds); vLLM's usual rules still apply (no compile under NONE / STOCK_TORCH_COMPILE).
+    inputs_embeds); vLLM's usual rules still apply (no compile under NONE / STOCK_TORCH_COMPILE). Its MLA
+    layers' attention core becomes one op under Dynamo (`opaque_kimi_k3_mla`).
     Idempotent; True when the class is compiled by vLLM from now on. An import failure (e.g. a vLLM build
     without the model) is one warning line, and the model then runs uncompiled as before."""
     import importlib
@@ -165,6 +168,54 @@ def compile_kimi_k3() -> bool:
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
     if TorchCompileWithNoGuardsWrapper not in cls.__bases__:
         support_torch_compile(cls)
+    opaque_kimi_k3_mla()
+    return True
+
+
+KIMI_K3_MLA = ("vllm.models.kimi_k3.nvidia.mla", "MultiHeadLatentAttention")
+MLA_OP = "k3vllm::kimi_k3_mla_attention"
+
+
+def opaque_kimi_k3_mla() -> bool:
+    """Make vLLM 0.33's Kimi K3 MLA attention core one custom op while Dynamo traces, as vLLM's own
+    attention layers are (`vllm::unified_mla_attention_with_output`).
+
+    `MultiHeadLatentAttention._attention` (vLLM's decode cache insert, its attention backend's latent
+    attention, then W_UV written into `attn_out` through a transposed `out=`) is plain Python, written for
+    breakable CUDA graphs, which run it eagerly; Dynamo refuses the transposed `out=` ("non-contiguous
+    `out=` tensor"), so VLLM_COMPILE of a model with an MLA layer would fail. While Dynamo traces, the
+    method calls `k3vllm::kimi_k3_mla_attention(positions, q, kv_c_normed, k_pe, attn_out!, layer_name)`,
+    which finds the layer in vLLM's forward context (`no_compile_layers`, where the layer registers itself)
+    and runs vLLM's method eagerly; uncompiled calls are vLLM's own. Not a splitting op: the graph stays
+    whole, as for the KDA layers. Idempotent; False when the class does not import."""
+    import importlib
+    try:
+        cls = getattr(importlib.import_module(KIMI_K3_MLA[0]), KIMI_K3_MLA[1])
+    except Exception as e:  # noqa: BLE001 - as compile_kimi_k3
+        log.warning("k3: vLLM's Kimi K3 MLA layer not importable (%s); it is left as vLLM wrote it", type(e).__name__)
+        return False
+    if getattr(cls._attention, "_k3_opaque", False):
+        return True
+    import torch
+    eager = cls._attention
+
+    @torch.library.custom_op(MLA_OP, mutates_args=("attn_out",), schema=(
+        "(Tensor positions, Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) attn_out, str layer_name) -> ()"))
+    def kimi_k3_mla_attention(positions, q, kv_c_normed, k_pe, attn_out, layer_name):
+        from vllm.forward_context import get_forward_context
+        eager(get_forward_context().no_compile_layers[layer_name], positions, q, kv_c_normed, k_pe, attn_out)
+
+    @kimi_k3_mla_attention.register_fake
+    def _(positions, q, kv_c_normed, k_pe, attn_out, layer_name):
+        return None
+
+    def _attention(self, positions, q, kv_c_normed, k_pe, attn_out):
+        if torch.compiler.is_compiling():
+            return kimi_k3_mla_attention(positions, q, kv_c_normed, k_pe, attn_out, self.layer_name)
+        return eager(self, positions, q, kv_c_normed, k_pe, attn_out)
+
+    _attention._k3_opaque = True
+    cls._attention = _attention
     return True
 
 

@@ -6,7 +6,8 @@ nothing; with K3_VLLM=1 every `CompilationConfig` made afterwards in the process
 pass in `inductor_compile_config["post_grad_custom_post_pass"]` (mode VLLM_COMPILE runs it; the
 K3_PASSES / K3_SKIP / K3_STRICT variables configure it), unless one is configured there already, and
 vLLM's Kimi K3 decoder class gets vLLM's `support_torch_compile` (it has none in vLLM 0.33), so
-VLLM_COMPILE compiles it. An unsupported vLLM version is one logged error line; vLLM then runs without K3.
+VLLM_COMPILE compiles it, its MLA attention core one op for Dynamo (`vllm.opaque_kimi_k3_mla`). An
+unsupported vLLM version is one logged error line; vLLM then runs without K3.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from ..ops import describe_kernels
 from ..config import knobs
 from ..options import K3Options
 from ..patterns.graph import erase_collectives, orphan_collectives
+from ..patterns.roles import VLLM_ATTENTION_OPS, op_name as _op_name
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
 from .canonicalize import canonicalize
@@ -131,10 +132,14 @@ class PassManager(CustomGraphPass):
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
                 continue
-            if pr.expected == 0 and getattr(p, "core", None) and found.by_role and not found.attention:
+            vllm_cores = sorted({_op_name(n) for n in found.attention} & VLLM_ATTENTION_OPS)
+            if (pr.expected == 0 and getattr(p, "core", None) and found.by_role
+                    and len(vllm_cores) == len({_op_name(n) for n in found.attention})):
                 pr.skipped = (f"no {p.core} attention-core op of the reference model (k3model::{p.core.lower()}_decode "
                               "or the k3:: ops the folds before it emit) in this graph: this fold rewrites that op; "
-                              "the passes that act around the cores do not need it")
+                              "the passes that act around the cores do not need it"
+                              + (f" (vLLM's own cores here, {', '.join(vllm_cores)}, are not rewritten)"
+                                 if vllm_cores else ""))
                 continue
             reason = _needs_reason(p, report) or p.skip_reason(info, self.opts) or self._range_reason(name)
             if reason:

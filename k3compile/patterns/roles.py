@@ -10,8 +10,9 @@ the previous add, classifies it:
   outside it and whose two outputs, the shared and the routed partial, meet in the latent tail after it);
 - "mlp": the delta is a GEMM (through its all-reduce) of an element-wise function of GEMMs that all
   read one input (the dense SiTU MLP: gate/up GEMM(s), SiTU, down GEMM);
-- "attention": any other GEMM-ended delta; that GEMM is the layer's o-proj. The core itself (a
-  custom op, einsum/bmm, a recurrence on a state tensor) is not recognised and need not be.
+- "attention": any other GEMM-ended delta, or one whose region holds one of vLLM's attention cores
+  (`VLLM_ATTENTION_OPS`, checked before the dense-MLP test); that GEMM is the layer's o-proj. Any other
+  core (a custom op, einsum/bmm, a recurrence on a state tensor) is not recognised and need not be.
 A decoder layer is an attention delta followed by an mlp / moe delta; expected site counts derive
 from these (patterns/structure.py).
 """
@@ -36,6 +37,9 @@ STREAM_OPS = {"k3::oproj_allreduce_residual": (2, 0, "attention"), "k3::residual
 RESET_MARK = "_k3_attn_res_prefix_resets"
 # vLLM's opaque MoE ops (router top-k, experts, finalize and the shared expert inside; two outputs)
 OPAQUE_MOE_OPS = {"vllm::moe_forward_shared", "vllm::moe_forward"}
+# vLLM's Kimi K3 attention cores, one op per layer: the KDA decode step (`_C::fused_kda_decode`) and the MLA
+# core, which vLLM runs as Python and K3's vLLM hook makes one op for Dynamo (integrations/vllm.py)
+VLLM_ATTENTION_OPS = {"_C::fused_kda_decode", "k3vllm::kimi_k3_mla_attention"}
 # ops whose output 0 is the router's expert ids (what aten.topk's output 1 is)
 TOPK_OPS = {"k3::router_topk"}
 
@@ -268,7 +272,8 @@ def _classify(r: ResidualAdd, lo: int, pos: dict) -> None:
         r.kind, r.why = "unknown", f"the delta {r.delta.name} is not a GEMM's output (through an all-reduce)"
         return
     r.gemm = g
-    r.kind = "mlp" if _dense_mlp(g) else "attention"
+    core = any(op_name(n) in VLLM_ATTENTION_OPS for n in region)
+    r.kind = "mlp" if not core and _dense_mlp(g) else "attention"
 
 
 def _region(delta: Node, lo: int, pos: dict, limit: int = 20000) -> list[Node]:

@@ -5,9 +5,9 @@ delta is (an attention o-proj, a dense MLP, a MoE with its router top-k, or a Mo
 op with its router logits and latent computed outside it), whatever the ops inside
 the attention cores and experts are. The expected site count of every pass derives from these
 (an o-proj per layer, a router per MoE layer), so a site that fails to match shows up as
-"matched < expected". Known opaque ops are mapped to roles as well (`ATTENTION_OPS`,
-`EXPERT_OPS`, plus names a user adds in K3_KNOBS attention_ops / K3_KNOBS expert_ops, comma-separated
-`ns::name`): the folds that rewrite an attention core need its op; where a graph has no role-found
+"matched < expected". Known opaque ops are mapped to roles as well (`ATTENTION_OPS`, vLLM's Kimi K3
+cores among them, `EXPERT_OPS`, plus names a user adds in K3_KNOBS attention_ops / K3_KNOBS
+expert_ops, comma-separated `ns::name`): the folds that rewrite an attention core need its op; where a graph has no role-found
 layers (a graph cut inside a layer), the layers counted from these ops stand in.
 """
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 from torch.fx import Node
 
 from .graph import c10d, dtype, is_call, shape
-from .roles import Layer, ResidualAdd, layers as role_layers, op_name, residual_stream  # noqa: F401
+from .roles import VLLM_ATTENTION_OPS, Layer, ResidualAdd, layers as role_layers, op_name, residual_stream  # noqa: F401
 from .roles import routers as role_routers
 
 ATTENTION_OPS = {"k3model::kda_decode", "k3model::kda_prefill", "k3model::mla_decode", "k3model::mla_prefill",
                  "k3::kda_decode_gated", "k3::mla_decode_normed",   # after fold_kda_gate / fold_mla_prologue
                  "k3::kda_decode_fb", "k3::kda_step_decode_",       # after fold_kda_fb / fold_kda_step
-                 "k3::mla_decode_uv"}                               # after fold_mla_output
+                 "k3::mla_decode_uv",                               # after fold_mla_output
+                 *VLLM_ATTENTION_OPS}                               # vLLM's own (roles.py); no fold rewrites them
 EXPERT_OPS = {"k3model::mxfp4_experts", "k3::mxfp4_experts"}  # the second: after fold_moe_finalize lowered it
 
 
