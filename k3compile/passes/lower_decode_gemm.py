@@ -9,8 +9,10 @@ an H200 (the KDA in_proj at TP=8 widths, 90 MB, at 2.4-2.9; bench/gemv_bench.py,
 Matches, per site: every `mm(x, W^T)` (F.linear without bias; W a 2-D weight, a graph input, in
 F.linear's [out, in] layout; x [M, K] of the model dtype, M static <= 16 or dynamic).
 Expected: every mm / addmm with a weight operand still in the graph when the pass runs; the ones
-it cannot take are near-misses with the reason (a bias or residual folded into addmm, a weight
-stored [in, out], another dtype, a weight on the left).
+it cannot take are near-misses with the reason (an addmm the model wrote, a weight stored [in, out],
+another dtype, a weight on the left). The addmm Inductor's post-grad pass folds out of `mm + add` (a
+GEMM whose output is added to a tensor that also goes to a non-pointwise op: the o-proj and its
+residual at TP=1) is `mm + add` again by then (passes/canonicalize.py): its mm is taken.
 Emits: `k3::decode_gemm(x, W)`. On CUDA it runs the tensor-core split-K kernel with the tuned
 config where `kernels/tuning.GEMV_TABLE` has this weight shape and M (measured faster than
 cuBLAS), else torch.mm: so a shape the table lacks costs nothing but the custom-op call.
@@ -173,7 +175,8 @@ class LowerDecodeGemm(K3Pass):
         if n.target is aten.bmm.default:
             return LowerDecodeGemm.match_bmm(n, opts)
         if n.target is aten.addmm.default:
-            return Fail(n, "addmm (a bias or residual folded into the GEMM): not lowered")
+            return Fail(n, "addmm written by the model (a bias or residual added in the GEMM): not lowered: "
+                           "k3::decode_gemm has no epilogue, and apart the GEMM would round before the add")
         x, b = n.args
         w, layout = _weight_of(b)
         if not is_weight_like(w):
