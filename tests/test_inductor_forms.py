@@ -28,6 +28,7 @@ from k3compile.passes.canonicalize import canonicalize, is_inductor_addmm  # noq
 from k3compile.passes.lower_decode_gemm import LowerDecodeGemm  # noqa: E402
 from k3compile.passes.manager import snapshot  # noqa: E402
 from tests import _inductor_forms as IF  # noqa: E402
+from tests.others import mixed as MX  # noqa: E402
 from tests.others import run as R  # noqa: E402
 from tests.others.run import EXPECTED, LAYERS, MOE  # noqa: E402
 
@@ -131,3 +132,14 @@ def test_inductor_addmm_unfolded_model_addmm_kept():
     why = LowerDecodeGemm.match(left[0], K3Options.make())
     assert "addmm written by the model" in why.reason
 
+
+def test_fused_rms_norm_decomposition_matches():
+    """On CUDA, F.rms_norm reaches aten._fused_rms_norm (CUDA kernel; CompositeImplicitAutograd elsewhere,
+    native_functions.yaml), which AOT decomposes with torch._decomp's `_fused_rms_norm`: eps through
+    add.Scalar, the bf16 weight multiplied into the fp32 result, type_as. Every norm of the mixed
+    decoder in that form, through the GPU forms: every site matches, the logits are eager's. (The form
+    matched before this test was written: its graph is the CPU composite's (rms_norm_composite) but for
+    eps, the double 1e-05 where the composite's C++ rounds it to float, 9.999999747378752e-06.)"""
+    sps = [dict(MX.DEFAULT, norm="fused_rms_norm", keys=k) for k in ("weighted", "rounded", "fp32", "weighted")]
+    eager, compiled, rep = MX.run(sps, world=1, M=1, backend=IF.backend(gpu=True), steps=2)
+    _check("fused_rms_norm", eager, compiled, rep, M=1)
