@@ -133,6 +133,27 @@ def test_inductor_addmm_unfolded_model_addmm_kept():
     assert "addmm written by the model" in why.reason
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_attnres_logits_gemv_is_no_decode_gemm_site(gpu):
+    """The AttnRes logits `einsum("smh,h->sm", keys, w_qk)`: a bmm of batch 1 on CPU, `mm(keys, w_qk
+    viewed [H, 1])` on a GPU (bmm_to_mm). Neither is a decode GEMM (a vector parameter, fp32): not
+    counted as a lower_decode_gemm site on either (the H100 report of the fused decoder's layer cut at
+    M=16, where the mixer stays unfused, had two "weight stored [in, out]" near-misses from it)."""
+    from k3compile.passes.lower_decode_gemm import _has_weight
+    seen, observe = _input_graphs()
+
+    def logits(src, w_qk):   # the keys: computed from the sources (a normalisation in the model)
+        keys = src.float() * torch.rsqrt(src.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return torch.einsum("smh,h->sm", keys, w_qk.float())
+
+    torch.compile(logits, backend=IF.backend(gpu=gpu, observer=observe))(torch.randn(2, 16, 64).bfloat16(),
+                                                                         torch.randn(64).bfloat16())
+    (g,) = seen
+    gemms = [n for n in g.nodes if n.op == "call_function" and n.target in (aten.mm.default, aten.bmm.default)]
+    assert [n.target for n in gemms] == [aten.mm.default if gpu else aten.bmm.default], g
+    assert not _has_weight(gemms[0])
+
+
 def test_fused_rms_norm_decomposition_matches():
     """On CUDA, F.rms_norm reaches aten._fused_rms_norm (CUDA kernel; CompositeImplicitAutograd elsewhere,
     native_functions.yaml), which AOT decomposes with torch._decomp's `_fused_rms_norm`: eps through
