@@ -23,10 +23,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import k3compile  # noqa: E402
 from k3compile.options import K3Options  # noqa: E402
 from k3compile.passes.canonicalize import canonicalize, is_inductor_addmm  # noqa: E402
 from k3compile.passes.lower_decode_gemm import LowerDecodeGemm  # noqa: E402
-from k3compile.passes.manager import snapshot  # noqa: E402
+from k3compile.passes.manager import PassManager, snapshot  # noqa: E402
 from tests import _inductor_forms as IF  # noqa: E402
 from tests.others import mixed as MX  # noqa: E402
 from tests.others import run as R  # noqa: E402
@@ -131,6 +132,55 @@ def test_inductor_addmm_unfolded_model_addmm_kept():
     assert len(mm) == 1 and [u.target for u in mm[0].users] == [aten.add.Tensor], g
     why = LowerDecodeGemm.match(left[0], K3Options.make())
     assert "addmm written by the model" in why.reason
+
+
+def _norm(h, g):
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(h.dtype) * g
+
+
+def test_folds_that_hide_every_residual_add_are_undone():
+    """Two layers whose o-proj GEMM Inductor folds into the residual add (each sum also written to a
+    block buffer), no router: nothing is found before canonicalising, two attention layers after; the
+    rewritten graph's output is eager's."""
+    seen, observe = _input_graphs()
+
+    def f(x, w1, w2, g1, g2, buf):
+        h = x
+        for i, (w, g) in enumerate(((w1, g1), (w2, g2))):
+            h = h + torch.mm(_norm(h, g), w.t())
+            buf[i].copy_(h)
+        return _norm(h, g2)
+
+    H = 32
+    args = (torch.randn(1, H).bfloat16(), torch.randn(H, H).bfloat16(), torch.randn(H, H).bfloat16(),
+            torch.randn(H).bfloat16(), torch.randn(H).bfloat16(), torch.zeros(2, 1, H).bfloat16())
+    out = torch.compile(f, backend=IF.backend(gpu=True, observer=observe))(*[a.clone() for a in args])
+    assert sum(is_inductor_addmm(n) for n in seen[-1].nodes) == 2
+    st = k3compile.last_report().structure
+    assert (st["attention_layers"], st["residual_adds"]) == (2, 2), st
+    assert torch.equal(out, f(*args))
+
+
+def test_graph_without_k3_structure_keeps_inductors_addmm():
+    """A graph in which nothing is found, canonicalised or not (a GEMM plus a bias: no residual add), is
+    left as Inductor gave it, its addmm included."""
+    seen, observe = _input_graphs()
+
+    def f(x, w, b, buf):
+        y = torch.mm(x, w.t()) + b
+        buf[0].copy_(y)
+        return y.relu()
+
+    torch.compile(f, backend=IF.backend(gpu=True, observer=observe))(
+        torch.randn(4, 32).bfloat16(), torch.randn(32, 32).bfloat16(), torch.randn(32).bfloat16(),
+        torch.zeros(2, 4, 32).bfloat16())
+    g = seen[-1]
+    before = [n.target for n in g.nodes]
+    assert before.count(aten.addmm.default) == 1
+    PassManager(K3Options.make())(g)
+    assert [n.target for n in g.nodes] == before
+    assert not k3compile.last_report().is_k3
 
 
 @pytest.mark.parametrize("gpu", [False, True])

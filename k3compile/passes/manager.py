@@ -36,8 +36,8 @@ log = logging.getLogger("k3compile")
 PASSES = _pipeline_passes()
 
 
-def _any_k3(info: GraphInfo) -> bool:
-    """Any K3 structure: residual adds, known attention / expert ops, or a router."""
+def _found_any(info: GraphInfo) -> bool:
+    """Anything the passes anchor on: residual adds, known attention / expert ops, or a router."""
     return bool(info.stream or info.attention or info.experts or info.routers)
 
 
@@ -117,16 +117,16 @@ class PassManager(CustomGraphPass):
         self._observe("input", None, graph)
         info = analyze(graph)
         # vLLM's AttnRes kernel holds the residual stream's adds: no stream is visible before canonicalising
-        if _any_k3(info) or has_vllm_attn_res(graph):
+        if _found_any(info) or has_vllm_attn_res(graph):
             if canonicalize(graph):
                 info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
         elif any(is_inductor_addmm(n) for n in graph.nodes):
-            # Inductor's addmm folds may hide every residual add: canonicalised, is there K3 structure?
+            # Inductor's addmm folds may hide every residual add: canonicalised, is anything found?
             # (a graph without any is left exactly as Inductor gave it)
             snap = snapshot(graph)
             canonicalize(graph)
             info = analyze(graph)
-            if not _any_k3(info):
+            if not _found_any(info):
                 _restore(graph, snap)
                 info = analyze(graph)
         report = CompileReport(graph=self.name, structure=info.summary())
