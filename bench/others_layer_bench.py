@@ -11,8 +11,10 @@ state transposed to [M, H, dv, dk]): one function (err_vs_eager[others_eager_vs_
 near-tie may flip an expert). Cuts (--cuts):
   layer  layer_bench's step: (prefix, delta, blocks) -> pre-attention mixer (residual add, mix over 3
          blocks, none written), KDA, post-attention mixer, LatentMoE; others: FusedK3.step's loop body
-         (blocks in its cache buffer). k3 finds ref's layer by its k3model:: ops; others' (plain-torch
-         cores, a first residual add of two graph inputs) shows no K3 structure.
+         (blocks in its cache buffer). k3 finds ref's layer by its k3model:: ops; others' by role (plain-
+         torch cores, a first residual add of two graph inputs): its router, finalize, o-proj (on CPU, k3's
+         eager mode and Inductor's passes alike), not its layer-input norm (an AttnRes source read from the
+         cache buffer, a graph input) nor the shared-expert overlap.
   model  (ref_model / others_model) a one-layer model's whole step: embedding, the layer (no blocks),
          final mixer, LM head [256, H]: what k3 sees of a whole model, where it finds others' layers by role.
 Experts: ref's k3model::mxfp4_experts on moe.mxfp4_experts (layer_bench's _best_standalone_experts;

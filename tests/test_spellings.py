@@ -30,7 +30,8 @@ from tests.others import run as R  # noqa: E402
 from tests.others.run import EXPECTED, LAYERS, MOE  # noqa: E402
 
 # One fixed spelling per layer that uses every value of every key at least once (world 2 test), but
-# norm="in_dtype" (five norm spellings, four layers; test_rounding_orders_per_layer_are_exact has it).
+# norm="in_dtype" and "fused_rms_norm" (six norm spellings, four layers; test_rounding_orders_per_layer_are_exact
+# has the first, tests/test_inductor_forms.py the second).
 VARIED = [
     dict(gemm="linear", norm="rms_norm", residual="prefix_delta", allreduce="funcol", mixer="stack_softmax",
          keys="rounded"),

@@ -21,6 +21,13 @@
   op `_C::kimi_k3_attn_res` in auto_functionalized, -> its
   residual add, block write, mixer (the sources stacked along dim 0, each block the node written into
   its slot) and output RMSNorm as ATen ops in the spelling patterns/attnres.py parses (`patterns/vllm_forms.py`).
+- Inductor's post-grad `addmm` pattern (torch/_inductor/fx_passes/post_grad.py: `mm(x, W) + c` ->
+  `addmm(c, x, W)` on every device, on a GPU not where every user of the add is pointwise) ->
+  `add(mm(x, W), c)` again, the form the model wrote and eager computes (the GEMM rounded, then the
+  add). Only the addmm Inductor made: its node keeps the add's `original_aten` (aten.add.Tensor); an
+  addmm the model wrote is left. The fold takes a layer's o-proj GEMM into its residual add where the
+  residual also goes to a non-pointwise op (an AttnRes block write, an in-place prefix), hiding the
+  residual stream's add (patterns/roles.py) at TP=1.
 Forms it cannot rewrite exactly (a variance over a sub-range, mixed dtypes, a mutated argument that
 is a view of another tensor, a donated input still read afterwards) are left as they are.
 Returns how many nodes it rewrote.
@@ -189,6 +196,28 @@ def _rewrite_attn_res_op(graph: Graph, n: Node) -> bool:
     return True
 
 
+# ----------------------------------------------------------------- Inductor's addmm fold
+def is_inductor_addmm(n: Node) -> bool:
+    """addmm(c, x, W) that Inductor's post-grad pattern made of `mm(x, W) + c` (the node keeps the
+    add's original_aten), alpha = beta = 1."""
+    # compared by name: the pattern matcher's copy of the meta holds an equal op, not the same object
+    return (is_call(n, aten.addmm.default) and str(n.meta.get("original_aten")) == "aten.add.Tensor"
+            and len(n.args) == 3 and n.kwargs.get("alpha", 1) == 1 and n.kwargs.get("beta", 1) == 1
+            and isinstance(n.args[0], Node) and val(n) is not None)
+
+
+def _unfold_addmm(graph: Graph, n: Node) -> None:
+    c, x, w = n.args
+    with graph.inserting_before(n):
+        mm = graph.call_function(aten.mm.default, (x, w))
+        add = graph.call_function(aten.add.Tensor, (mm, c))
+    for new, op in ((mm, aten.mm.default), (add, aten.add.Tensor)):
+        new.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "source_fn_stack", "nn_module_stack")})
+        new.meta["val"], new.meta["original_aten"] = val(n), op
+    n.replace_all_uses_with(add)
+    graph.erase_node(n)
+
+
 def canonicalize(graph: Graph) -> int:
     changed = 0
     vllm_ar = _vllm_all_reduce()
@@ -219,5 +248,8 @@ def canonicalize(graph: Graph) -> int:
         elif is_vllm_attn_res(n) and decompose_vllm_attn_res(graph, n):
             changed += 1
         elif _rewrite_attn_res_op(graph, n):
+            changed += 1
+        elif is_inductor_addmm(n):
+            _unfold_addmm(graph, n)
             changed += 1
     return changed

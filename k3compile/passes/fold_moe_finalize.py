@@ -2,11 +2,12 @@
 
 Matches, once per MoE layer (anchored on the router's top-k, found by role: patterns.roles; the
 finalize is where its weights meet the unfinalised [N, top_k, latent] expert results, whatever
-computes them: patterns.moe.finalize):
+computes them: patterns.moe.finalize, which takes `(y * w[..., None]).sum(1)`, bmm and einsum, and the
+squeeze -> mm -> unsqueeze Inductor makes of the bmm at M=1 on a GPU, joint_graph.bmm_to_mm):
     routed_partial = sum_k(y * w[..., None])            # finalize (fp32, cast back)
     routed = all_reduce(routed_partial)                 # absent at TP=1
     tail = RMSNorm(routed) * g_latent @ W_up[r].T
-    final_partial = shared_partial + tail               # TP=1 (or Inductor's addmm form)
+    final_partial = shared_partial + tail               # TP=1 (or addmm(shared_partial, ., W_up[r].T))
     final_partial = slice_scatter(clone(shared_partial), slice(...) + tail, 1, r*n, (r+1)*n)   # TP>1
     (any other spelling of "add the tail at this rank's columns", `F.pad`, `narrow(...).add_`,
     is checked by evaluation: patterns.moe.tail_add)

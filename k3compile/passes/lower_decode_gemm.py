@@ -8,9 +8,12 @@ an H200 (the KDA in_proj at TP=8 widths, 90 MB, at 2.4-2.9; bench/gemv_bench.py,
 
 Matches, per site: every `mm(x, W^T)` (F.linear without bias; W a 2-D weight, a graph input, in
 F.linear's [out, in] layout; x [M, K] of the model dtype, M static <= 16 or dynamic).
-Expected: every mm / addmm with a weight operand still in the graph when the pass runs; the ones
-it cannot take are near-misses with the reason (a bias or residual folded into addmm, a weight
-stored [in, out], another dtype, a weight on the left).
+Expected: every mm / addmm with a weight-matrix operand still in the graph when the pass runs (not a
+1-D parameter viewed as a column: the AttnRes logits GEMV, an mm on a GPU); the ones
+it cannot take are near-misses with the reason (an addmm the model wrote, a weight stored [in, out],
+another dtype, a weight on the left). The addmm Inductor's post-grad pass folds out of `mm + add` (a
+GEMM whose output is added to a tensor that also goes to a non-pointwise op: the o-proj and its
+residual at TP=1) is `mm + add` again by then (passes/canonicalize.py): its mm is taken.
 Emits: `k3::decode_gemm(x, W)`. On CUDA it runs the tensor-core split-K kernel with the tuned
 config where `kernels/tuning.GEMV_TABLE` has this weight shape and M (measured faster than
 cuBLAS), else torch.mm: so a shape the table lacks costs nothing but the custom-op call.
@@ -114,14 +117,18 @@ def _gate_of(bmm, order):
 
 
 def _has_weight(n) -> bool:
-    """An mm / addmm with a weight (a graph input, through views and transposes) as an operand, or a
-    bmm whose right operand is a view of one."""
+    """An mm / addmm with a weight matrix (a graph input of 2 or more dims, through views and
+    transposes) as an operand, or a bmm whose right operand is a view of one. A vector parameter
+    viewed as a column is not one: `einsum("smh,h->sm", x, w)` (the AttnRes logits) is a bmm of batch 1
+    that Inductor makes `mm(x, w[:, None])` on a GPU (joint_graph.bmm_to_mm), where it keeps the bmm
+    on CPU; neither is a decode GEMM."""
     if is_call(n, aten.bmm.default):
         return _weight_chain(n.args[1])[0] is not None
     if not is_call(n, aten.mm.default, aten.addmm.default):
         return False
     ops = n.args[:2] if n.target is aten.mm.default else n.args[1:3]
-    return any(is_weight_like(_weight_of(o)[0] if i else strip(o, converts=True)) for i, o in enumerate(ops))
+    srcs = [strip(_weight_of(o)[0] if i else o, converts=True) for i, o in enumerate(ops)]
+    return any(is_weight_like(s) and len(shape(s) or ()) >= 2 for s in srcs)
 
 
 @register
@@ -173,7 +180,8 @@ class LowerDecodeGemm(K3Pass):
         if n.target is aten.bmm.default:
             return LowerDecodeGemm.match_bmm(n, opts)
         if n.target is aten.addmm.default:
-            return Fail(n, "addmm (a bias or residual folded into the GEMM): not lowered")
+            return Fail(n, "addmm written by the model (a bias or residual added in the GEMM): not lowered: "
+                           "k3::decode_gemm has no epilogue, and apart the GEMM would round before the add")
         x, b = n.args
         w, layout = _weight_of(b)
         if not is_weight_like(w):

@@ -27,7 +27,7 @@ from ..patterns.graph import erase_collectives, orphan_collectives
 from ..patterns.roles import VLLM_ATTENTION_OPS, op_name as _op_name
 from ..patterns.structure import GraphInfo, analyze
 from ..report import CompileReport, PassReport, record
-from .canonicalize import canonicalize
+from .canonicalize import canonicalize, is_inductor_addmm
 from ..patterns.vllm_forms import has_vllm_attn_res
 from .pipeline import passes as _pipeline_passes
 
@@ -35,6 +35,11 @@ log = logging.getLogger("k3compile")
 
 # every pass of the pipeline table (passes/pipeline.py), in its order
 PASSES = _pipeline_passes()
+
+
+def _found_any(info: GraphInfo) -> bool:
+    """Anything the passes anchor on: residual adds, known attention / expert ops, or a router."""
+    return bool(info.stream or info.attention or info.experts or info.routers)
 
 
 class K3StrictError(RuntimeError):
@@ -113,8 +118,18 @@ class PassManager(CustomGraphPass):
         self._observe("input", None, graph)
         info = analyze(graph)
         # vLLM's AttnRes kernel holds the residual stream's adds: no stream is visible before canonicalising
-        if (info.stream or info.attention or info.experts or has_vllm_attn_res(graph)) and canonicalize(graph):
-            info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
+        if _found_any(info) or has_vllm_attn_res(graph):
+            if canonicalize(graph):
+                info = analyze(graph)  # e.g. vLLM's all-reduce became c10d's: now the TP group is visible
+        elif any(is_inductor_addmm(n) for n in graph.nodes):
+            # Inductor's addmm folds may hide every residual add: canonicalised, is anything found?
+            # (a graph without any is left exactly as Inductor gave it)
+            snap = snapshot(graph)
+            canonicalize(graph)
+            info = analyze(graph)
+            if not _found_any(info):
+                _restore(graph, snap)
+                info = analyze(graph)
         report = CompileReport(graph=self.name, structure=info.summary())
         found = info   # the structure as found before any pass: every pass's expected sites derive from it
         report.blocked = _dtype_gate(info, self.opts) if report.is_k3 else None

@@ -173,10 +173,14 @@ def _unview(n: Any) -> Any:
 
 
 def _reduced(start: Node, m: int, L: int) -> Node | Fail:
-    """From the weighting op forward (sum over k, views, casts) to the [M, L] result."""
+    """From the weighting op forward (sum over k, views, casts) to the [M, L] result: where views
+    take that result out of [M, L] and back (GPU Inductor's bmm -> mm at M=1: `mm -> unsqueeze(0) ->
+    permute -> reshape`), the last [M, L] node of that chain, so that its users (the cast back, the
+    all-reduce, the latent norm) are the finalized output's."""
     n = start
     for _ in range(8):
         if shape(n) == (m, L):
+            n = _relaid(n, m, L)
             nxt = [u for u in n.users if is_call(u, *CONVERT_OPS)]
             return nxt[0] if len(nxt) == 1 and len(n.users) == 1 else n
         us = list(n.users)
@@ -185,6 +189,23 @@ def _reduced(start: Node, m: int, L: int) -> Node | Fail:
                            "not a sum over the top-k")
         n = us[0]
     return Fail(n, "no [M, L] finalized output")
+
+
+def _relaid(n: Node, m: int, L: int) -> Node:
+    """The last [M, L] node of the single-user chain of views / permutes after n (n itself if none).
+    Inductor's joint-graph pass `bmm_to_mm` (torch/_inductor/fx_passes/joint_graph.py, GPU tensors
+    only) rewrites a bmm of batch 1, the finalize's at M=1, as `mm(a.squeeze(0), b.squeeze(0))
+    .unsqueeze(0)`, before the views that moved the bmm's [1, 1, L] result to [M, L]; the mm is
+    [M, L] already. The caller's evaluation checks the chain keeps the values where they were."""
+    last = n
+    for _ in range(8):
+        us = list(n.users)
+        if len(us) != 1 or not is_call(us[0], *VIEW_OPS, aten.permute.default) or us[0].args[0] is not n:
+            break
+        n = us[0]
+        if shape(n) == (m, L):
+            last = n
+    return last
 
 
 def topk_weights(topk: Node) -> Node | Fail:

@@ -13,6 +13,9 @@ Spelling keys and values:
              "matmul_fn"  torch.matmul(x, W.T)
              "mm"         torch.mm(x.view(-1, K), W.t()).view(..., N)
   norm       "rms_norm"   F.rms_norm(x, (H,), w, eps) (in eager: the weight applied in fp32, one rounding)
+             "fused_rms_norm" F.rms_norm as a CUDA compile traces it: rms_norm reaches aten._fused_rms_norm
+                          (a CUDA kernel), which AOT decomposes with torch._decomp's `_fused_rms_norm`
+                          (add.Scalar eps, the bf16 weight multiplied into the fp32 result, type_as)
              "rsqrt_after" fp32 x * rsqrt(mean(x^2) + eps), cast back, THEN * w   (functional.py)
              "sqrt_before" fp32 x / sqrt(var + eps), w multiplied in fp32 BEFORE the cast (fused.py)
              "module_recip" an nn.Module (transformers style): fp32 x * (1 / sqrt(...)), cast back, w * that
@@ -62,7 +65,7 @@ RETURNS_CACHE = True
 
 SPELLINGS = {
     "gemm": ("linear", "matmul_op", "matmul_fn", "mm"),
-    "norm": ("rms_norm", "rsqrt_after", "sqrt_before", "module_recip", "in_dtype"),
+    "norm": ("rms_norm", "fused_rms_norm", "rsqrt_after", "sqrt_before", "module_recip", "in_dtype"),
     "residual": ("prefix_delta", "delta_prefix", "torch_add"),
     "allreduce": ("funcol", "c10d", "inplace"),
     "renorm": ("plain", "eps", "scale"),
@@ -150,6 +153,9 @@ def rms_norm(x, w, eps, sp):
     f = sp["norm"]
     if f == "rms_norm":
         return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if f == "fused_rms_norm":
+        from torch._decomp.decompositions import _fused_rms_norm
+        return _fused_rms_norm(x, [x.shape[-1]], w, eps)[0]
     if f == "module_recip":
         return RecipRMSNorm(w, eps)(x)
     if f == "in_dtype":
