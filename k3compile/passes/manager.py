@@ -132,6 +132,8 @@ class PassManager(CustomGraphPass):
                 info = analyze(graph)
         report = CompileReport(graph=self.name, structure=info.summary())
         found = info   # the structure as found before any pass: every pass's expected sites derive from it
+        core_names = {_op_name(n) for n in found.attention}
+        vllm_cores = sorted(core_names & VLLM_ATTENTION_OPS)
         report.blocked = _dtype_gate(info, self.opts) if report.is_k3 else None
         # One copy of the graph, taken before the first pass that runs; a pass that raises restores it
         # and the passes that succeeded since are applied again (they are deterministic). A copy per
@@ -147,9 +149,8 @@ class PassManager(CustomGraphPass):
             if not report.is_k3:
                 pr.skipped = "no K3 structure in this graph"
                 continue
-            vllm_cores = sorted({_op_name(n) for n in found.attention} & VLLM_ATTENTION_OPS)
             if (pr.expected == 0 and getattr(p, "core", None) and found.by_role
-                    and len(vllm_cores) == len({_op_name(n) for n in found.attention})):
+                    and len(vllm_cores) == len(core_names)):
                 pr.skipped = (f"no {p.core} attention-core op of the reference model (k3model::{p.core.lower()}_decode "
                               "or the k3:: ops the folds before it emit) in this graph: this fold rewrites that op; "
                               "the passes that act around the cores do not need it"
