@@ -55,12 +55,14 @@ for st in "$@"; do
              # the wheel's .pth (adding dsl_packages) is not read from a PYTHONPATH directory
              step cute_jit 240 env PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages \
                python3 -m pytest -m gpu -q -rA -s tests/test_gpu_cute.py -k just_in_time ;;
-    # fla-core for the KDA ops (prefill chunk_kda; decode fused_recurrent_kda): the wheel in
-    # build/fla/ (pip download --no-deps fla-core==0.6.0; einops is on the GPU machine); the steps
-    # after it in this invocation import it and run the decode on it
-    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla build/fla/*.whl > "$R/fla_install.log" 2>&1
+    # fla-core for the KDA ops (prefill chunk_kda; decode fused_recurrent_kda): its wheel in .whl/ (README of
+    # the device: pip download --no-deps fla-core==0.6.0; einops is on the GPU machine); the steps after it
+    # in this invocation import it (the model's KDA ops use it wherever it imports)
+    fla) python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl > "$R/fla_install.log" 2>&1
          echo "fla install rc=$?" | tee -a "$R/summary.txt"
-         export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} K3_KNOBS=fla_decode=1 K3_REQUIRE_FLA=1 ;;
+         export PYTHONPATH=/tmp/fla${PYTHONPATH:+:$PYTHONPATH} ;;
+    # the GPU tests of the norm kernels' rounding orders and the MLA prologue's cast-first norm
+    rounding) step gpu_rounding 200 python3 -m pytest -m gpu -q -rA tests/test_gpu_rounding.py ;;
     gemvchain) step gemv_chain 120 python3 bench/gemv_bench.py --chain bench/results/gemv_sweep_h200x2_e2f234a.json \
                  --ms 1,4 --out "$R/gemv_chain.json" ;;
     gemv) step gemv 200 python3 bench/gemv_bench.py --out "$R/gemv.json" ;;
