@@ -103,6 +103,18 @@ KNOB_NAMES = tuple(f.name for f in dataclasses.fields(Knobs))
 _PARSED: dict[str, Knobs] = {}
 
 
+def environment() -> dict[str, str]:
+    """The whole environment, for a process started later to take over (distributed.run_ranks)."""
+    return dict(os.environ)
+
+
+def take_environment(snapshot: dict[str, str]) -> None:
+    """Make this process's environment `snapshot` (a rank started by a fork server, which keeps the
+    environment it started with, takes its launcher's)."""
+    os.environ.clear()
+    os.environ.update(snapshot)
+
+
 def parse_knobs(text: str) -> dict[str, str]:
     """{name: value} of a K3_KNOBS string; unknown names raise ValueError."""
     out: dict[str, str] = {}

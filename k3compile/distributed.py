@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .config import environment, take_environment
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -32,8 +34,7 @@ def rank_start_method() -> str:
 
 
 def _worker(rank, world, port, backend, fn, args, q, env):
-    os.environ.clear()
-    os.environ.update(env)
+    take_environment(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -57,7 +58,7 @@ def run_ranks(fn, world: int, *args, backend: str | None = None, timeout: float 
     ctx = mp.get_context(rank_start_method())
     q = ctx.Queue()
     port = _free_port()
-    env = dict(os.environ)
+    env = environment()
     procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, q, env)) for r in range(world)]
     for p in procs:
         p.start()
