@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_layer_bench_smoke_runs_every_variant(tmp_path):
     """Every variant the GPU run times compiles and runs, and equals eager (Inductor rounds
     differently); the ablation rows include the fused top-k (its own pass) and the CuTe experts (k3-cute)."""

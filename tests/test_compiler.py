@@ -57,6 +57,7 @@ def test_each_pass_set_runs_alone_somewhere():
     assert set(TP1_ALONE) | set(TP2_ALONE) | {"all"} == set(PASS_SETS)
 
 
+@pytest.mark.slow
 def test_tp1_each_pass_and_all_batches_1_to_8():
     """The TP1_ALONE pass sets at one static M (M=4) on 4 layers, every pass together at M = 1..8 on 8."""
     res = compiled_vs_eager(0, 1, range(1, 9), ["all"])
@@ -92,6 +93,7 @@ def test_tp1_each_pass_and_all_batches_1_to_8():
     assert res["all"]["passes"]["pair_pdl"][:2] == (2 * cfg.num_layers, 2 * cfg.num_layers)
 
 
+@pytest.mark.slow
 def test_tp2_each_pass_and_all():
     """The TP2_ALONE pass sets at one static M (3) on 4 layers; every pass together at M = 1, 3, 8 (a
     static and a dynamic graph) on 8."""
@@ -111,6 +113,7 @@ def test_tp2_each_pass_and_all():
         assert rank_res["all"]["passes"]["fuse_residual_norm"][:2] == (8, 8)
 
 
+@pytest.mark.slow
 def test_rewritten_sites_leave_no_collective_or_gemm_running_for_nothing():
     """A rewrite takes over a site's consumers; the collective it replaced (kept by FX's DCE, which
     treats collectives as side effects) and the GEMM feeding it must go too, or the compiled graph
@@ -208,6 +211,7 @@ def test_differently_written_layers_fully_match(style):
         _expect_full_match(r["passes"], tp=2)
 
 
+@pytest.mark.slow
 def test_dynamic_true_bakes_module_floats_and_guards_them():
     """dynamic=True passes eps and the SiTU betas as graph inputs; the backend bakes them back in
     (so every site matches), runs M=2..5 in one graph, and a changed eps still gives eager's answer."""
@@ -636,6 +640,7 @@ def _check_pdl_pairs(code: str, n: int) -> None:
                                  for line in lines[i + 1:j]), lines[i:j + 1]
 
 
+@pytest.mark.slow
 def test_inductor_end_to_end_dynamic_batch():
     """The real path: Inductor codegen with the passes in its post-grad slot.
 
@@ -753,6 +758,7 @@ print(json.dumps(dict(total=total, seconds=rep.seconds, structure=rep.structure,
 """
 
 
+@pytest.mark.slow
 def test_93_layer_structure_compiles_and_passes_cost_under_20_percent():
     """The real layer pattern (93 layers, AttnRes block 12) at tiny widths: every site matches, and
     the pass manager (canonicalise, analyse, the passes with snapshots) is <= 20% of compile time.
