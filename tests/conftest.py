@@ -17,13 +17,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    """The slow-marked tests first (a stable sort, the same order on every xdist worker): they start while
-    the many short ones are still queued, and the work-stealing scheduler (pyproject's addopts) fills the
-    end of the run with short tests instead of one worker finishing a long test alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch and reads only its own match reports."""
