@@ -22,15 +22,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_SERVER_ENV: list[dict[str, str]] = []   # the environment the fork server started with (set once)
+
+
 def rank_start_method() -> str:
     """The multiprocessing start method of the rank processes: a fork server that has imported torch and
     Dynamo once (each rank then starts in well under a second instead of re-importing them, about 4 s
-    of CPU), or spawn where the platform has no fork server. A fork server keeps the environment it
-    started with, so the launchers hand each rank the parent's environment as it is at launch."""
+    of CPU), or spawn where the platform has no fork server. The server's modules read the environment
+    when it imported them (Triton's TRITON_INTERPRET, torch's TORCH_LOGS), so ranks fork from it only
+    while the environment is the one it started with; after a change they are spawned."""
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch._dynamo"])  # read when the server starts
-    return "forkserver"
+    env = environment()
+    if not _SERVER_ENV:
+        _SERVER_ENV.append(env)
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch._dynamo"])
+    return "forkserver" if env == _SERVER_ENV[0] else "spawn"
 
 
 def _worker(rank, world, port, backend, fn, args, q, env):
@@ -51,11 +58,13 @@ def _worker(rank, world, port, backend, fn, args, q, env):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, backend: str | None = None, timeout: float = 600):
+def run_ranks(fn, world: int, *args, backend: str | None = None, fresh: bool = False, timeout: float = 600):
     if world == 1:
         return [fn(0, 1, *args)]
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo")
-    ctx = mp.get_context(rank_start_method())
+    # fresh: new interpreters (a rank function that sets the environment or patches modules before it
+    # imports them: nothing imported yet)
+    ctx = mp.get_context("spawn" if fresh else rank_start_method())
     q = ctx.Queue()
     port = _free_port()
     env = environment()

@@ -54,7 +54,7 @@ def tp2():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_TARGET_DEVICE", "cpu")
         mp.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-        return run_ranks(real_model_worker, 2, 2, ("overlap", "column", "overlap_flashinfer"))
+        return run_ranks(real_model_worker, 2, 2, ("overlap", "column", "overlap_flashinfer"), fresh=True)
 
 
 def _one(fn):
