@@ -104,15 +104,8 @@ _PARSED: dict[str, Knobs] = {}
 
 
 def environment() -> dict[str, str]:
-    """The whole environment, for a process started later to take over (distributed.run_ranks)."""
+    """The whole environment now (distributed.rank_start_method compares it with the fork server's)."""
     return dict(os.environ)
-
-
-def take_environment(snapshot: dict[str, str]) -> None:
-    """Make this process's environment `snapshot` (a rank started by a fork server, which keeps the
-    environment it started with, takes its launcher's)."""
-    os.environ.clear()
-    os.environ.update(snapshot)
 
 
 def parse_knobs(text: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .config import environment, take_environment
+from .config import environment
 
 
 def _free_port() -> int:
@@ -40,8 +40,7 @@ def rank_start_method() -> str:
     return "forkserver" if env == _SERVER_ENV[0] else "spawn"
 
 
-def _worker(rank, world, port, backend, fn, args, q, env):
-    take_environment(env)
+def _worker(rank, world, port, backend, fn, args, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -67,8 +66,7 @@ def run_ranks(fn, world: int, *args, backend: str | None = None, fresh: bool = F
     ctx = mp.get_context("spawn" if fresh else rank_start_method())
     q = ctx.Queue()
     port = _free_port()
-    env = environment()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, q, env)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

@@ -77,10 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, jobs, out_path, fn=None, env=None):
-    if env is not None:       # a fork server's rank: the launching test's environment, not the server's
-        os.environ.clear()
-        os.environ.update(env)
+def _worker(rank, world, port, jobs, out_path, fn=None):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -101,7 +98,7 @@ def launch_many(jobs: list[dict], world: int = 2, fn=None) -> list:
     from k3compile.distributed import rank_start_method
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.pt")
-        mp.start_processes(_worker, args=(world, free_port(), jobs, out, fn, dict(os.environ)), nprocs=world,
+        mp.start_processes(_worker, args=(world, free_port(), jobs, out, fn), nprocs=world,
                            join=True, start_method=rank_start_method())
         return torch.load(out)
 
